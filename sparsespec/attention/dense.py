@@ -1,0 +1,22 @@
+"""Dense attention over the static cache: the reference every sparse policy is measured against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(positions: torch.Tensor, kv_len: int, sliding_window: int | None = None) -> torch.Tensor:
+    """positions [B, T] -> bool [B, 1, T, kv_len]: slot j is visible to a query at position p iff j <= p
+    (and j > p - window under a sliding window)."""
+    slots = torch.arange(kv_len, device=positions.device)
+    pos = positions[:, None, :, None]
+    mask = slots <= pos
+    if sliding_window is not None:
+        mask = mask & (slots > pos - sliding_window)
+    return mask
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B, 1, T, S] -> [B, Hq, T, D]. GQA: Hq % Hkv == 0."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

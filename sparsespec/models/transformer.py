@@ -1,0 +1,131 @@
+"""One decoder for Llama / Mistral / Qwen2 / Qwen3: pre-norm blocks, GQA attention over a static KV cache, SwiGLU MLP.
+
+Module names follow HF checkpoints except that q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`): one
+matrix product each at decode. The loader fuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.dense import causal_mask, dense_attention
+from ..cache import KVCache
+from ..config import ModelConfig
+from .rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+@dataclass
+class StepPlan:
+    """Per-forward metadata built once and shared by every layer."""
+
+    positions: torch.Tensor  # [B, T] int64, also the cache slots written
+    kv_len: int  # slots [0, kv_len) are attended
+    cos: torch.Tensor  # [B, 1, T, D]
+    sin: torch.Tensor
+    mask: torch.Tensor  # bool [B, 1, T, kv_len]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.split = (q_dim, kv_dim, kv_dim)
+
+    def forward(self, x: torch.Tensor, layer: int, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        D = self.cfg.head_dim
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(B, T, -1, D).transpose(1, 2)  # [B, Hq, T, D]
+        k = k.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(B, T, -1, D).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
+        cache.write(layer, plan.positions, k, v)
+        keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
+        out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, layer: int, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), layer, plan, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def plan(self, positions: torch.Tensor, kv_len: int) -> StepPlan:
+        dtype = self.embed_tokens.weight.dtype
+        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
+        return StepPlan(positions, kv_len, cos, sin, causal_mask(positions, kv_len, self.cfg.sliding_window))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                kv_len: int | None = None) -> torch.Tensor:
+        """tokens, positions [B, T] -> final normed hidden states [B, T, hidden].
+
+        Writes the new keys/values at their positions; attends to slots [0, kv_len) (default: the whole cache, a
+        static shape for CUDA graphs). Call `logits` only on the rows that need them.
+        """
+        plan = self.plan(positions, cache.capacity if kv_len is None else kv_len)
+        x = self.embed_tokens(tokens)
+        for i, block in enumerate(self.layers):
+            x = block(x, i, plan, cache)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> fp32 logits [..., vocab]."""
+        return self.lm_head(hidden).float()
