@@ -82,8 +82,8 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding = cfg.get("sliding_window") if arch == "mistral" else None
-        if arch == "qwen2" and cfg.get("use_sliding_window"):
-            raise SparseSpecError("Qwen2 with use_sliding_window=true is not supported")
+        if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            raise SparseSpecError(f"{arch} with use_sliding_window=true is not supported")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(

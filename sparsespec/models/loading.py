@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LoadedModel:
     model: Transformer
-    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    tokenizer: object | None  # a transformers PreTrainedTokenizerFast
     config: ModelConfig
     source: Path
 
@@ -37,15 +37,15 @@ def cache_dir() -> Path:
 
 
 def load(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-         progress: bool = False) -> LoadedModel:
-    """Load an HF checkpoint folder or a GGUF file onto `device` in `dtype`."""
+         progress: bool = False, with_tokenizer: bool = True) -> LoadedModel:
+    """Load an HF checkpoint folder or a GGUF file onto `device` in `dtype` (tokenizer None if not wanted)."""
     path = Path(path)
     if path.is_dir():
         cfg, state, freq_factors = _read_hf_folder(path, dtype)
-        tokenizer = _hf_tokenizer(path)
+        tokenizer = _hf_tokenizer(path) if with_tokenizer else None
     elif path.is_file():
         cfg, state, freq_factors = _read_gguf(path, dtype, progress)
-        tokenizer = _gguf_tokenizer(path)
+        tokenizer = _gguf_tokenizer(path) if with_tokenizer else None
     else:
         raise SparseSpecError(f"model not found: {path} is neither a registered model name, a file nor a folder")
     model = _build(cfg, state, freq_factors, device)

