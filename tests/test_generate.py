@@ -1,0 +1,97 @@
+"""Generation: greedy parity with HF generate, batching, sampling filters, stop conditions."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsespec import corpora
+from sparsespec.errors import SparseSpecError
+from sparsespec.generate import GenerationConfig
+from sparsespec.sampling import SamplingConfig, filter_logits, sample
+
+
+@pytest.mark.slow
+def test_greedy_64_tokens_match_hf_generate(smollm2_engine, smollm2_hf):
+    prompt = smollm2_engine.encode("Explain in detail how a steam engine works, step by step.", chat=True)
+    ours = smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=64, stop_on_eos=False))
+    with torch.no_grad():
+        ref = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    assert ours.token_ids[0] == ref[0, len(prompt):].tolist()
+    assert len(ours.token_ids[0]) == 64
+
+
+@pytest.mark.slow
+def test_batched_generation_equals_one_by_one(smollm2_engine):
+    eng = smollm2_engine
+    prompts = [eng.encode(corpora.text("wiki", n, seed=n)) for n in (7, 90, 33)]
+    assert len({len(p) for p in prompts}) == 3
+    gen = GenerationConfig(max_new_tokens=24, stop_on_eos=False, prefill_chunk=32)
+    batched = eng.generate(prompts, gen)
+    for i, p in enumerate(prompts):
+        assert batched.token_ids[i] == eng.generate([p], gen).token_ids[0]
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_reproducible_and_seed_dependent(smollm2_engine):
+    eng = smollm2_engine
+    prompt = eng.encode("Once upon a time")
+    runs = [eng.generate([prompt], GenerationConfig(max_new_tokens=20, stop_on_eos=False, sampling=SamplingConfig(
+        temperature=1.0, top_k=50, top_p=0.95, seed=s))).token_ids[0] for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+@pytest.mark.slow
+def test_stop_string_cuts_text(smollm2_engine):
+    eng = smollm2_engine
+    prompt = eng.encode("Count: 1, 2, 3, 4, 5,")
+    free = eng.generate([prompt], GenerationConfig(max_new_tokens=16, stop_on_eos=False))
+    stop = free.texts[0].strip()[:3]
+    stopped = eng.generate([prompt], GenerationConfig(max_new_tokens=16, stop_on_eos=False, stop_strings=(stop,)))
+    assert stop not in stopped.texts[0]
+    assert len(stopped.token_ids[0]) < len(free.token_ids[0])
+
+
+def test_prompt_longer_than_context_is_refused(smollm2_engine):
+    n = smollm2_engine.config.max_position
+    with pytest.raises(SparseSpecError, match="exceeds the model's context"):
+        smollm2_engine.generate([[1] * (n - 3)], GenerationConfig(max_new_tokens=4))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 37)
+    assert torch.equal(sample(logits, SamplingConfig(), None), logits.argmax(-1))
+
+
+def _reference_filter(row: torch.Tensor, cfg: SamplingConfig) -> tuple[set[int], dict[int, float]]:
+    """The kept set by definition, in float64: top-k by value, then every token whose higher-ranked tokens hold
+    less than top-p of the probability mass. Also each top-k token's preceding mass."""
+    order = sorted(range(len(row)), key=lambda i: -row[i].item())
+    if cfg.top_k:
+        order = order[: cfg.top_k]
+    probs = torch.softmax(row[order].double() / cfg.temperature, 0).tolist()
+    before, mass = {}, 0.0
+    for i, p in zip(order, probs):
+        before[i] = mass
+        mass += p
+    return {i for i, m in before.items() if m < cfg.top_p}, before
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 40), st.integers(0, 45), st.floats(0.05, 1.0), st.floats(0.3, 2.0), st.integers(0, 10**6))
+def test_top_k_top_p_keep_the_defined_set(vocab, top_k, top_p, temperature, seed):
+    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    kept = set(torch.nonzero(torch.isfinite(filter_logits(row[None], cfg)[0])).flatten().tolist())
+    ref, before = _reference_filter(row, cfg)
+    assert kept <= set(before) and len(kept) >= 1
+    for token in kept ^ ref:
+        # only a token whose preceding mass sits on the top-p boundary may differ (fp32 vs fp64 rounding)
+        assert abs(before[token] - top_p) < 1e-5, (token, kept, ref)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)])
+def test_invalid_sampling_options(bad):
+    with pytest.raises(SparseSpecError):
+        SamplingConfig(**bad)
