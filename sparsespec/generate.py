@@ -13,6 +13,7 @@ import torch
 
 from .cache import KVCache
 from .errors import SparseSpecError
+from .graphs import CudaGraphDecodeStep, graph_capacity
 from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
 from .models.transformer import Transformer
@@ -27,6 +28,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     stop_on_eos: bool = True
     prefill_chunk: int = 1024
+    cuda_graph: bool = True  # on CUDA, replay the decode step as a CUDA graph
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -78,12 +80,19 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk:
 
 
 @torch.inference_mode()
-def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
-    """Append one token per row at its position (= its length); return next-token logits [B, V] fp32."""
-    positions = torch.tensor(cache.lengths, device=tokens.device)[:, None]  # [B, 1]
-    hidden = model(tokens[:, None], positions, cache, kv_len=max(cache.lengths) + 1)
+def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor,
+                graph: CudaGraphDecodeStep | None = None) -> torch.Tensor:
+    """Append one token per row at its position (= its length); return next-token logits [B, V] fp32.
+
+    Eager steps attend only to the slots in use; a graphed step attends to the whole (static) cache."""
+    positions = torch.tensor(cache.lengths, device=tokens.device)  # [B]
+    if graph is not None:
+        logits = graph(tokens, positions)
+    else:
+        hidden = model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1)
+        logits = model.logits(hidden[:, -1])
     cache.truncate([n + 1 for n in cache.lengths])
-    return model.logits(hidden[:, -1])
+    return logits
 
 
 def _sync(device: torch.device) -> None:
@@ -139,7 +148,11 @@ class Engine:
         for n in lens:
             self.check_fits(n, gen.max_new_tokens)
         B = len(prompts)
-        cache = KVCache(self.config, B, max(lens) + gen.max_new_tokens, self.dtype, self.device)
+        graphed = gen.cuda_graph and self.device.type == "cuda"
+        capacity = max(lens) + gen.max_new_tokens
+        if graphed:
+            capacity = graph_capacity(capacity, self.config.max_position)
+        cache = KVCache(self.config, B, capacity, self.dtype, self.device)
         rng = make_generator(gen.sampling, self.device)
 
         start = time.perf_counter()
@@ -152,6 +165,7 @@ class Engine:
         done = [False] * B
         steps = 0
         start = time.perf_counter()
+        graph = CudaGraphDecodeStep(self.model, cache) if graphed and gen.max_new_tokens > 1 else None
         while True:
             for b, t in enumerate(tokens.tolist()):
                 if not done[b]:
@@ -159,7 +173,7 @@ class Engine:
                     done[b] = self._stopped(out[b], gen)
             if all(done):
                 break
-            tokens = sample(decode_step(self.model, cache, tokens), gen.sampling, rng)
+            tokens = sample(decode_step(self.model, cache, tokens, graph), gen.sampling, rng)
             steps += 1
         _sync(self.device)
         decode_s = time.perf_counter() - start

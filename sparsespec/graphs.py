@@ -1,0 +1,49 @@
+"""One decode step captured as a CUDA graph: B tokens at per-row positions, attending the whole static cache.
+
+Static shapes make this possible: the cache is preallocated and the mask hides slots past each row's position,
+so a replay only needs the new tokens and positions copied into the graph's input buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import KVCache
+from .models.transformer import Transformer
+
+SPLIT_KV_CHUNK = 256
+
+
+def graph_capacity(needed: int, limit: int, chunk: int = SPLIT_KV_CHUNK) -> int:
+    """Cache capacity for graphed decoding: `needed` rounded up to a multiple of `chunk`, within `limit`."""
+    rounded = -(-needed // chunk) * chunk
+    return rounded if rounded <= limit else needed
+
+
+class CudaGraphDecodeStep:
+    def __init__(self, model: Transformer, cache: KVCache, chunk: int | None = SPLIT_KV_CHUNK, warmup: int = 2):
+        """`chunk`: split-KV chunk for the attention (None, or not dividing the capacity: one SDPA call)."""
+        device = cache.k.device
+        self.chunk = chunk if chunk and cache.capacity % chunk == 0 else None
+        self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)  # [B, 1]
+        # Warm-up and capture write at the last slot of each row: never a committed token (capacity > length).
+        self.positions = torch.full((cache.batch, 1), cache.capacity - 1, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(warmup):
+                self._step(model, cache)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.inference_mode():
+            self.logits = self._step(model, cache)  # [B, V] fp32, overwritten by each replay
+
+    def _step(self, model: Transformer, cache: KVCache) -> torch.Tensor:
+        return model.logits(model(self.tokens, self.positions, cache, split_kv_chunk=self.chunk)[:, -1])
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions [B] -> next-token logits [B, V] (a view reused by the next call)."""
+        self.tokens.copy_(tokens[:, None])
+        self.positions.copy_(positions[:, None])
+        self.graph.replay()
+        return self.logits

@@ -1,0 +1,47 @@
+"""GPU paths (run through the device tool; skipped where there is no CUDA): graphed decode equals eager decode."""
+
+import pytest
+import torch
+
+from sparsespec.cache import KVCache
+from sparsespec.generate import GenerationConfig, decode_step, prefill
+from sparsespec.graphs import CudaGraphDecodeStep
+from sparsespec.models.loading import load
+
+from .conftest import ARCH_KINDS, tiny_hf_model
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("kind", ARCH_KINDS)
+def test_graphed_decode_matches_eager(kind, tmp_path):
+    tiny_hf_model(kind).save_pretrained(tmp_path)
+    model = load(tmp_path, device="cuda", with_tokenizer=False).model
+    prompts = [[3, 5, 7, 11, 13], [2, 4, 6, 8, 10, 12, 14, 16, 18]]
+    caches = [KVCache(model.cfg, 2, 256, torch.float32, "cuda") for _ in range(2)]
+    for cache in caches:
+        prefill(model, cache, prompts, chunk=4)
+    graph = CudaGraphDecodeStep(model, caches[1], chunk=64)
+    tokens = torch.tensor([1, 2], device="cuda")
+    for _ in range(6):
+        eager = decode_step(model, caches[0], tokens)
+        graphed = decode_step(model, caches[1], tokens, graph)
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+        tokens = eager.argmax(-1)
+
+
+@cuda
+def test_engine_on_cuda_matches_cpu_greedy():
+    from sparsespec.generate import Engine
+    from sparsespec.models.registry import REGISTRY, is_installed, resolve
+
+    if not is_installed(REGISTRY["smollm2-135m"]):
+        pytest.skip("smollm2-135m is not installed on this GPU machine")
+    smollm2_path = resolve("smollm2-135m")
+
+    gen = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    cpu = Engine(load(smollm2_path))
+    gpu = Engine(load(smollm2_path, device="cuda"))
+    prompt = cpu.encode("The three most important inventions of the industrial revolution were")
+    assert gpu.generate([prompt], gen).token_ids == cpu.generate([prompt], gen).token_ids
