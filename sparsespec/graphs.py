@@ -21,9 +21,13 @@ def graph_capacity(needed: int, limit: int, chunk: int = SPLIT_KV_CHUNK) -> int:
 
 
 class CudaGraphDecodeStep:
-    def __init__(self, model: Transformer, cache: KVCache, chunk: int | None = SPLIT_KV_CHUNK, warmup: int = 2):
-        """`chunk`: split-KV chunk for the attention (None, or not dividing the capacity: one SDPA call)."""
+    def __init__(self, model: Transformer, cache: KVCache, chunk: int | None = None, compile: bool = False,
+                 warmup: int = 3):
+        """`chunk`: split-KV chunk for the attention (None, or not dividing the capacity: one SDPA call).
+        `compile`: run the step through torch.compile first, which fuses the small element-wise kernels (norms,
+        rotary, SwiGLU, residuals) that otherwise dominate a batch-1 step; costs a compilation per shape."""
         device = cache.k.device
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
         self.chunk = chunk if chunk and cache.capacity % chunk == 0 else None
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)  # [B, 1]
         # Warm-up and capture write at the last slot of each row: never a committed token (capacity > length).
@@ -32,11 +36,11 @@ class CudaGraphDecodeStep:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(warmup):
-                self._step(model, cache)
+                self.step(model, cache)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits = self._step(model, cache)  # [B, V] fp32, overwritten by each replay
+            self.logits = self.step(model, cache)  # [B, V] fp32, overwritten by each replay
 
     def _step(self, model: Transformer, cache: KVCache) -> torch.Tensor:
         return model.logits(model(self.tokens, self.positions, cache, split_kv_chunk=self.chunk)[:, -1])
