@@ -22,16 +22,22 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         if capacity > cfg.max_position:
             raise SparseSpecError(f"requested {capacity} positions but the model's context is {cfg.max_position} tokens")
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One tensor per layer, written in place, never through a view: torch.compile then updates it in place
+        # instead of copying the whole cache at every step.
+        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]  # L x [B, Hkv, S, D]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.capacity = capacity
         self.lengths = [0] * batch  # committed tokens per row; the rollback point
         self.policy_state: list[Any] = [None] * cfg.num_layers
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, Hkv, T, D] at slots `positions` [B, T]."""
@@ -42,7 +48,7 @@ class KVCache:
 
     def keys(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, kv_len, D] views of slots [0, kv_len)."""
-        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+        return self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]
 
     def truncate(self, lengths: list[int]) -> None:
         """Roll rows back (or forward after a commit) to `lengths` tokens."""

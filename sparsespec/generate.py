@@ -59,7 +59,7 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk:
 
     Prompts of different lengths are right-padded; a row's pad slots lie past its length and are never attended.
     """
-    device = cache.k.device
+    device = cache.device
     lens = [len(p) for p in prompts]
     T = max(lens)
     tokens = torch.zeros(len(prompts), T, dtype=torch.long)

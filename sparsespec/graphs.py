@@ -26,7 +26,7 @@ class CudaGraphDecodeStep:
         """`chunk`: split-KV chunk for the attention (None, or not dividing the capacity: one SDPA call).
         `compile`: run the step through torch.compile first, which fuses the small element-wise kernels (norms,
         rotary, SwiGLU, residuals) that otherwise dominate a batch-1 step; costs a compilation per shape."""
-        device = cache.k.device
+        device = cache.device
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
         self.chunk = chunk if chunk and cache.capacity % chunk == 0 else None
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)  # [B, 1]
