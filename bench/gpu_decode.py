@@ -72,10 +72,7 @@ def step_bytes(model: Transformer, cfg: ModelConfig, batch: int, context: int) -
     return weights + embed_rows + kv
 
 
-VARIANTS = [  # (name, split-KV chunk or None for SDPA, torch.compile)
-    ("sdpa graph", None, False),
-    ("sdpa compiled graph", None, True),
-]
+VARIANTS = [("graph", False), ("compiled graph", True)]  # (name, torch.compile)
 
 
 def main():
@@ -101,9 +98,9 @@ def main():
             floor_ms = step_bytes(model, cfg, batch, context) / bw * 1e3
             row = {"batch": batch, "context": context, "floor_ms": floor_ms}
             reference = None
-            for name, chunk, compiled in VARIANTS:
+            for name, compiled in VARIANTS:
                 start = time.perf_counter()
-                step = CudaGraphDecodeStep(model, cache, chunk=chunk, compile=compiled)
+                step = CudaGraphDecodeStep(model, cache, compile=compiled)
                 setup_s = time.perf_counter() - start
                 ms = time_ms(lambda: step(tokens, positions))
                 logits = step(tokens, positions).clone()
@@ -121,10 +118,10 @@ def main():
                     {"device": device, "copy_bandwidth": bw, "rows": rows}, indent=1))
     lines = [f"Decode step, Llama-3.1-8B shape, random bf16 weights, {device}, torch {torch.__version__}, "
              f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write). Each cell: ms per step (% of the floor).", "",
-             "| batch | context | floor ms | " + " | ".join(name for name, _, _ in VARIANTS) + " |",
+             "| batch | context | floor ms | " + " | ".join(name for name, _ in VARIANTS) + " |",
              "|---:|---:|---:|" + "---:|" * len(VARIANTS)]
     for r in rows:
-        cells = [f"{r[name]['ms']:.2f} ({100 * r[name]['floor_fraction']:.0f}%)" for name, _, _ in VARIANTS]
+        cells = [f"{r[name]['ms']:.2f} ({100 * r[name]['floor_fraction']:.0f}%)" for name, _ in VARIANTS]
         lines.append(f"| {r['batch']} | {r['context']} | {r['floor_ms']:.2f} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     g.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     g.add_argument("--prefill-chunk", type=_positive_int, default=1024)
+    g.add_argument("--compile", action="store_true",
+                   help="cuda: torch.compile the CUDA-graphed decode step (about 30 s to start, ~1.3x faster steps)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     m = sub.add_parser("models", help="list the packaged models")
@@ -88,6 +90,7 @@ def cmd_generate(args) -> None:
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
         stop_strings=tuple(args.stop),
         prefill_chunk=args.prefill_chunk,
+        compile=args.compile,
     )
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     progress = sys.stderr.isatty()

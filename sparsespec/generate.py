@@ -13,7 +13,7 @@ import torch
 
 from .cache import KVCache
 from .errors import SparseSpecError
-from .graphs import CudaGraphDecodeStep, graph_capacity
+from .graphs import CudaGraphDecodeStep
 from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
 from .models.transformer import Transformer
@@ -29,6 +29,7 @@ class GenerationConfig:
     stop_on_eos: bool = True
     prefill_chunk: int = 1024
     cuda_graph: bool = True  # on CUDA, replay the decode step as a CUDA graph
+    compile: bool = False  # and run it through torch.compile first (slow start, faster steps)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -149,10 +150,7 @@ class Engine:
             self.check_fits(n, gen.max_new_tokens)
         B = len(prompts)
         graphed = gen.cuda_graph and self.device.type == "cuda"
-        capacity = max(lens) + gen.max_new_tokens
-        if graphed:
-            capacity = graph_capacity(capacity, self.config.max_position)
-        cache = KVCache(self.config, B, capacity, self.dtype, self.device)
+        cache = KVCache(self.config, B, max(lens) + gen.max_new_tokens, self.dtype, self.device)
         rng = make_generator(gen.sampling, self.device)
 
         start = time.perf_counter()
@@ -165,7 +163,7 @@ class Engine:
         done = [False] * B
         steps = 0
         start = time.perf_counter()
-        graph = CudaGraphDecodeStep(self.model, cache) if graphed and gen.max_new_tokens > 1 else None
+        graph = CudaGraphDecodeStep(self.model, cache, gen.compile) if graphed and gen.max_new_tokens > 1 else None
         while True:
             for b, t in enumerate(tokens.tolist()):
                 if not done[b]:

@@ -11,24 +11,12 @@ import torch
 from .cache import KVCache
 from .models.transformer import Transformer
 
-SPLIT_KV_CHUNK = 256
-
-
-def graph_capacity(needed: int, limit: int, chunk: int = SPLIT_KV_CHUNK) -> int:
-    """Cache capacity for graphed decoding: `needed` rounded up to a multiple of `chunk`, within `limit`."""
-    rounded = -(-needed // chunk) * chunk
-    return rounded if rounded <= limit else needed
-
-
 class CudaGraphDecodeStep:
-    def __init__(self, model: Transformer, cache: KVCache, chunk: int | None = None, compile: bool = False,
-                 warmup: int = 3):
-        """`chunk`: split-KV chunk for the attention (None, or not dividing the capacity: one SDPA call).
-        `compile`: run the step through torch.compile first, which fuses the small element-wise kernels (norms,
+    def __init__(self, model: Transformer, cache: KVCache, compile: bool = False, warmup: int = 3):
+        """`compile`: run the step through torch.compile first, which fuses the small element-wise kernels (norms,
         rotary, SwiGLU, residuals) that otherwise dominate a batch-1 step; costs a compilation per shape."""
         device = cache.device
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
-        self.chunk = chunk if chunk and cache.capacity % chunk == 0 else None
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)  # [B, 1]
         # Warm-up and capture write at the last slot of each row: never a committed token (capacity > length).
         self.positions = torch.full((cache.batch, 1), cache.capacity - 1, dtype=torch.long, device=device)
@@ -43,7 +31,7 @@ class CudaGraphDecodeStep:
             self.logits = self.step(model, cache)  # [B, V] fp32, overwritten by each replay
 
     def _step(self, model: Transformer, cache: KVCache) -> torch.Tensor:
-        return model.logits(model(self.tokens, self.positions, cache, split_kv_chunk=self.chunk)[:, -1])
+        return model.logits(model(self.tokens, self.positions, cache)[:, -1])
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions [B] -> next-token logits [B, V] (a view reused by the next call)."""

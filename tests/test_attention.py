@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sparsespec.attention.dense import causal_mask, dense_attention, split_kv_decode_attention
+from sparsespec.attention.dense import causal_mask, dense_attention
 
 
 def reference_attention(q, k, v, mask):
@@ -25,18 +25,3 @@ def test_dense_attention_matches_reference(B, Hq, Hkv, T, S, D, window):
     torch.testing.assert_close(dense_attention(q, k, v, mask).double(), reference_attention(q, k, v, mask),
                                rtol=1e-5, atol=1e-5)
 
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("B,Hq,Hkv,S,D,chunk", [(1, 4, 2, 64, 16, 16), (3, 6, 3, 96, 8, 32), (2, 14, 2, 160, 64, 32),
-                                                (5, 3, 1, 48, 24, 48)])
-def test_split_kv_decode_matches_reference(dtype, tol, B, Hq, Hkv, S, D, chunk):
-    g = torch.Generator().manual_seed(S + D)
-    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
-    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    lengths = torch.randint(1, S + 1, (B,), generator=g)
-    lengths[0] = 1  # a row whose every chunk but the first is empty
-    mask = causal_mask((lengths - 1)[:, None], S)
-    out = split_kv_decode_attention(q, k, v, mask, chunk)
-    assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask), rtol=tol, atol=tol)

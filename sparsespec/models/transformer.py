@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.dense import causal_mask, dense_attention, split_kv_decode_attention
+from ..attention.dense import causal_mask, dense_attention
 from ..cache import KVCache
 from ..config import ModelConfig
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -39,7 +39,6 @@ class StepPlan:
     cos: torch.Tensor  # [B, 1, T, D]
     sin: torch.Tensor
     mask: torch.Tensor  # bool [B, 1, T, kv_len]
-    split_kv_chunk: int | None = None  # single-token steps use split-KV decoding with this chunk (GPU)
 
 
 class Attention(nn.Module):
@@ -66,10 +65,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
         cache.write(layer, plan.positions, k, v)
         keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
-        if plan.split_kv_chunk and T == 1:
-            out = split_kv_decode_attention(q, keys, values, plan.mask, plan.split_kv_chunk)  # [B, Hq, 1, D]
-        else:
-            out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
+        out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -112,21 +108,19 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def plan(self, positions: torch.Tensor, kv_len: int, split_kv_chunk: int | None = None) -> StepPlan:
+    def plan(self, positions: torch.Tensor, kv_len: int) -> StepPlan:
         dtype = self.embed_tokens.weight.dtype
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
-        mask = causal_mask(positions, kv_len, self.cfg.sliding_window)
-        return StepPlan(positions, kv_len, cos, sin, mask, split_kv_chunk)
+        return StepPlan(positions, kv_len, cos, sin, causal_mask(positions, kv_len, self.cfg.sliding_window))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                kv_len: int | None = None, split_kv_chunk: int | None = None) -> torch.Tensor:
+                kv_len: int | None = None) -> torch.Tensor:
         """tokens, positions [B, T] -> final normed hidden states [B, T, hidden].
 
         Writes the new keys/values at their positions; attends to slots [0, kv_len) (default: the whole cache, a
-        static shape for CUDA graphs). Call `logits` only on the rows that need them. `split_kv_chunk` (must
-        divide kv_len) switches single-token steps to split-KV decoding, which keeps a GPU busy at batch 1.
+        static shape for CUDA graphs). Call `logits` only on the rows that need them.
         """
-        plan = self.plan(positions, cache.capacity if kv_len is None else kv_len, split_kv_chunk)
+        plan = self.plan(positions, cache.capacity if kv_len is None else kv_len)
         x = self.embed_tokens(tokens)
         for i, block in enumerate(self.layers):
             x = block(x, i, plan, cache)
