@@ -13,6 +13,7 @@ import torch
 
 from .cache import KVCache
 from .errors import SparseSpecError
+from .attention.policy import Policy
 from .graphs import CudaGraphDecodeStep
 from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
@@ -81,19 +82,29 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk:
 
 
 @torch.inference_mode()
-def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor,
-                graph: CudaGraphDecodeStep | None = None) -> torch.Tensor:
+def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, graph: CudaGraphDecodeStep | None = None,
+                policy: Policy | None = None) -> torch.Tensor:
     """Append one token per row at its position (= its length); return next-token logits [B, V] fp32.
 
-    Eager steps attend only to the slots in use; a graphed step attends to the whole (static) cache."""
+    Eager steps attend only to the slots in use (through `policy` in its sparse layers); a graphed step attends
+    to the whole (static) cache."""
     positions = torch.tensor(cache.lengths, device=tokens.device)  # [B]
     if graph is not None:
         logits = graph(tokens, positions)
     else:
-        hidden = model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1)
+        hidden = model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1, policy=policy)
         logits = model.logits(hidden[:, -1])
     cache.truncate([n + 1 for n in cache.lengths])
+    if policy is not None:
+        for layer in range(model.cfg.num_layers):
+            policy.append(layer, cache, cache.lengths)
     return logits
+
+
+def build_policy(policy: Policy, model: Transformer, cache: KVCache) -> None:
+    """Let `policy` index every layer's prefill keys (cache.lengths tokens per row)."""
+    for layer in range(model.cfg.num_layers):
+        policy.build(layer, cache, cache.lengths)
 
 
 def _sync(device: torch.device) -> None:
@@ -144,17 +155,21 @@ class Engine:
                                   f"context of {limit} tokens")
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], gen: GenerationConfig, progress: bool = False) -> Generation:
+    def generate(self, prompts: list[list[int]], gen: GenerationConfig, progress: bool = False,
+                 policy: Policy | None = None) -> Generation:
+        """Generate for each prompt (token ids); `policy` is the decode attention (None: dense everywhere)."""
         lens = [len(p) for p in prompts]
         for n in lens:
             self.check_fits(n, gen.max_new_tokens)
         B = len(prompts)
-        graphed = gen.cuda_graph and self.device.type == "cuda"
+        graphed = gen.cuda_graph and self.device.type == "cuda" and policy is None
         cache = KVCache(self.config, B, max(lens) + gen.max_new_tokens, self.dtype, self.device)
         rng = make_generator(gen.sampling, self.device)
 
         start = time.perf_counter()
         hidden = prefill(self.model, cache, prompts, gen.prefill_chunk, progress)
+        if policy is not None:
+            build_policy(policy, self.model, cache)
         tokens = sample(self.model.logits(hidden), gen.sampling, rng)  # [B]
         _sync(self.device)
         ttft = time.perf_counter() - start
@@ -171,7 +186,7 @@ class Engine:
                     done[b] = self._stopped(out[b], gen)
             if all(done):
                 break
-            tokens = sample(decode_step(self.model, cache, tokens, graph), gen.sampling, rng)
+            tokens = sample(decode_step(self.model, cache, tokens, graph, policy), gen.sampling, rng)
             steps += 1
         _sync(self.device)
         decode_s = time.perf_counter() - start

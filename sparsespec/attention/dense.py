@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .policy import Policy
+
 
 def causal_mask(positions: torch.Tensor, kv_len: int, sliding_window: int | None = None) -> torch.Tensor:
     """positions [B, T] -> bool [B, 1, T, kv_len]: slot j is visible to a query at position p iff j <= p
@@ -21,3 +23,17 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     """q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B, 1, T, S] -> [B, Hq, T, D]. GQA: Hq % Hkv == 0."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
+
+
+class Dense(Policy):
+    """Full attention in every layer: the baseline, and what every policy reproduces at a full budget."""
+
+    name = "dense"
+
+    def is_sparse(self, layer: int) -> bool:
+        return False
+
+    def decode(self, layer, q, cache, positions):
+        kv_len = int(positions.max()) + 1
+        keys, values = cache.keys(layer, kv_len)
+        return dense_attention(q, keys, values, causal_mask(positions[:, None], kv_len))

@@ -6,6 +6,7 @@ matrix product each at decode. The loader fuses them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.dense import causal_mask, dense_attention
+from ..attention.policy import Policy
 from ..cache import KVCache
 from ..config import ModelConfig
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -39,6 +41,8 @@ class StepPlan:
     cos: torch.Tensor  # [B, 1, T, D]
     sin: torch.Tensor
     mask: torch.Tensor  # bool [B, 1, T, kv_len]
+    policy: Policy | None = None  # decode attention of the sparse layers (single-token steps only)
+    observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # sees (layer, q, k) after RoPE
 
 
 class Attention(nn.Module):
@@ -63,9 +67,14 @@ class Attention(nn.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
+        if plan.observer is not None:
+            plan.observer(layer, q, k)
         cache.write(layer, plan.positions, k, v)
-        keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
-        out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
+        if plan.policy is not None and T == 1 and plan.policy.is_sparse(layer):
+            out = plan.policy.decode(layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
+        else:
+            keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
+            out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -108,19 +117,23 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def plan(self, positions: torch.Tensor, kv_len: int) -> StepPlan:
+    def plan(self, positions: torch.Tensor, kv_len: int, policy: Policy | None = None,
+             observer: Callable | None = None) -> StepPlan:
         dtype = self.embed_tokens.weight.dtype
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
-        return StepPlan(positions, kv_len, cos, sin, causal_mask(positions, kv_len, self.cfg.sliding_window))
+        mask = causal_mask(positions, kv_len, self.cfg.sliding_window)
+        return StepPlan(positions, kv_len, cos, sin, mask, policy, observer)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                kv_len: int | None = None) -> torch.Tensor:
+                kv_len: int | None = None, policy: Policy | None = None,
+                observer: Callable | None = None) -> torch.Tensor:
         """tokens, positions [B, T] -> final normed hidden states [B, T, hidden].
 
         Writes the new keys/values at their positions; attends to slots [0, kv_len) (default: the whole cache, a
-        static shape for CUDA graphs). Call `logits` only on the rows that need them.
+        static shape for CUDA graphs). Call `logits` only on the rows that need them. `policy` replaces the
+        attention of its sparse layers in single-token steps; `observer(layer, q, k)` sees post-RoPE q and k.
         """
-        plan = self.plan(positions, cache.capacity if kv_len is None else kv_len)
+        plan = self.plan(positions, cache.capacity if kv_len is None else kv_len, policy, observer)
         x = self.embed_tokens(tokens)
         for i, block in enumerate(self.layers):
             x = block(x, i, plan, cache)
