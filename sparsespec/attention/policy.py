@@ -110,13 +110,13 @@ class SelectionPolicy(Policy):
     """Policies that choose key positions; attention over the chosen set is exact."""
 
     @abstractmethod
-    def scores(self, layer: int, q: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
-        """q [B, Hq, 1, D] -> importance [B, Hkv, kv_len] (fp32; +inf forces a slot in, -inf keeps it out)."""
+    def scores(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, 1, D] at `positions` [B] -> importance [B, Hkv, max(positions) + 1] (fp32; +inf forces a
+        slot in, -inf keeps it out)."""
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor):
         """-> (indices [B, Hkv, K] int64, valid [B, Hkv, K] bool): the slots each (row, KV head) attends to."""
-        kv_len = int(positions.max()) + 1
-        return select_top(self.scores(layer, q, cache, kv_len), positions, self.options)
+        return select_top(self.scores(layer, q, cache, positions), positions, self.options)
 
     def decode(self, layer, q, cache, positions):
         idx, valid = self.select(layer, q, cache, positions)

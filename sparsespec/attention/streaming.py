@@ -18,6 +18,7 @@ class StreamingLLM(SelectionPolicy):
     name = "streaming"
     Options = StreamingOptions
 
-    def scores(self, layer, q, cache, kv_len):
+    def scores(self, layer, q, cache, positions):
+        kv_len = int(positions.max()) + 1
         recency = torch.arange(kv_len, device=q.device, dtype=torch.float32)
         return recency.expand(q.shape[0], cache.k[layer].shape[1], kv_len)

@@ -8,7 +8,8 @@ from .policy import SelectionPolicy, group_max
 class OracleTopK(SelectionPolicy):
     name = "topk"
 
-    def scores(self, layer, q, cache, kv_len):
+    def scores(self, layer, q, cache, positions):
+        kv_len = int(positions.max()) + 1
         keys, _ = cache.keys(layer, kv_len)  # [B, Hkv, S, D]
         B, Hq, _, D = q.shape
         Hkv = keys.shape[1]

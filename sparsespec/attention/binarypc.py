@@ -1,0 +1,259 @@
+"""BinaryPC: training-free hashing sparse attention from binary principal components of the keys.
+
+Per (row, layer, KV head) a real basis P [b, D] and binary codes H in {±1}^{N x b} are fitted greedily so that
+K ≈ H P (one bit at a time, alternating u = sign(R v), v = Rᵀu / N, then deflating R). Keys are encoded
+residually, packed into 64-bit words, and a decode query scores them with its probe p = q Pᵀ quantised to signed
+7-bit integers: score(k) = Σ_i p̃_i h_i, computed with popcounts over the packed codes. The group score of a KV
+head is the max over its query heads; the top (budget) keys get exact attention. An error-aware safeguard always
+selects the keys the codes describe worst.
+
+    fit_basis -> encode -> pack_bits          (build, end of prefill)
+    quantize_probe -> packed_scores -> max    (decode)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SparseSpecError
+from .policy import PolicyOptions, SelectionPolicy, group_max
+
+WORD = 64
+
+
+@dataclass(frozen=True)
+class BinaryPCOptions(PolicyOptions):
+    bits: int = 64  # code width
+    iters: int = 4  # alternating steps per bit (the paper: 4 online, 8 offline)
+    seed: int = 0
+    safeguard: float = 0.1  # share of the budget kept for the keys with the largest reconstruction error
+    probe_bits: int = 7  # magnitude bits of the quantised probe
+    encode_decoded: bool = False  # hash decoded tokens once they leave the recent window (bounded budget)
+    basis: str = ""  # a calibrated basis file (`sparsespec calibrate binarypc`); empty: fit on each prompt
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 1 <= self.bits <= 1024:
+            raise SparseSpecError(f"bits must be in [1, 1024], got {self.bits}")
+        if self.iters < 1:
+            raise SparseSpecError(f"iters must be >= 1, got {self.iters}")
+        if not 0 <= self.safeguard < 1:
+            raise SparseSpecError(f"safeguard must be in [0, 1), got {self.safeguard}")
+        if not 1 <= self.probe_bits <= 30:
+            raise SparseSpecError(f"probe_bits must be in [1, 30], got {self.probe_bits}")
+        if self.basis and not Path(self.basis).is_file():
+            raise SparseSpecError(f"basis file {self.basis} not found")
+
+
+# ---------------------------------------------------------------------------------------------- fitting, encoding
+
+def fit_basis(keys: torch.Tensor, bits: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+    """keys [G, N, D] (G independent heads) -> basis P [G, bits, D] fp32, fitted greedily one bit at a time."""
+    G, N, D = keys.shape
+    residual = keys.float().clone()
+    basis = torch.empty(G, bits, D, device=keys.device)
+    for i in range(bits):
+        v = torch.randn(G, D, 1, generator=generator).to(keys.device)
+        v = v / v.norm(dim=1, keepdim=True)
+        for _ in range(iters):
+            u = _sign(residual @ v)  # [G, N, 1]
+            v = residual.transpose(1, 2) @ u / N  # [G, D, 1]: least squares for fixed u
+        residual -= u * v.transpose(1, 2)
+        basis[:, i] = v.squeeze(-1)
+    return basis
+
+
+def encode(keys: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [G, N, D], basis [G, b, D] -> (signs [G, N, b] bool, True = +1; reconstruction error ‖k − hP‖ [G, N]).
+    Residual encoding: h_i = sign(r · P_i), then r -= h_i P_i."""
+    residual = keys.float().clone()
+    signs = torch.empty(*keys.shape[:2], basis.shape[1], dtype=torch.bool, device=keys.device)
+    for i in range(basis.shape[1]):
+        p = basis[:, i, None, :]  # [G, 1, D]
+        h = _sign((residual * p).sum(-1, keepdim=True))  # [G, N, 1]
+        residual -= h * p
+        signs[..., i] = h.squeeze(-1) > 0
+    return signs, residual.norm(dim=-1)
+
+
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    """±1 with sign(0) = +1."""
+    return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- packing, scoring
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """bool [..., b] -> int64 [..., ceil(b / 64)]: bit i goes to word i // 64, position i % 64."""
+    b = bits.shape[-1]
+    words = -(-b // WORD)
+    padded = torch.zeros(*bits.shape[:-1], words * WORD, dtype=torch.int64, device=bits.device)
+    padded[..., :b] = bits.long()
+    padded = padded.view(*bits.shape[:-1], words, WORD)
+    out = torch.zeros(*bits.shape[:-1], words, dtype=torch.int64, device=bits.device)
+    for j in range(WORD):
+        out |= padded[..., j] << j
+    return out
+
+
+def unpack_bits(codes: torch.Tensor, b: int) -> torch.Tensor:
+    """int64 [..., W] -> bool [..., b] (inverse of pack_bits)."""
+    shifts = torch.arange(WORD, device=codes.device)
+    bits = (codes[..., None] >> shifts) & 1  # [..., W, 64]
+    return bits.flatten(-2)[..., :b].bool()
+
+
+_M1, _M2, _M4, _H01 = 0x5555555555555555, 0x3333333333333333, 0x0F0F0F0F0F0F0F0F, 0x0101010101010101
+
+
+def popcount(x: torch.Tensor) -> torch.Tensor:
+    """Set bits of each int64 (SWAR). The masks clear every bit where an arithmetic shift differs from a
+    logical one, so negative words count right too."""
+    x = x - ((x >> 1) & _M1)
+    x = (x & _M2) + ((x >> 2) & _M2)
+    x = (x + (x >> 4)) & _M4
+    return (x * _H01) >> 56
+
+
+def quantize_probe(probe: torch.Tensor, magnitude_bits: int) -> torch.Tensor:
+    """probe [B, Hkv, G, b] -> signed integers in [−(2^m − 1), 2^m − 1], one scale per (row, KV head)."""
+    top = (1 << magnitude_bits) - 1
+    scale = probe.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+    return torch.round(probe / scale * top).long()
+
+
+def packed_scores(codes: torch.Tensor, probe: torch.Tensor, magnitude_bits: int) -> torch.Tensor:
+    """Σ_i p̃_i h_i in integer arithmetic. codes [B, Hkv, S, W] int64, probe [B, Hkv, G, b] int64
+    -> [B, Hkv, G, S] int64.
+
+    With h_i = ±1 and p̃_i = s_i m_i: p̃_i h_i = m_i (1 − 2 x_i) where x_i = [h_i ≠ s_i] = code XOR sign-bits.
+    Splitting m_i into bit-planes M_j: Σ = Σ_j 2^j (|M_j| − 2 popcount(M_j AND x))."""
+    sign_words = pack_bits(probe >= 0)  # [B, Hkv, G, W]
+    magnitude = probe.abs()
+    differ = codes[:, :, None] ^ sign_words[:, :, :, None]  # [B, Hkv, G, S, W]
+    total = torch.zeros(differ.shape[:-1], dtype=torch.int64, device=codes.device)
+    for j in range(magnitude_bits):
+        plane = pack_bits(((magnitude >> j) & 1).bool())[:, :, :, None]  # [B, Hkv, G, 1, W]
+        total += (popcount(plane).sum(-1) - 2 * popcount(plane & differ).sum(-1)) << j
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- the policy
+
+@dataclass
+class BinaryPCState:
+    basis: torch.Tensor  # [B, Hkv, b, D] fp32
+    codes: torch.Tensor  # [B, Hkv, capacity, W] int64
+    error: torch.Tensor  # [B, Hkv, capacity] fp32
+    encoded: list[int]  # slots [0, encoded[b]) of row b hold valid codes
+
+
+class BinaryPC(SelectionPolicy):
+    name = "binarypc"
+    Options = BinaryPCOptions
+
+    def __init__(self, options: BinaryPCOptions | None = None):
+        super().__init__(options)
+        self.calibrated = load_basis(self.options.basis) if self.options.basis else None
+
+    def build(self, layer, cache, lengths):
+        if not self.is_sparse(layer):
+            return
+        opts = self.options
+        k = cache.k[layer]  # [B, Hkv, S, D]
+        B, Hkv, S, D = k.shape
+        state = BinaryPCState(
+            basis=torch.empty(B, Hkv, opts.bits, D, device=k.device),
+            codes=torch.zeros(B, Hkv, S, -(-opts.bits // WORD), dtype=torch.int64, device=k.device),
+            error=torch.zeros(B, Hkv, S, device=k.device),
+            encoded=[0] * B,
+        )
+        for b, n in enumerate(lengths):
+            if self.calibrated is not None:
+                state.basis[b] = self._calibrated_basis(layer, Hkv, D).to(k.device)
+            else:
+                gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)
+                state.basis[b] = fit_basis(k[b, :, :n], opts.bits, opts.iters, gen)
+            self._encode(state, k, b, 0, n)
+        cache.policy_state[layer] = state
+
+    def _calibrated_basis(self, layer: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        basis = self.calibrated.get(f"layer{layer}")
+        if basis is None or basis.shape != (num_kv_heads, self.options.bits, head_dim):
+            raise SparseSpecError(f"basis file {self.options.basis} does not fit this model at layer {layer} "
+                                  f"(want [{num_kv_heads}, {self.options.bits}, {head_dim}])")
+        return basis
+
+    @staticmethod
+    def _encode(state: BinaryPCState, k: torch.Tensor, row: int, start: int, end: int) -> None:
+        if end <= start:
+            return
+        signs, err = encode(k[row, :, start:end], state.basis[row])
+        state.codes[row, :, start:end] = pack_bits(signs)
+        state.error[row, :, start:end] = err
+        state.encoded[row] = end
+
+    def append(self, layer, cache, lengths):
+        state: BinaryPCState | None = cache.policy_state[layer]
+        if state is None:
+            return
+        for b, n in enumerate(lengths):
+            state.encoded[b] = min(state.encoded[b], n)  # a rollback forgets codes past the committed length
+            if self.options.encode_decoded:
+                self._encode(state, cache.k[layer], b, state.encoded[b], n - self.options.window)
+
+    def scores(self, layer, q, cache, positions):
+        state: BinaryPCState = cache.policy_state[layer]
+        opts = self.options
+        B, Hq, _, D = q.shape
+        Hkv = state.basis.shape[1]
+        kv_len = int(positions.max()) + 1
+        probe = q.view(B, Hkv, Hq // Hkv, D).float() @ state.basis.transpose(-1, -2)  # [B, Hkv, G, b]
+        raw = packed_scores(state.codes[:, :, :kv_len], quantize_probe(probe, opts.probe_bits), opts.probe_bits)
+        scores = group_max(raw.view(B, Hq, kv_len).float(), Hkv)  # [B, Hkv, S]
+        slots = torch.arange(kv_len, device=q.device)
+        encoded = torch.tensor(state.encoded, device=q.device).view(B, 1, 1)
+        unencoded = slots >= encoded  # decoded tokens not hashed (yet): always attended
+        if opts.safeguard > 0:
+            n_safe = [int(opts.safeguard * opts.tokens(int(p) + 1)) for p in positions.tolist()]
+            scores = scores.masked_fill(safeguard_mask(state.error[:, :, :kv_len], unencoded, n_safe), float("inf"))
+        return scores.masked_fill(unencoded, float("inf"))
+
+
+def safeguard_mask(error: torch.Tensor, excluded: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """error [B, Hkv, S] -> bool [B, Hkv, S]: per (row, KV head), the counts[b] encoded slots with the largest
+    reconstruction error (slots in `excluded` are not candidates)."""
+    B, _, S = error.shape
+    mask = torch.zeros(error.shape, dtype=torch.bool, device=error.device)
+    n = min(max(counts), S)
+    if n == 0:
+        return mask
+    top = error.masked_fill(excluded, float("-inf")).topk(n, dim=-1)
+    in_count = torch.arange(n, device=error.device) < torch.tensor(counts, device=error.device).view(B, 1, 1)
+    keep = in_count & (top.values > float("-inf"))
+    return mask.scatter(-1, top.indices, keep)
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+def fit_calibrated_basis(keys_per_layer: dict[int, torch.Tensor], bits: int, iters: int = 8,
+                         seed: int = 0) -> dict[str, torch.Tensor]:
+    """Offline fit on calibration text: keys [Hkv, N, D] per layer -> {"layer{l}": basis [Hkv, bits, D]}."""
+    out = {}
+    for layer, keys in keys_per_layer.items():
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+        out[f"layer{layer}"] = fit_basis(keys, bits, iters, gen).cpu().contiguous()
+    return out
+
+
+def load_basis(path: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise SparseSpecError(f"cannot read basis file {path}: {' '.join(str(e).split())}") from None

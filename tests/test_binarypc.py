@@ -1,0 +1,126 @@
+"""BinaryPC pieces against their definitions: fitting, residual encoding, packing, popcount scoring, safeguard."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsespec.attention.binarypc import (
+    BinaryPC, BinaryPCOptions, encode, fit_basis, pack_bits, packed_scores, popcount, quantize_probe,
+    safeguard_mask, unpack_bits,
+)
+from sparsespec.attention.policy import PolicyOptions, select_top
+from sparsespec.attention.topk import OracleTopK
+from sparsespec.cache import KVCache
+from sparsespec.config import ModelConfig
+
+
+def anisotropic_keys(G, N, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(0, -1.5, D)
+    return torch.randn(G, N, D, generator=g) * scales + torch.randn(G, 1, D, generator=g)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=50))
+def test_popcount_matches_python(values):
+    x = torch.tensor(values, dtype=torch.int64)
+    assert popcount(x).tolist() == [bin(v & (2**64 - 1)).count("1") for v in values]
+
+
+@pytest.mark.parametrize("b", [1, 17, 64, 100, 128])
+def test_pack_unpack_roundtrip(b):
+    bits = torch.rand(3, 5, b, generator=torch.Generator().manual_seed(b)) > 0.5
+    codes = pack_bits(bits)
+    assert codes.shape == (3, 5, -(-b // 64)) and codes.dtype == torch.int64
+    assert torch.equal(unpack_bits(codes, b), bits)
+
+
+@pytest.mark.parametrize("b,magnitude_bits", [(64, 7), (5, 7), (100, 7), (64, 3), (128, 12)])
+def test_packed_popcount_score_equals_float_reference(b, magnitude_bits):
+    g = torch.Generator().manual_seed(b + magnitude_bits)
+    B, Hkv, G, S = 2, 3, 4, 37
+    signs = torch.rand(B, Hkv, S, b, generator=g) > 0.5
+    probe = quantize_probe(torch.randn(B, Hkv, G, b, generator=g), magnitude_bits)
+    assert probe.abs().max() <= 2**magnitude_bits - 1
+    got = packed_scores(pack_bits(signs), probe, magnitude_bits)
+    h = signs.double() * 2 - 1  # ±1
+    reference = torch.einsum("bhgi,bhsi->bhgs", probe.double(), h)  # Σ p̃_i h_i
+    assert torch.equal(got, reference.long())
+
+
+def test_fitting_lowers_reconstruction_error_with_every_bit():
+    keys = anisotropic_keys(2, 300, 32, seed=1)
+    basis = fit_basis(keys, bits=24, iters=4, generator=torch.Generator().manual_seed(0))
+    errors = [encode(keys, basis[:, :i])[1].pow(2).mean().item() for i in range(1, 25)]
+    assert all(later < earlier for earlier, later in zip(errors, errors[1:])), errors
+    assert errors[-1] < 0.2 * keys.pow(2).sum(-1).mean().item()
+
+
+def test_encoding_matches_residual_definition():
+    keys = anisotropic_keys(2, 20, 16, seed=3)
+    basis = fit_basis(keys, bits=12, iters=4, generator=torch.Generator().manual_seed(0))
+    signs, err = encode(keys, basis)
+    for g in range(2):
+        for n in range(20):
+            r = keys[g, n].double()
+            for i in range(12):
+                h = 1.0 if float(r @ basis[g, i].double()) >= 0 else -1.0
+                assert signs[g, n, i].item() == (h > 0)
+                r = r - h * basis[g, i].double()
+            assert abs(r.norm().item() - err[g, n].item()) < 1e-4
+
+
+def test_safeguard_selects_exactly_the_largest_errors():
+    g = torch.Generator().manual_seed(4)
+    error = torch.rand(2, 3, 50, generator=g)
+    excluded = torch.zeros(2, 3, 50, dtype=torch.bool)
+    excluded[:, :, 45:] = True
+    mask = safeguard_mask(error, excluded, [5, 2])
+    for b, n in enumerate([5, 2]):
+        for h in range(3):
+            expected = set(error[b, h, :45].topk(n).indices.tolist())
+            assert set(torch.nonzero(mask[b, h]).flatten().tolist()) == expected
+
+
+def _cache_with_keys(keys: torch.Tensor):
+    B, Hkv, S, D = keys.shape
+    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=Hkv * D * 2, intermediate_size=8, num_layers=1,
+                      num_heads=Hkv * 2, num_kv_heads=Hkv, head_dim=D, max_position=S)
+    cache = KVCache(cfg, B, S, torch.float32, "cpu")
+    cache.k[0].copy_(keys)
+    cache.v[0].copy_(torch.randn_like(keys))
+    return cache
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_planted_needle_is_always_selected(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, S, D = 2, 2, 400, 32
+    keys = anisotropic_keys(B * Hkv, S, D, seed).view(B, Hkv, S, D)
+    q = torch.randn(B, Hkv * 2, 1, D, generator=g)
+    needles = torch.randint(10, S - 10, (B, Hkv), generator=g)
+    for b in range(B):
+        for h in range(Hkv):
+            keys[b, h, needles[b, h]] = 4 * q[b, 2 * h, 0] / q[b, 2 * h, 0].norm() * keys.norm(dim=-1).mean()
+    cache = _cache_with_keys(keys)
+    positions = torch.full((B,), S - 1)
+    for policy in (BinaryPC(BinaryPCOptions(budget=0.02, dense_layers=0)),
+                   OracleTopK(PolicyOptions(budget=0.02, dense_layers=0))):
+        policy.build(0, cache, [S] * B)
+        idx, valid = policy.select(0, q, cache, positions)
+        for b in range(B):
+            for h in range(Hkv):
+                chosen = set(idx[b, h][valid[b, h]].tolist())
+                assert needles[b, h].item() in chosen, (policy.name, b, h)
+
+
+def test_budget_rules_and_forced_slots():
+    scores = torch.zeros(1, 1, 100)
+    scores[0, 0, 50] = 5.0
+    opts = BinaryPCOptions(budget=0.1, sinks=2, window=3)
+    idx, valid = select_top(scores, torch.tensor([99]), opts)
+    chosen = set(idx[0, 0][valid[0, 0]].tolist())
+    assert len(chosen) == 10 and {0, 1, 97, 98, 99, 50} <= chosen
+    assert BinaryPCOptions(budget=2048).tokens(10_000) == 2048
+    assert BinaryPCOptions(budget=0.02, min_tokens=128).tokens(1000) == 128
