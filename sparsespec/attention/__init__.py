@@ -1,0 +1,22 @@
+"""Decode-attention policies by name (`--attention NAME --attention-opt key=value ...`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import SparseSpecError
+from .binarypc import BinaryPC
+from .dense import Dense
+from .policy import Policy, parse_options
+from .streaming import StreamingLLM
+from .topk import OracleTopK
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Dense, OracleTopK, StreamingLLM, BinaryPC)}
+
+
+def make_policy(name: str, options: list[str] | dict[str, Any] = ()) -> Policy:
+    """A policy by name with `key=value` options validated against its options dataclass."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise SparseSpecError(f"unknown attention policy {name!r} (choose from {', '.join(POLICIES)})")
+    return cls(parse_options(cls.Options, options or []))

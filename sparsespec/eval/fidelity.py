@@ -1,0 +1,218 @@
+"""Fidelity of sparse selection against dense attention, on a real model over real long text.
+
+A context (natural text, or facts hidden in text and queried at the end) is prefilled densely, then `steps`
+tokens of its continuation are decoded teacher-forced with dense attention while every layer's query is recorded.
+Each policy, at each budget, then builds its index from the same cache and selects keys for the same queries; per
+(step, layer, head) we compare with dense attention:
+
+    mass recall      dense attention probability mass on the selected keys
+    top-k recall     share of the oracle top-|selected| keys (group max of exact q·k) that were selected
+    output error     ‖out_sparse − out_dense‖ / ‖out_dense‖ with exact attention over the selected keys
+    tokens           keys attended per KV head
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import corpora
+from ..attention import make_policy
+from ..attention.dense import causal_mask, dense_attention
+from ..attention.policy import SelectionPolicy, attend_selected
+from ..cache import KVCache
+from ..errors import SparseSpecError
+from ..generate import prefill
+from ..models.transformer import Transformer
+from ..progress import track
+
+CONTEXTS = ("natural", "retrieval")
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    length: int = 4096
+    contexts: tuple[str, ...] = CONTEXTS
+    budgets: tuple[float, ...] = (0.01, 0.02, 0.05)
+    policies: tuple[str, ...] = ("binarypc", "topk", "quest", "streaming", "magicpig")
+    options: tuple[str, ...] = ()  # "key=value" for every policy, "policy.key=value" for one
+    steps: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = set(self.contexts) - set(CONTEXTS)
+        if unknown:
+            raise SparseSpecError(f"unknown context kind {sorted(unknown)[0]!r} (choose from {', '.join(CONTEXTS)})")
+        if self.steps < 1 or self.length < 64:
+            raise SparseSpecError("fidelity needs steps >= 1 and length >= 64")
+
+    def policy_options(self, name: str, budget: float) -> dict[str, str]:
+        opts = {"budget": str(budget)}
+        for pair in self.options:
+            key, _, value = pair.partition("=")
+            owner, _, bare = key.rpartition(".")
+            if not owner or owner == name:
+                opts[bare] = value
+        return opts
+
+
+def make_context(kind: str, tokenizer, length: int, steps: int, seed: int) -> tuple[list[int], list[int]]:
+    """-> (context of `length` tokens, continuation of >= `steps` tokens), both from real text.
+
+    natural: Wikipedia leads, cut. retrieval: eight "secret code" facts at spread depths among Wikipedia text;
+    the context ends by asking for them and the continuation recites them (each step must retrieve)."""
+    filler = tokenizer(corpora.text("wiki", 2 * length, seed))["input_ids"]
+    if kind == "natural":
+        if len(filler) < length + steps:
+            raise SparseSpecError("not enough corpus text for the requested length")
+        return filler[:length], filler[length: length + steps]
+    rng = random.Random(seed)
+    names = rng.sample(["Alder", "Birch", "Cedar", "Dogwood", "Elm", "Fir", "Ginkgo", "Hazel", "Ivy", "Juniper",
+                        "Larch", "Maple", "Oak", "Pine", "Rowan", "Spruce"], 8)
+    codes = [str(rng.randint(1_000_000, 9_999_999)) for _ in names]
+    facts = [tokenizer(f" The secret code of {n} is {c}. ")["input_ids"] for n, c in zip(names, codes)]
+    question = tokenizer("\n\nQuestion: what are the secret codes of " + ", ".join(names) +
+                         "?\nAnswer:")["input_ids"]
+    answer = tokenizer("".join(f" The secret code of {n} is {c}." for n, c in zip(names, codes)))["input_ids"]
+    room = length - len(question) - sum(map(len, facts))
+    if room < len(facts) or len(filler) < room:
+        raise SparseSpecError(f"length {length} is too short for the retrieval context")
+    body: list[int] = []
+    cuts = [round(room * (i + 0.5) / len(facts)) for i in range(len(facts))]
+    start = 0
+    for cut, fact in zip(cuts, facts):
+        body += filler[start:cut] + fact
+        start = cut
+    body += filler[start:room]
+    return body + question, answer[:max(steps, 1)]
+
+
+@torch.inference_mode()
+def record_queries(model: Transformer, context: list[int], continuation: list[int], steps: int):
+    """Dense prefill + teacher-forced dense decode -> (cache holding every token, queries[step][layer] [1, Hq, 1, D])."""
+    N = len(context)
+    cache = KVCache(model.cfg, 1, N + steps, model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
+    prefill(model, cache, [context], chunk=1024)
+    queries: list[dict[int, torch.Tensor]] = []
+    for t in range(steps):
+        seen: dict[int, torch.Tensor] = {}
+        positions = torch.tensor([[N + t]], device=cache.device)
+        model(torch.tensor([[continuation[t]]], device=cache.device), positions, cache, kv_len=N + t + 1,
+              observer=lambda layer, q, k, seen=seen: seen.__setitem__(layer, q.clone()))
+        cache.truncate([N + t + 1])
+        queries.append(seen)
+    return cache, queries
+
+
+def _dense_reference(q: torch.Tensor, cache: KVCache, layer: int, pos: int):
+    """-> (probs [Hq, pos + 1] fp32, output [1, Hq, 1, D], exact scores [Hq, pos + 1])."""
+    keys, values = cache.keys(layer, pos + 1)
+    Hq, Hkv, D = q.shape[1], keys.shape[1], q.shape[-1]
+    k = keys[0].repeat_interleave(Hq // Hkv, dim=0).float()  # [Hq, S, D]
+    scores = (q[0].float() @ k.transpose(-1, -2)).squeeze(1)  # [Hq, S]
+    probs = (scores * D**-0.5).softmax(-1)
+    mask = causal_mask(torch.tensor([[pos]], device=q.device), pos + 1)
+    return probs, dense_attention(q, keys, values, mask), scores
+
+
+def evaluate_policy(policy: SelectionPolicy, cache: KVCache, queries, context_len: int, references) -> dict:
+    """Mean metrics over steps and sparse layers for one policy."""
+    num_layers = len(queries[0])
+    for layer in range(num_layers):
+        if policy.is_sparse(layer):
+            policy.build(layer, cache, [context_len])
+    sums = {"mass_recall": 0.0, "topk_recall": 0.0, "output_error": 0.0, "tokens": 0.0, "min_mass_recall": 1.0}
+    tokens_per_head: list[float] = []
+    count = 0
+    for t, step in enumerate(queries):
+        pos = context_len + t
+        for layer in range(num_layers):
+            if not policy.is_sparse(layer):
+                continue
+            if t:
+                policy.append(layer, cache, [pos])
+            q = step[layer]
+            Hq = q.shape[1]
+            probs, dense_out, scores = references[t][layer]
+            idx, valid = policy.select(layer, q, cache, torch.tensor([pos], device=q.device))
+            Hkv = idx.shape[1]
+            chosen = torch.zeros(Hkv, pos + 1, dtype=torch.bool, device=q.device)
+            chosen.scatter_(1, idx[0], valid[0])
+            per_q = chosen.repeat_interleave(Hq // Hkv, dim=0)  # [Hq, S]
+            mass = (probs * per_q).sum(-1)  # [Hq]
+            out = attend_selected(q, cache.k[layer], cache.v[layer], idx, valid)
+            err = (out - dense_out).float().norm(dim=-1) / dense_out.float().norm(dim=-1)  # [1, Hq, 1]
+            group = scores.view(Hkv, Hq // Hkv, -1).amax(1)  # [Hkv, S]
+            n_sel = chosen.sum(-1)  # [Hkv]
+            overlap = 0.0
+            for h in range(Hkv):
+                oracle = group[h].topk(int(n_sel[h])).indices
+                overlap += chosen[h, oracle].float().mean().item()
+            sums["mass_recall"] += mass.mean().item()
+            sums["min_mass_recall"] = min(sums["min_mass_recall"], mass.min().item())
+            sums["topk_recall"] += overlap / Hkv
+            sums["output_error"] += err.mean().item()
+            sums["tokens"] += n_sel.float().mean().item()
+            tokens_per_head += n_sel.float().tolist()
+            count += 1
+    row = {k: (v / count if k != "min_mass_recall" else v) for k, v in sums.items()}
+    row["tokens_std"] = float(torch.tensor(tokens_per_head).std()) if len(tokens_per_head) > 1 else 0.0
+    return row
+
+
+def run_fidelity(model: Transformer, tokenizer, cfg: FidelityConfig, progress: bool = False,
+                 out_rows: list | None = None) -> list[dict]:
+    rows = [] if out_rows is None else out_rows
+    for kind in cfg.contexts:
+        context, continuation = make_context(kind, tokenizer, cfg.length, cfg.steps, cfg.seed)
+        steps = min(cfg.steps, len(continuation))
+        cache, queries = record_queries(model, context, continuation, steps)
+        references = [{layer: _dense_reference(q, cache, layer, len(context) + t) for layer, q in step.items()}
+                      for t, step in enumerate(queries)]
+        jobs = [(name, budget) for name in cfg.policies for budget in cfg.budgets]
+        for name, budget in track(jobs, f"fidelity ({kind})", enabled=progress):
+            policy = make_policy(name, cfg.policy_options(name, budget))
+            if not isinstance(policy, SelectionPolicy):
+                raise SparseSpecError(f"policy {name} does not select keys; fidelity measures selection policies")
+            metrics = evaluate_policy(policy, cache, queries, len(context), references)
+            rows.append({"context": kind, "length": len(context), "policy": name, "budget": budget,
+                         "steps": steps, **metrics})
+    return rows
+
+
+def write_report(rows: list[dict], out: Path, title: str) -> str:
+    """JSON, a markdown table and a plot of mass recall vs budget per policy (one panel per context)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fidelity.json").write_text(json.dumps(rows, indent=1))
+    lines = [title, "", "| context | policy | budget | tokens/head | mass recall (min) | top-k recall | output rel. error |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["context"], r["budget"], -r["mass_recall"])):
+        lines.append(f"| {r['context']} | {r['policy']} | {r['budget']:g} | {r['tokens']:.0f} | "
+                     f"{r['mass_recall']:.3f} ({r['min_mass_recall']:.2f}) | {r['topk_recall']:.3f} | "
+                     f"{r['output_error']:.3f} |")
+    table = "\n".join(lines)
+    (out / "fidelity.md").write_text(table + "\n")
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4), squeeze=False)
+    for ax, kind in zip(axes[0], contexts):
+        for name in sorted({r["policy"] for r in rows}):
+            pts = sorted((r["budget"], r["mass_recall"]) for r in rows if r["policy"] == name and r["context"] == kind)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set(title=f"{kind} context", xlabel="budget (fraction of context)", ylabel="attention mass recall",
+               xscale="log", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "fidelity.png", dpi=120)
+    plt.close(fig)
+    return table
