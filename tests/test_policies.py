@@ -1,0 +1,125 @@
+"""Policies inside the engine on the real default model: full budget = dense, bounded budgets, CLI, calibration."""
+
+import pytest
+import torch
+
+from sparsespec import corpora
+from sparsespec.attention import POLICIES, make_policy
+from sparsespec.attention.binarypc import BinaryPC, BinaryPCOptions
+from sparsespec.cli import main
+from sparsespec.errors import SparseSpecError
+from sparsespec.eval.fidelity import FidelityConfig, run_fidelity
+from sparsespec.generate import GenerationConfig
+
+from .test_binarypc import _cache_with_keys, anisotropic_keys
+
+SELECTION = [name for name in POLICIES if name not in ("dense", "doublesparse")]
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_engine):
+    return smollm2_engine.tokenizer(corpora.text("wiki", 260, seed=5))["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(smollm2_engine, prompt):
+    return smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=20, stop_on_eos=False)).token_ids[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SELECTION)
+def test_full_budget_reproduces_dense_greedy(smollm2_engine, prompt, dense_tokens, name):
+    policy = make_policy(name, {"budget": "1.0", "dense_layers": "0"})
+    out = smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=20, stop_on_eos=False), policy=policy)
+    assert out.token_ids[0] == dense_tokens
+
+
+@pytest.mark.slow
+def test_full_budget_doublesparse_reproduces_dense_greedy(smollm2_engine, prompt, dense_tokens, tmp_path):
+    labels = tmp_path / "labels.safetensors"
+    assert main(["calibrate", "doublesparse", "--tokens", "256", "--channels", "8", "--out", str(labels)]) == 0
+    policy = make_policy("doublesparse", {"budget": "1.0", "dense_layers": "0", "labels": str(labels)})
+    out = smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=20, stop_on_eos=False), policy=policy)
+    assert out.token_ids[0] == dense_tokens
+
+
+@pytest.mark.slow
+def test_batched_sparse_generation_equals_one_by_one(smollm2_engine):
+    eng = smollm2_engine
+    prompts = [eng.tokenizer(corpora.text("wiki", n, seed=n))["input_ids"] for n in (150, 320)]
+    gen = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    policy = make_policy("binarypc", {"budget": "0.1"})
+    batched = eng.generate(prompts, gen, policy=policy)
+    for i, p in enumerate(prompts):
+        assert batched.token_ids[i] == eng.generate([p], gen, policy=make_policy("binarypc", {"budget": "0.1"})).token_ids[0]
+
+
+def test_encode_decoded_keeps_the_unhashed_tail_within_the_window():
+    keys = anisotropic_keys(2, 200, 16, seed=0).view(1, 2, 200, 16)
+    cache = _cache_with_keys(keys)
+    grow = BinaryPC(BinaryPCOptions(dense_layers=0, budget=0.05))
+    bounded = BinaryPC(BinaryPCOptions(dense_layers=0, budget=0.05, encode_decoded=True, window=8))
+    q = torch.randn(1, 4, 1, 16)
+    for policy in (grow, bounded):
+        policy.build(0, cache, [100])
+        for n in range(101, 181):
+            policy.append(0, cache, [n])
+    assert cache.policy_state[0].encoded == [172]  # the bounded policy ran last
+    idx, valid = bounded.select(0, q, cache, torch.tensor([180]))
+    assert int(valid.sum(-1).max()) == bounded.options.tokens(181)
+    grow.build(0, cache, [100])
+    for n in range(101, 181):
+        grow.append(0, cache, [n])
+    idx, valid = grow.select(0, q, cache, torch.tensor([180]))
+    chosen = set(idx[0, 0][valid[0, 0]].tolist())
+    assert set(range(100, 181)) <= chosen  # every decoded token is attended when decoded tokens are not hashed
+
+
+def test_rollback_forgets_codes():
+    cache = _cache_with_keys(anisotropic_keys(2, 64, 8, seed=1).view(1, 2, 64, 8))
+    policy = BinaryPC(BinaryPCOptions(dense_layers=0, encode_decoded=True))
+    policy.build(0, cache, [40])
+    policy.append(0, cache, [50])
+    assert cache.policy_state[0].encoded == [50]
+    policy.append(0, cache, [45])
+    assert cache.policy_state[0].encoded == [45]
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"nope": "1"}, "unknown attention option"), ({"budget": "x"}, "invalid value"), ({"budget": "0"}, "budget"),
+    ({"budget": "2.5"}, "integer"), ({"bits": "0"}, "bits"), ({"safeguard": "1.5"}, "safeguard"),
+    ({"encode_decoded": "maybe"}, "invalid value"), ({"basis": "/nonexistent.safetensors"}, "not found"),
+])
+def test_invalid_policy_options(options, needle):
+    with pytest.raises(SparseSpecError, match=needle):
+        make_policy("binarypc", options)
+
+
+def test_unknown_policy_through_cli(capsys):
+    assert main(["generate", "--prompt", "x", "--attention", "nonsense"]) == 2
+    assert "unknown attention policy" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--attention", "topk", "--attention-opt", "bits=3"]) == 2
+    assert "unknown attention option 'bits'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrated_basis_round_trip(tmp_path, capsys):
+    basis = tmp_path / "basis.safetensors"
+    assert main(["calibrate", "binarypc", "--tokens", "200", "--bits", "16", "--out", str(basis)]) == 0
+    code = main(["generate", "--prompt", "The capital of France is", "--max-new-tokens", "4", "--attention",
+                 "binarypc", "--attention-opt", "bits=16", f"basis={basis}", "dense_layers=0", "--json"])
+    assert code == 0, capsys.readouterr().err
+    code = main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--attention", "binarypc",
+                 "--attention-opt", "bits=32", f"basis={basis}"])
+    assert code == 2 and "does not fit this model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fidelity_is_exact_at_full_budget_and_orders_methods(smollm2_engine):
+    cfg = FidelityConfig(length=256, contexts=("natural",), budgets=(1.0, 0.1), policies=("topk", "streaming"),
+                         steps=2)
+    rows = {(r["policy"], r["budget"]): r for r in run_fidelity(smollm2_engine.model, smollm2_engine.tokenizer, cfg)}
+    for name in ("topk", "streaming"):
+        assert rows[name, 1.0]["mass_recall"] > 0.9999 and rows[name, 1.0]["output_error"] < 1e-4
+    assert rows["topk", 0.1]["mass_recall"] >= rows["streaming", 0.1]["mass_recall"]
+    assert rows["topk", 0.1]["mass_recall"] < 1
