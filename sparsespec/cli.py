@@ -161,6 +161,7 @@ def cmd_models(args) -> None:
     from rich.table import Table
 
     table = Table("name", "architecture", "installed", "local path")
+    table.columns[3].overflow = "fold"
     for r in rows:
         table.add_row(r["name"], r["architecture"], "yes" if r["installed"] else "no", r["path"] or "-")
     Console().print(table)

@@ -45,7 +45,8 @@ def test_quest_page_bound_is_an_upper_bound_per_query_head(seed, page, n):
     kmin, kmax = page_extrema(keys, page)
     bounds = page_bounds(q, kmin, kmax)  # [B, Hkv, G, P]
     # The definition, written out: Σ_d max(q_d·min_d, q_d·max_d).
-    by_definition = torch.maximum(q[..., :, None, :] * kmin[..., None, :, :], q[..., :, None, :] * kmax[..., None, :, :])
+    qd = q[..., :, None, :]  # [B, Hkv, G, 1, D]
+    by_definition = torch.maximum(qd * kmin[..., None, :, :], qd * kmax[..., None, :, :])
     torch.testing.assert_close(bounds, by_definition.sum(-1), rtol=1e-5, atol=1e-5)
     exact = q @ keys.transpose(-1, -2)  # [B, Hkv, G, n]
     for p in range(bounds.shape[-1]):
@@ -271,7 +272,7 @@ def test_magicpig_append_and_rollback_hash_like_build():
 
 
 @pytest.mark.parametrize("min_collisions", [1, 3, 5])
-def test_magicpig_selects_exactly_the_forced_slots_and_the_colliding_keys(min_collisions):
+def test_magicpig_selects_exactly_the_forced_slots_and_the_colliding_indexed_keys(min_collisions):
     g = torch.Generator().manual_seed(min_collisions)
     B, Hkv, G, S, D = 2, 2, 2, 53, 24
     keys = torch.randn(B, Hkv, S, D, generator=g)
@@ -279,15 +280,15 @@ def test_magicpig_selects_exactly_the_forced_slots_and_the_colliding_keys(min_co
     opts = MagicPIGOptions(dense_layers=0, budget=1.0, sinks=2, window=3, hash_bits=3, tables=10,
                            min_collisions=min_collisions)
     policy = MagicPIG(opts)
-    positions = [52, 37]
-    policy.build(0, cache, positions)
+    positions, hashed = [52, 37], [48, 30]
+    policy.build(0, cache, hashed)  # slots [hashed, position) are in the cache but not in the index
     state = cache.policy_state[0]
     q = torch.randn(B, Hkv * G, 1, D, generator=g)
     idx, valid = policy.select(0, q, cache, torch.tensor(positions))
     for b, pos in enumerate(positions):
         for h in range(Hkv):
             q_codes = [simhash(q[b, h * G + j, 0], state.planes) for j in range(G)]  # [L] each
-            colliding = {s for s in range(pos)
+            colliding = {s for s in range(hashed[b])
                          if max(int((state.codes[b, h, s].long() == qc).sum()) for qc in q_codes) >= min_collisions}
             assert _chosen(idx, valid, b, h) == colliding | _forced(pos, opts.sinks, opts.window)
 

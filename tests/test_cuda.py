@@ -45,3 +45,29 @@ def test_engine_on_cuda_matches_cpu_greedy():
     gpu = Engine(load(smollm2_path, device="cuda"))
     prompt = cpu.encode("The three most important inventions of the industrial revolution were")
     assert gpu.generate([prompt], gen).token_ids == cpu.generate([prompt], gen).token_ids
+
+
+@cuda
+@pytest.mark.parametrize("budget", ["1.0", "0.02"])
+def test_binarypc_decode_on_cuda(budget, tmp_path):
+    from sparsespec.attention import make_policy
+
+    tiny_hf_model("qwen2").save_pretrained(tmp_path)
+    model = load(tmp_path, device="cuda", with_tokenizer=False).model
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0)).tolist()
+    runs = {}
+    for name in ("dense", "binarypc"):
+        policy = make_policy(name, {"budget": budget, "dense_layers": "0"})
+        cache = KVCache(model.cfg, 1, 230, torch.float32, "cuda")
+        hidden = prefill(model, cache, prompt, chunk=64)
+        for layer in range(model.cfg.num_layers):
+            policy.build(layer, cache, cache.lengths)
+        tokens, out = model.logits(hidden).argmax(-1), []
+        for _ in range(20):
+            logits = decode_step(model, cache, tokens, policy=None if name == "dense" else policy)
+            assert torch.isfinite(logits).all()
+            tokens = logits.argmax(-1)
+            out.append(tokens.item())
+        runs[name] = out
+    if budget == "1.0":
+        assert runs["binarypc"] == runs["dense"]

@@ -7,11 +7,16 @@ from typing import Any
 from ..errors import SparseSpecError
 from .binarypc import BinaryPC
 from .dense import Dense
+from .doublesparse import DoubleSparse
+from .magicpig import MagicPIG
 from .policy import Policy, parse_options
+from .quest import Quest
 from .streaming import StreamingLLM
 from .topk import OracleTopK
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Dense, OracleTopK, StreamingLLM, BinaryPC)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (Dense, OracleTopK, StreamingLLM, Quest, DoubleSparse, MagicPIG, BinaryPC)
+}
 
 
 def make_policy(name: str, options: list[str] | dict[str, Any] = ()) -> Policy:

@@ -120,5 +120,5 @@ class MagicPIG(SelectionPolicy):
         counts = collision_counts(state.codes[:, :, :kv_len], q_codes).amax(2).float()  # [B, Hkv, S]
         slots = torch.arange(kv_len, device=q.device)
         hashed = torch.tensor(state.hashed, device=q.device).view(B, 1, 1)
-        out_of_index = (counts < self.options.min_collisions) 
+        out_of_index = (counts < self.options.min_collisions) | (slots >= hashed)
         return counts.masked_fill(out_of_index, float("-inf"))
