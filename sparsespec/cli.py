@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--length", type=_positive_int, default=4096, help="context tokens")
     fid.add_argument("--contexts", default="natural,retrieval")
     fid.add_argument("--budgets", default="0.01,0.02,0.05")
-    fid.add_argument("--attention", nargs="+", default=["binarypc", "topk", "quest", "streaming", "magicpig"])
+    fid.add_argument("--attention", nargs="+", default=["binarypc", "topk", "quest", "streaming", "magicpig"],
+                     help="policies to compare; NAME:key=value,... for a variant")
     fid.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="[POLICY.]KEY=VALUE")
     fid.add_argument("--steps", type=_positive_int, default=16, help="decode steps measured per context")
     fid.add_argument("--seed", type=int, default=0)
@@ -194,7 +195,6 @@ def cmd_calibrate(args) -> None:
 def cmd_fidelity(args) -> None:
     from pathlib import Path
 
-    from .attention import make_policy
     from .eval.fidelity import FidelityConfig, run_fidelity, write_report
     from .generate import Engine
 
@@ -207,7 +207,7 @@ def cmd_fidelity(args) -> None:
                          seed=args.seed)
     for name in cfg.policies:  # validate every policy and option before the long work
         for budget in cfg.budgets:
-            make_policy(name, cfg.policy_options(name, budget))
+            cfg.policy(name, budget)
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=args.dtype, progress=progress)
     engine.check_fits(args.length, args.steps)

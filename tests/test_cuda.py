@@ -49,6 +49,7 @@ def test_engine_on_cuda_matches_cpu_greedy():
 
 @cuda
 @pytest.mark.parametrize("budget", ["1.0", "0.02"])
+@torch.inference_mode()
 def test_binarypc_decode_on_cuda(budget, tmp_path):
     from sparsespec.attention import make_policy
 

@@ -19,6 +19,12 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
+def parse_spec(spec: str) -> tuple[str, list[str]]:
+    """"binarypc:sinks=4,bits=32" -> ("binarypc", ["sinks=4", "bits=32"]): a policy variant in one word."""
+    name, _, inline = spec.partition(":")
+    return name, [pair for pair in inline.split(",") if pair]
+
+
 def make_policy(name: str, options: list[str] | dict[str, Any] = ()) -> Policy:
     """A policy by name with `key=value` options validated against its options dataclass."""
     cls = POLICIES.get(name)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import corpora
-from ..attention import make_policy
+from ..attention import make_policy, parse_spec
 from ..attention.dense import causal_mask, dense_attention
 from ..attention.policy import SelectionPolicy, attend_selected
 from ..cache import KVCache
@@ -40,6 +40,7 @@ class FidelityConfig:
     budgets: tuple[float, ...] = (0.01, 0.02, 0.05)
     policies: tuple[str, ...] = ("binarypc", "topk", "quest", "streaming", "magicpig")
     options: tuple[str, ...] = ()  # "key=value" for every policy, "policy.key=value" for one
+    # a policy may carry its own options: "binarypc:sinks=4,bits=32" (a variant, reported under that name)
     steps: int = 16
     seed: int = 0
 
@@ -50,14 +51,16 @@ class FidelityConfig:
         if self.steps < 1 or self.length < 64:
             raise SparseSpecError("fidelity needs steps >= 1 and length >= 64")
 
-    def policy_options(self, name: str, budget: float) -> dict[str, str]:
+    def policy(self, spec: str, budget: float):
+        """The policy named by `spec` at `budget`, with the shared options and the spec's own on top."""
+        name, inline = parse_spec(spec)
         opts = {"budget": str(budget)}
-        for pair in self.options:
+        for pair in (*self.options, *inline):
             key, _, value = pair.partition("=")
             owner, _, bare = key.rpartition(".")
             if not owner or owner == name:
                 opts[bare] = value
-        return opts
+        return make_policy(name, opts)
 
 
 def make_context(kind: str, tokenizer, length: int, steps: int, seed: int) -> tuple[list[int], list[int]]:
@@ -175,7 +178,7 @@ def run_fidelity(model: Transformer, tokenizer, cfg: FidelityConfig, progress: b
                       for t, step in enumerate(queries)]
         jobs = [(name, budget) for name in cfg.policies for budget in cfg.budgets]
         for name, budget in track(jobs, f"fidelity ({kind})", enabled=progress):
-            policy = make_policy(name, cfg.policy_options(name, budget))
+            policy = cfg.policy(name, budget)
             if not isinstance(policy, SelectionPolicy):
                 raise SparseSpecError(f"policy {name} does not select keys; fidelity measures selection policies")
             metrics = evaluate_policy(policy, cache, queries, len(context), references)
