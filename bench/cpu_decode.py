@@ -65,11 +65,12 @@ def main():
     import transformers
 
     head = (f"CPU decode, {args.model} (real weights, fp32), {args.new_tokens} new tokens, greedy; "
-            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}")
-    lines = [head, "", "| context | ours tok/s | HF generate tok/s | ours / HF | ours TTFT s |", "|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['context']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f} | {r['ours_ttft_s']:.2f} |"
-              for r in rows]
+            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, transformers {transformers.__version__}")
+    lines = [head, "", "| context | ours tok/s | HF generate tok/s | ours / HF | ours TTFT s |",
+             "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['context']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f} | "
+              f"{r['ours_ttft_s']:.2f} |" for r in rows]
     table = "\n".join(lines)
     print(table)
     if args.out:

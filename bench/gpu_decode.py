@@ -61,7 +61,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), iters=10)
-    del src, dst
     return 2 * (4 << 30) / (ms / 1e3)
 
 
@@ -107,7 +106,6 @@ def main():
                 reference = logits if reference is None else reference
                 row[name] = {"ms": ms, "floor_fraction": floor_ms / ms, "setup_s": setup_s,
                              "max_logit_diff_vs_first": (logits - reference).abs().max().item()}
-                del step
             rows.append(row)
             del cache
             torch.cuda.empty_cache()

@@ -21,11 +21,12 @@ from .errors import SparseSpecError
 class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         if capacity > cfg.max_position:
-            raise SparseSpecError(f"requested {capacity} positions but the model's context is {cfg.max_position} tokens")
+            raise SparseSpecError(f"requested {capacity} positions but the model's context is "
+                                  f"{cfg.max_position} tokens")
         # One tensor per layer, written in place, never through a view: torch.compile then updates it in place
         # instead of copying the whole cache at every step.
         shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]  # L x [B, Hkv, S, D]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]  # [B, Hkv, S, D]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.capacity = capacity
         self.lengths = [0] * batch  # committed tokens per row; the rollback point

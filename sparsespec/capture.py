@@ -21,4 +21,4 @@ def capture_qk(model: Transformer, tokens: list[int], chunk: int = 1024, progres
 
     cache = KVCache(model.cfg, 1, len(tokens), model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
     prefill(model, cache, [tokens], chunk, progress, observer=observe)
-    return ({l: torch.cat(v, dim=1) for l, v in qs.items()}, {l: torch.cat(v, dim=1) for l, v in ks.items()})
+    return ({i: torch.cat(v, dim=1) for i, v in qs.items()}, {i: torch.cat(v, dim=1) for i, v in ks.items()})

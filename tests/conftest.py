@@ -43,6 +43,20 @@ def tiny_hf_model(kind: str, seed: int = 0):
     return model
 
 
+def cache_with_keys(keys: torch.Tensor):
+    """A one-layer KVCache holding `keys` [B, Hkv, S, D] and random values (Hq = 2 Hkv)."""
+    from sparsespec.cache import KVCache
+    from sparsespec.config import ModelConfig
+
+    B, Hkv, S, D = keys.shape
+    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=Hkv * D * 2, intermediate_size=8, num_layers=1,
+                      num_heads=Hkv * 2, num_kv_heads=Hkv, head_dim=D, max_position=S)
+    cache = KVCache(cfg, B, S, torch.float32, "cpu")
+    cache.k[0].copy_(keys)
+    cache.v[0].copy_(torch.randn_like(keys))
+    return cache
+
+
 ARCH_KINDS = ["llama", "llama-mha-tied-bias", "llama3-rope", "llama-linear-rope", "mistral", "qwen2", "qwen3"]
 
 

@@ -11,19 +11,9 @@ from sparsespec.attention.doublesparse import (
 from sparsespec.attention.magicpig import MagicPIG, MagicPIGOptions, collision_counts, hyperplanes, simhash
 from sparsespec.attention.policy import parse_options
 from sparsespec.attention.quest import Quest, QuestOptions, page_bounds, page_extrema
-from sparsespec.cache import KVCache
-from sparsespec.config import ModelConfig
 from sparsespec.errors import SparseSpecError
 
-
-def _cache_with_keys(keys: torch.Tensor):
-    B, Hkv, S, D = keys.shape
-    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=Hkv * D * 2, intermediate_size=8, num_layers=1,
-                      num_heads=Hkv * 2, num_kv_heads=Hkv, head_dim=D, max_position=S)
-    cache = KVCache(cfg, B, S, torch.float32, "cpu")
-    cache.k[0].copy_(keys)
-    cache.v[0].copy_(torch.randn_like(keys))
-    return cache
+from .conftest import cache_with_keys
 
 
 def _chosen(idx, valid, b, h):
@@ -64,7 +54,7 @@ def test_quest_page_of_one_repeated_key_is_exact():
 
 
 def _quest_state(keys, lengths, page):
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     policy = Quest(QuestOptions(dense_layers=0, page=page))
     policy.build(0, cache, lengths)
     return cache.policy_state[0]
@@ -82,7 +72,7 @@ def _assert_same_pages(a, b, page):
 def test_quest_append_and_rollback_equal_a_fresh_build(page):
     g = torch.Generator().manual_seed(page)
     keys = torch.randn(2, 2, 61, 24, generator=g)
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     policy = Quest(QuestOptions(dense_layers=0, page=page))
     policy.build(0, cache, [20, 33])
     for step in range(1, 21):  # one decoded token per step, then a jump (a speculative commit of several)
@@ -102,7 +92,7 @@ def test_quest_scores_are_group_summed_page_bounds_and_skip_uncommitted_slots():
     g = torch.Generator().manual_seed(1)
     page, S = 8, 53
     keys = torch.randn(2, 2, S, 24, generator=g)
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     policy = Quest(QuestOptions(dense_layers=0, page=page))
     lengths = [52, 30]
     policy.build(0, cache, lengths)
@@ -177,7 +167,7 @@ def test_doublesparse_scores_are_label_channel_products_maxed_over_the_group(tmp
     labels = torch.stack([torch.randperm(D, generator=g)[:6] for _ in range(Hkv)])  # [Hkv, 6]
     policy = DoubleSparse(DoubleSparseOptions(dense_layers=0, channels=4, labels=_label_file(tmp_path, labels)))
     keys = torch.randn(B, Hkv, S, D, generator=g)
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     policy.build(0, cache, [S - 1, 40])
     q = torch.randn(B, Hkv * G, 1, D, generator=g)
     scores = policy.scores(0, q, cache, torch.tensor([S - 1, 40]))
@@ -193,7 +183,7 @@ def test_doublesparse_needs_a_fitting_label_file(tmp_path):
         DoubleSparse(DoubleSparseOptions())
     with pytest.raises(SparseSpecError, match="not found"):
         DoubleSparseOptions(labels=str(tmp_path / "missing.safetensors"))
-    cache = _cache_with_keys(torch.randn(1, 2, 10, 8))
+    cache = cache_with_keys(torch.randn(1, 2, 10, 8))
     for labels, channels in ((torch.tensor([[0, 1]] * 3), 2), (torch.tensor([[0, 1]] * 2), 3),
                              (torch.tensor([[0, 8]] * 2), 2)):  # wrong Hkv, too few channels, index past D
         policy = DoubleSparse(DoubleSparseOptions(dense_layers=0, channels=channels,
@@ -225,7 +215,7 @@ def test_magicpig_key_along_the_query_collides_everywhere_and_is_selected():
     B, Hkv, S, D = 2, 2, 80, 24
     keys = _dyadic(torch.randn(B, Hkv, S, D, generator=g) * 2)
     q = _dyadic(torch.randn(B, Hkv * 2, 1, D, generator=g))
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     policy = MagicPIG(MagicPIGOptions(dense_layers=0, budget=6, sinks=0, window=0))
     policy.build(0, cache, [64, 64])  # 64 prefill keys: their mean is exact
     state = cache.policy_state[0]
@@ -246,7 +236,7 @@ def test_magicpig_key_along_the_query_collides_everywhere_and_is_selected():
 def test_magicpig_append_and_rollback_hash_like_build():
     g = torch.Generator().manual_seed(1)
     keys = torch.randn(2, 2, 61, 24, generator=g)
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     policy = MagicPIG(MagicPIGOptions(dense_layers=0, hash_bits=6, tables=9))
     policy.build(0, cache, [20, 33])
     state = cache.policy_state[0]
@@ -276,7 +266,7 @@ def test_magicpig_selects_exactly_the_forced_slots_and_the_colliding_indexed_key
     g = torch.Generator().manual_seed(min_collisions)
     B, Hkv, G, S, D = 2, 2, 2, 53, 24
     keys = torch.randn(B, Hkv, S, D, generator=g)
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     opts = MagicPIGOptions(dense_layers=0, budget=1.0, sinks=2, window=3, hash_bits=3, tables=10,
                            min_collisions=min_collisions)
     policy = MagicPIG(opts)
@@ -324,7 +314,7 @@ def _full_budget_policy(name, tmp_path):
 def test_full_budget_equals_dense_attention(name, tmp_path):
     g = torch.Generator().manual_seed(len(name))
     B, Hq, Hkv, S, D = 2, 4, 2, 53, 24
-    cache = _cache_with_keys(torch.randn(B, Hkv, S, D, generator=g))
+    cache = cache_with_keys(torch.randn(B, Hkv, S, D, generator=g))
     policy = _full_budget_policy(name, tmp_path)
     positions = torch.tensor([52, 37])
     policy.build(0, cache, [30, 21])  # prefill, then decoded tokens committed in two steps

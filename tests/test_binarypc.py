@@ -11,8 +11,8 @@ from sparsespec.attention.binarypc import (
 )
 from sparsespec.attention.policy import PolicyOptions, select_top
 from sparsespec.attention.topk import OracleTopK
-from sparsespec.cache import KVCache
-from sparsespec.config import ModelConfig
+
+from .conftest import cache_with_keys
 
 
 def anisotropic_keys(G, N, D, seed):
@@ -83,16 +83,6 @@ def test_safeguard_selects_exactly_the_largest_errors():
             assert set(torch.nonzero(mask[b, h]).flatten().tolist()) == expected
 
 
-def _cache_with_keys(keys: torch.Tensor):
-    B, Hkv, S, D = keys.shape
-    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=Hkv * D * 2, intermediate_size=8, num_layers=1,
-                      num_heads=Hkv * 2, num_kv_heads=Hkv, head_dim=D, max_position=S)
-    cache = KVCache(cfg, B, S, torch.float32, "cpu")
-    cache.k[0].copy_(keys)
-    cache.v[0].copy_(torch.randn_like(keys))
-    return cache
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_planted_needle_is_always_selected(seed):
     g = torch.Generator().manual_seed(seed)
@@ -103,7 +93,7 @@ def test_planted_needle_is_always_selected(seed):
     for b in range(B):
         for h in range(Hkv):
             keys[b, h, needles[b, h]] = 4 * q[b, 2 * h, 0] / q[b, 2 * h, 0].norm() * keys.norm(dim=-1).mean()
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     positions = torch.full((B,), S - 1)
     for policy in (BinaryPC(BinaryPCOptions(budget=0.02, dense_layers=0)),
                    OracleTopK(PolicyOptions(budget=0.02, dense_layers=0))):

@@ -11,7 +11,8 @@ from sparsespec.errors import SparseSpecError
 from sparsespec.eval.fidelity import FidelityConfig, run_fidelity
 from sparsespec.generate import GenerationConfig
 
-from .test_binarypc import _cache_with_keys, anisotropic_keys
+from .conftest import cache_with_keys
+from .test_binarypc import anisotropic_keys
 
 SELECTION = [name for name in POLICIES if name not in ("dense", "doublesparse")]
 
@@ -55,12 +56,13 @@ def test_batched_sparse_generation_equals_one_by_one(smollm2_engine):
     policy = make_policy("binarypc", {"budget": "0.1"})
     batched = eng.generate(prompts, gen, policy=policy)
     for i, p in enumerate(prompts):
-        assert batched.token_ids[i] == eng.generate([p], gen, policy=make_policy("binarypc", {"budget": "0.1"})).token_ids[0]
+        alone = eng.generate([p], gen, policy=make_policy("binarypc", {"budget": "0.1"}))
+        assert batched.token_ids[i] == alone.token_ids[0]
 
 
 def test_encode_decoded_keeps_the_unhashed_tail_within_the_window():
     keys = anisotropic_keys(2, 200, 16, seed=0).view(1, 2, 200, 16)
-    cache = _cache_with_keys(keys)
+    cache = cache_with_keys(keys)
     grow = BinaryPC(BinaryPCOptions(dense_layers=0, budget=0.05))
     bounded = BinaryPC(BinaryPCOptions(dense_layers=0, budget=0.05, encode_decoded=True, window=8))
     q = torch.randn(1, 4, 1, 16)
@@ -80,7 +82,7 @@ def test_encode_decoded_keeps_the_unhashed_tail_within_the_window():
 
 
 def test_rollback_forgets_codes():
-    cache = _cache_with_keys(anisotropic_keys(2, 64, 8, seed=1).view(1, 2, 64, 8))
+    cache = cache_with_keys(anisotropic_keys(2, 64, 8, seed=1).view(1, 2, 64, 8))
     policy = BinaryPC(BinaryPCOptions(dense_layers=0, encode_decoded=True))
     policy.build(0, cache, [40])
     policy.append(0, cache, [50])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -96,7 +96,9 @@ def make_context(kind: str, tokenizer, length: int, steps: int, seed: int) -> tu
 
 @torch.inference_mode()
 def record_queries(model: Transformer, context: list[int], continuation: list[int], steps: int):
-    """Dense prefill + teacher-forced dense decode -> (cache holding every token, queries[step][layer] [1, Hq, 1, D])."""
+    """Dense prefill + teacher-forced dense decode.
+
+    -> (cache holding every token, queries[step][layer] [1, Hq, 1, D])."""
     N = len(context)
     cache = KVCache(model.cfg, 1, N + steps, model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
     prefill(model, cache, [context], chunk=1024)
@@ -196,7 +198,8 @@ def write_report(rows: list[dict], out: Path, title: str) -> str:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "fidelity.json").write_text(json.dumps(rows, indent=1))
-    lines = [title, "", "| context | policy | budget | tokens/head | mass recall (min) | top-k recall | output rel. error |",
+    lines = [title, "",
+             "| context | policy | budget | tokens/head | mass recall (min) | top-k recall | output rel. error |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["context"], r["budget"], -r["mass_recall"])):
         lines.append(f"| {r['context']} | {r['policy']} | {r['budget']:g} | {r['tokens']:.0f} | "
