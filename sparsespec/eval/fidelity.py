@@ -63,6 +63,15 @@ class FidelityConfig:
         return make_policy(name, opts)
 
 
+def spec_label(spec: str) -> str:
+    """A short report label for a policy spec: file options show their file name only."""
+    name, inline = parse_spec(spec)
+    if not inline:
+        return name
+    short = [f"{k}={Path(v).name}" for k, _, v in (pair.partition("=") for pair in inline)]
+    return f"{name}:{','.join(short)}"
+
+
 def make_context(kind: str, tokenizer, length: int, steps: int, seed: int) -> tuple[list[int], list[int]]:
     """-> (context of `length` tokens, continuation of >= `steps` tokens), both from real text.
 
@@ -184,7 +193,7 @@ def run_fidelity(model: Transformer, tokenizer, cfg: FidelityConfig, progress: b
             if not isinstance(policy, SelectionPolicy):
                 raise SparseSpecError(f"policy {name} does not select keys; fidelity measures selection policies")
             metrics = evaluate_policy(policy, cache, queries, len(context), references)
-            rows.append({"context": kind, "length": len(context), "policy": name, "budget": budget,
+            rows.append({"context": kind, "length": len(context), "policy": spec_label(name), "budget": budget,
                          "steps": steps, **metrics})
     return rows
 
@@ -208,17 +217,22 @@ def write_report(rows: list[dict], out: Path, title: str) -> str:
     table = "\n".join(lines)
     (out / "fidelity.md").write_text(table + "\n")
     contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4), squeeze=False)
+    budgets = sorted({r["budget"] for r in rows})
+    low = min(r["mass_recall"] for r in rows)
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 5), squeeze=False)
     for ax, kind in zip(axes[0], contexts):
         for name in sorted({r["policy"] for r in rows}):
             pts = sorted((r["budget"], r["mass_recall"]) for r in rows if r["policy"] == name and r["context"] == kind)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set(title=f"{kind} context", xlabel="budget (fraction of context)", ylabel="attention mass recall",
-               xscale="log", ylim=(0, 1.02))
+        ax.set(title=f"{kind} context", xlabel="budget (share of the context)", ylabel="attention mass recall",
+               xscale="log", ylim=(max(0.0, low - 0.05), 1.0))
+        ax.set_xticks(budgets, [f"{100 * b:g}%" for b in budgets])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout(rect=(0, 0.05 + 0.035 * -(-len(labels) // 3), 1, 1))
     fig.savefig(out / "fidelity.png", dpi=120)
     plt.close(fig)
     return table

@@ -1,0 +1,387 @@
+"""Double-P: hierarchical top-p sparse decode attention over k-means clusters of the keys.
+
+Build (end of prefill), per (row, layer, KV head): the prefill keys outside the sinks and the recent window are
+clustered by k-means, ceil(n / cluster_size) clusters for n candidates. Cluster i keeps its centroid C_i (the mean
+of its members' keys), size s_i, value sum VΣ_i = Σ v_j, and its prefill members' slots grouped contiguously
+(CSR: cluster i's members are perm[offsets[i]:offsets[i + 1]]).
+
+Decode, one query per row:
+  stage 1  x_i = q·C_i/√D. One softmax over the exact logits of the always-kept tokens (sinks, recent window,
+           decoded tokens not clustered, the current token) together with the cluster log-weights x_i + log s_i
+           gives the kept mass K and the estimated cluster masses Â_i (Σ Â_i + K = 1). The kept mass counts
+           first toward p1: clusters are taken in decreasing Â until K + Σ Â ≥ p1 — the smallest such prefix,
+           empty when K ≥ p1 already.
+  stage 2  The leading clusters of that set (same order) until K + Σ Â ≥ p2 (p2_of="total"), or
+           ≥ p2 · (K + Σ_{p1 set} Â) (p2_of="selected"), are attended exactly, token by token. The rest of the
+           p1 set enter as centroid terms, e^{x_i} VΣ_i in the numerator and s_i e^{x_i} in the denominator
+           (tail="approx"), or are dropped (tail="drop"). Clusters outside the p1 set are dropped.
+  merged_attention computes both parts in one numerically stable softmax.
+
+GQA: the estimated masses of a KV head's G query heads are averaged (the group's mean mass, i.e. the sum over
+heads / G); each KV head selects one cluster set, shared by its query heads. p = 1 keeps every cluster whatever
+the rounding of the prefix sums, so p1 = p2 = 1 is dense attention.
+
+Decoded tokens (decoded="assign"): a token leaving the recent window joins the nearest non-empty centroid of its
+KV head (the centroids as they were before that append); the cluster's key sum, size and value sum grow and its
+centroid becomes the new mean. Every clustered slot remembers its cluster, so a rollback subtracts the tokens past
+the new boundary again (their keys are read back from the cache: call append on a rollback before the rolled-back
+slots are overwritten, or roll back at most `window` tokens). A row whose prefill left no candidates keeps its
+decoded tokens exact. decoded="window": decoded tokens are never clustered (a growing exact window).
+Empty clusters (k-means can leave some) keep their last centroid, have size 0 and never take part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import KVCache
+from ..errors import SparseSpecError
+from .policy import Policy, PolicyOptions
+
+_CHUNK = 1 << 24  # elements of one [G, n, k] distance block in `nearest`
+_CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window")}
+
+
+@dataclass(frozen=True)
+class DoublePOptions(PolicyOptions):
+    sinks: int = 4
+    window: int = 64
+    p1: float = 0.95  # cluster-level top-p: the selected set (kept tokens + clusters) reaches this estimated mass
+    p2: float = 0.7  # the part of it attended exactly, token by token
+    cluster_size: int = 16  # target average tokens per cluster
+    kmeans_iters: int = 10
+    seed: int = 0
+    p2_of: str = "total"  # p2 against the total estimated mass, or "selected": against the p1 set's mass
+    tail: str = "approx"  # p1 clusters outside the p2 set: centroid terms, or "drop"
+    decoded: str = "assign"  # decoded tokens leaving the window join the nearest cluster, or "window": stay exact
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("p1", "p2"):
+            if not 0 < getattr(self, name) <= 1:
+                raise SparseSpecError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.p2 > self.p1:
+            raise SparseSpecError(f"p2 must be <= p1, got p2={self.p2} > p1={self.p1}")
+        if self.cluster_size < 1:
+            raise SparseSpecError(f"cluster_size must be >= 1, got {self.cluster_size}")
+        if self.kmeans_iters < 1:
+            raise SparseSpecError(f"kmeans_iters must be >= 1, got {self.kmeans_iters}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise SparseSpecError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+
+
+# ---------------------------------------------------------------------------------------------- clustering
+
+def nearest(points: torch.Tensor, centroids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """points [G, N, D], centroids [G, k, D] (fp32) -> index of the nearest centroid [G, N] int64 (squared
+    Euclidean distance; a centroid with valid [G, k] False is never chosen unless none is valid)."""
+    G, N, _ = points.shape
+    k = centroids.shape[1]
+    bias = -centroids.pow(2).sum(-1)  # [G, k]
+    if valid is not None:
+        bias = bias.masked_fill(~valid, float("-inf"))
+    step = max(1, _CHUNK // max(1, G * k))
+    out = torch.empty(G, N, dtype=torch.long, device=points.device)
+    for s in range(0, N, step):
+        # [G, n, k]: ‖p‖² − ‖p − c‖², larger = nearer
+        score = 2 * points[:, s:s + step] @ centroids.transpose(1, 2) + bias[:, None]
+        out[:, s:s + step] = score.argmax(-1)
+    return out
+
+
+def cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [G, N, D], assign [G, N] in [0, k) -> (member sums [G, k, D] fp32, sizes [G, k] int64)."""
+    G, _, D = x.shape
+    sums = torch.zeros(G, k, D, device=x.device).scatter_add_(1, assign[..., None].expand(-1, -1, D), x.float())
+    sizes = torch.zeros(G, k, dtype=torch.long, device=x.device).scatter_add_(1, assign, torch.ones_like(assign))
+    return sums, sizes
+
+
+def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's k-means, batched over G heads. keys [G, N, D] -> (centroids [G, k, D] fp32, assign [G, N] int64).
+
+    Starts from k distinct random points per head (`generator`, a CPU generator); each of the `iters` steps assigns
+    every point to its nearest centroid, then moves each centroid to the mean of its members (an empty cluster
+    keeps its centroid). The returned centroids are the means of the returned assignment's clusters."""
+    G, N, D = keys.shape
+    if not 1 <= k <= N:
+        raise SparseSpecError(f"k-means needs 1 <= k <= {N} points, got k={k}")
+    offset = keys.float().mean(1, keepdim=True)  # distances are shift-invariant; centring keeps them precise
+    x = keys.float() - offset
+    init = torch.stack([torch.randperm(N, generator=generator)[:k] for _ in range(G)]).to(keys.device)  # [G, k]
+    centroids = x.gather(1, init[..., None].expand(-1, -1, D))
+    for _ in range(iters):
+        assign = nearest(x, centroids)
+        sums, sizes = cluster_sums(x, assign, k)
+        centroids = torch.where(sizes[..., None] > 0, sums / sizes.clamp_min(1)[..., None], centroids)
+    return centroids + offset, assign
+
+
+# ---------------------------------------------------------------------------------------------- selection
+
+def estimate_masses(kept_logits: torch.Tensor, kept_valid: torch.Tensor, cent_logit: torch.Tensor,
+                    cent_logsize: torch.Tensor, cent_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's joint softmax. kept_logits [B, Hkv, G, W] (exact q·k/√D of the always-kept tokens), kept_valid
+    [B, Hkv, W], cent_logit [B, Hkv, G, C] (x_i), cent_logsize [B, Hkv, C], cent_valid [B, Hkv, C]
+    -> (kept mass K [B, Hkv], cluster masses Â [B, Hkv, C]) fp32, each averaged over the G query heads."""
+    W = kept_logits.shape[-1]
+    lk = kept_logits.float().masked_fill(~kept_valid[:, :, None], float("-inf"))
+    lc = (cent_logit.float() + cent_logsize[:, :, None]).masked_fill(~cent_valid[:, :, None], float("-inf"))
+    p = torch.cat([lk, lc], -1).softmax(-1).mean(2)  # [B, Hkv, W + C]
+    return p[..., :W].sum(-1), p[..., W:]
+
+
+def top_p_prefix(mass: torch.Tensor, valid: torch.Tensor, base: torch.Tensor, p: float,
+                 total: torch.Tensor | None = None) -> torch.Tensor:
+    """The smallest set of valid clusters, taken in decreasing mass, with base + Σ mass ≥ p · total.
+    mass [..., C], valid [..., C] bool, base [...] (mass already counted), total [...] (1 if None)
+    -> bool [..., C]. p ≥ 1 takes every valid cluster; a base already reaching the target takes none."""
+    if p >= 1:
+        return valid.clone()
+    target = p if total is None else p * total.unsqueeze(-1)
+    order = mass.masked_fill(~valid, -1.0).argsort(-1, descending=True)
+    ok = valid.gather(-1, order)
+    ranked = mass.gather(-1, order).masked_fill(~ok, 0.0)
+    before = ranked.cumsum(-1) - ranked  # mass of the higher-ranked clusters
+    take = ok & (base.unsqueeze(-1) + before < target)
+    return torch.zeros_like(valid).scatter(-1, order, take)
+
+
+def csr_members(perm: torch.Tensor, offsets: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The member slots of the chosen clusters, each cluster's gathered contiguously. perm [B, Hkv, N], offsets
+    [B, Hkv, C + 1], chosen [B, Hkv, C] bool -> (slots [B, Hkv, M], valid [B, Hkv, M]); invalid slots are 0."""
+    counts = (offsets[..., 1:] - offsets[..., :-1]) * chosen  # [B, Hkv, C]
+    ends = counts.cumsum(-1)
+    M = int(ends[..., -1].max())
+    m = torch.arange(M, device=perm.device).expand(*ends.shape[:2], M).contiguous()  # [B, Hkv, M]
+    cluster = torch.searchsorted(ends, m, right=True).clamp(max=ends.shape[-1] - 1)  # which chosen cluster
+    within = m - (ends.gather(-1, cluster) - counts.gather(-1, cluster))
+    valid = m < ends[..., -1:]
+    at = (offsets.gather(-1, cluster) + within).clamp(max=perm.shape[-1] - 1)
+    return perm.gather(-1, at).masked_fill(~valid, 0), valid
+
+
+def merged_attention(q: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tensor, exact_valid: torch.Tensor,
+                     cent_logit: torch.Tensor, cent_logsize: torch.Tensor, cent_vsum: torch.Tensor,
+                     cent_valid: torch.Tensor) -> torch.Tensor:
+    """One softmax over exact tokens and centroid terms, in fp32 after subtracting the max of both parts:
+
+        o = (Σ_j e^{l_j} v_j + Σ_i e^{x_i} VΣ_i) / (Σ_j e^{l_j} + Σ_i s_i e^{x_i}),   l_j = q·k_j/√D
+
+    q [B, Hq, 1, D]; exact_k/exact_v [B, Hkv, M, D], exact_valid [B, Hkv, M]; cent_logit [B, Hq, C] (x_i per query
+    head), cent_logsize [B, Hkv, C] or [B, Hq, C] (log s_i), cent_vsum [B, Hkv, C, D], cent_valid [B, Hkv, C]
+    -> [B, Hq, 1, D] in q's dtype. A head with nothing valid outputs zeros."""
+    B, Hq, _, D = q.shape
+    Hkv, C = exact_k.shape[1], cent_logit.shape[-1]
+    G = Hq // Hkv
+    qg = q.reshape(B, Hkv, G, D).float()
+    le = (qg @ exact_k.float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, M]
+    le = le.masked_fill(~exact_valid[:, :, None], float("-inf"))
+    lc = cent_logit.reshape(B, Hkv, G, C).float()
+    ls = cent_logsize.float().reshape(B, Hkv, -1, C)  # [B, Hkv, 1 or G, C]
+    lc = lc.masked_fill(~cent_valid[:, :, None], float("-inf"))
+    lw = lc + ls  # log(s_i e^{x_i}): the denominator's centroid terms
+    top = torch.cat([le, lw], -1).amax(-1, keepdim=True)  # [B, Hkv, G, 1]
+    top = top.masked_fill(torch.isinf(top), 0.0)
+    pe, pc = (le - top).exp(), (lc - top).exp()  # lc ≤ lw ≤ top: no overflow
+    den = pe.sum(-1) + (lw - top).exp().sum(-1)  # [B, Hkv, G]
+    num = pe @ exact_v.float() + pc @ cent_vsum.float()  # [B, Hkv, G, D]
+    out = num / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, Hkv, S, D], idx [B, Hkv, M] -> [B, Hkv, M, D]."""
+    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+# ---------------------------------------------------------------------------------------------- the policy
+
+@dataclass
+class DoublePState:
+    centroids: torch.Tensor  # [B, Hkv, C, D] fp32: each cluster's mean key (the last one when it empties)
+    key_sum: torch.Tensor  # [B, Hkv, C, D] fp32
+    value_sum: torch.Tensor  # [B, Hkv, C, D] fp32
+    size: torch.Tensor  # [B, Hkv, C] int64; 0: empty, or padding past the row's cluster count
+    perm: torch.Tensor  # [B, Hkv, N] int64: the prefill members' slots grouped by cluster
+    offsets: torch.Tensor  # [B, Hkv, C + 1] int64: cluster i's prefill members are perm[offsets[i]:offsets[i+1]]
+    assign: torch.Tensor  # [B, Hkv, capacity] int64: each clustered slot's cluster, -1 elsewhere
+    prefill_end: list[int]  # row b's prefill members are slots [sinks, prefill_end[b])
+    clustered_end: list[int]  # row b's clustered slots are [sinks, clustered_end[b]); later slots are kept exact
+
+
+@dataclass
+class DoublePPlan:
+    """One decode step's selection."""
+
+    slots: torch.Tensor  # [B, Hkv, M] int64: slots attended exactly (kept tokens, then exact clusters' members)
+    valid: torch.Tensor  # [B, Hkv, M] bool
+    logits: torch.Tensor  # [B, Hkv, G, C] fp32: x_i
+    kept_mass: torch.Tensor  # [B, Hkv] fp32: estimated mass of the always-kept tokens
+    mass: torch.Tensor  # [B, Hkv, C] fp32: estimated cluster masses Â_i (query-group mean)
+    in_p1: torch.Tensor  # [B, Hkv, C] bool
+    exact: torch.Tensor  # [B, Hkv, C] bool: attended token by token (⊆ in_p1)
+    approx: torch.Tensor  # [B, Hkv, C] bool: centroid terms (⊆ in_p1 \ exact)
+
+
+class DoubleP(Policy):
+    name = "doublep"
+    Options = DoublePOptions
+
+    def __init__(self, options: DoublePOptions | None = None):
+        super().__init__(options)
+        self.last_stats: dict[str, torch.Tensor] | None = None
+
+    def build(self, layer, cache, lengths):
+        if not self.is_sparse(layer):
+            return
+        o = self.options
+        k, v = cache.k[layer], cache.v[layer]  # [B, Hkv, capacity, D]
+        B, Hkv, capacity, D = k.shape
+        ends = [max(o.sinks, n - o.window) for n in lengths]
+        counts = [e - o.sinks for e in ends]  # candidates per row
+        ks = [-(-n // o.cluster_size) for n in counts]
+        C, N = max(1, *ks), max(1, *counts)
+        dev, long = k.device, torch.long
+        st = DoublePState(centroids=torch.zeros(B, Hkv, C, D, device=dev),
+                          key_sum=torch.zeros(B, Hkv, C, D, device=dev),
+                          value_sum=torch.zeros(B, Hkv, C, D, device=dev),
+                          size=torch.zeros(B, Hkv, C, dtype=long, device=dev),
+                          perm=torch.zeros(B, Hkv, N, dtype=long, device=dev),
+                          offsets=torch.zeros(B, Hkv, C + 1, dtype=long, device=dev),
+                          assign=torch.full((B, Hkv, capacity), -1, dtype=long, device=dev),
+                          prefill_end=ends, clustered_end=list(ends))
+        for b in range(B):
+            n, kc, end = counts[b], ks[b], ends[b]
+            if n == 0:
+                continue
+            keys = k[b, :, o.sinks:end]  # [Hkv, n, D]
+            gen = torch.Generator().manual_seed(o.seed * 1_000_003 + layer)
+            centroids, assign = kmeans(keys, kc, o.kmeans_iters, gen)  # [Hkv, kc, D], [Hkv, n]
+            key_sum, size = cluster_sums(keys, assign, kc)
+            st.value_sum[b, :, :kc] = cluster_sums(v[b, :, o.sinks:end], assign, kc)[0]
+            st.key_sum[b, :, :kc], st.size[b, :, :kc] = key_sum, size
+            mean = key_sum / size.clamp_min(1)[..., None]
+            st.centroids[b, :, :kc] = torch.where(size[..., None] > 0, mean, centroids)
+            st.assign[b, :, o.sinks:end] = assign
+            st.perm[b, :, :n] = assign.argsort(-1, stable=True) + o.sinks
+            st.offsets[b, :, 1:kc + 1] = size.cumsum(-1)
+            st.offsets[b, :, kc + 1:] = n
+        cache.policy_state[layer] = st
+
+    def append(self, layer, cache, lengths):
+        st: DoublePState | None = cache.policy_state[layer]
+        if st is None:
+            return
+        o = self.options
+        for b, n in enumerate(lengths):
+            target = max(o.sinks, n - o.window)
+            if o.decoded == "window" or st.prefill_end[b] == o.sinks:
+                target = min(target, st.prefill_end[b])
+            end = st.clustered_end[b]
+            if target != end:
+                lo, hi = min(target, end), max(target, end)
+                keys, values = cache.k[layer][b, :, lo:hi].float(), cache.v[layer][b, :, lo:hi].float()
+                if target > end:  # tokens left the window: join their nearest non-empty cluster
+                    idx = nearest(keys, st.centroids[b], st.size[b] > 0)  # [Hkv, hi - lo]
+                    st.assign[b, :, lo:hi] = idx
+                    self._accumulate(st, b, idx, keys, values, 1)
+                else:  # rollback: take the tokens past the new boundary out again
+                    idx = st.assign[b, :, lo:hi].clone()
+                    st.assign[b, :, lo:hi] = -1
+                    self._accumulate(st, b, idx, keys, values, -1)
+            st.clustered_end[b] = target
+
+    @staticmethod
+    def _accumulate(st: DoublePState, row: int, idx: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    sign: int) -> None:
+        """Add (sign 1) or remove (-1) tokens keys/values [Hkv, n, D] to/from clusters idx [Hkv, n] of `row`;
+        their clusters' centroids become the new means."""
+        at = idx[..., None].expand(-1, -1, keys.shape[-1])
+        st.key_sum[row].scatter_add_(1, at, sign * keys)
+        st.value_sum[row].scatter_add_(1, at, sign * values)
+        st.size[row].scatter_add_(1, idx, torch.full_like(idx, sign))
+        size = st.size[row].gather(1, idx)[..., None]  # [Hkv, n, 1]
+        mean = st.key_sum[row].gather(1, at) / size.clamp_min(1)
+        st.centroids[row].scatter_(1, at, torch.where(size > 0, mean, st.centroids[row].gather(1, at)))
+
+    def plan(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> DoublePPlan:
+        """q [B, Hq, 1, D] at `positions` [B] -> this step's cluster sets and exactly attended slots."""
+        st: DoublePState | None = cache.policy_state[layer]
+        if st is None:
+            raise SparseSpecError(f"doublep has no index for layer {layer}: build it at the end of prefill")
+        o = self.options
+        k = cache.k[layer]
+        B, Hq, _, D = q.shape
+        Hkv, dev = k.shape[1], q.device
+        qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
+        pos, ends, pre = positions.tolist(), st.clustered_end, st.prefill_end
+
+        # Always kept: sinks [0, min(sinks, pos + 1)) and [clustered_end, pos].
+        n_sink = [min(o.sinks, p + 1) for p in pos]
+        n_kept = [s + max(0, p - e + 1) for s, p, e in zip(n_sink, pos, ends)]
+        m = torch.arange(max(n_kept), device=dev)
+        n_sink_t, ends_t = torch.tensor(n_sink, device=dev)[:, None], torch.tensor(ends, device=dev)[:, None]
+        kept_valid = (m < torch.tensor(n_kept, device=dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
+        kept = torch.where(m < n_sink_t, m, ends_t + m - n_sink_t)[:, None].expand(-1, Hkv, -1)
+        kept = kept.masked_fill(~kept_valid, 0)
+        kept_logits = (qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, W]
+
+        # Stage 1 and stage 2 on cluster masses.
+        logits = (qg @ st.centroids.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, C]
+        cvalid = st.size > 0
+        kept_mass, mass = estimate_masses(kept_logits, kept_valid, logits, st.size.float().log(), cvalid)
+        in_p1 = top_p_prefix(mass, cvalid, kept_mass, o.p1)
+        total = kept_mass + (mass * in_p1).sum(-1) if o.p2_of == "selected" else None
+        exact = top_p_prefix(mass, in_p1, kept_mass, o.p2, total)
+        approx = in_p1 & ~exact if o.tail == "approx" else torch.zeros_like(exact)
+
+        # Exact clusters' members: prefill members via CSR, decoded members from [prefill_end, clustered_end).
+        members, members_valid = csr_members(st.perm, st.offsets, exact)
+        members_valid &= members < ends_t[:, :, None]  # (a rollback below the prefill length unclusters slots)
+        n_dec = [max(0, e - s) for e, s in zip(ends, pre)]
+        d = torch.arange(max(n_dec), device=dev)
+        dec_valid = (d < torch.tensor(n_dec, device=dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
+        dec = (torch.tensor(pre, device=dev)[:, None] + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
+        cluster = st.assign.gather(-1, dec)
+        dec_valid = dec_valid & (cluster >= 0) & exact.gather(-1, cluster.clamp_min(0))
+        return DoublePPlan(slots=torch.cat([kept, dec.masked_fill(~dec_valid, 0), members], -1),
+                           valid=torch.cat([kept_valid, dec_valid, members_valid], -1), logits=logits,
+                           kept_mass=kept_mass, mass=mass, in_p1=in_p1, exact=exact, approx=approx)
+
+    def decode_with_stats(self, layer, q, cache, positions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """-> (output [B, Hq, 1, D], stats): per (row, KV head) [B, Hkv]: exact_tokens (tokens attended exactly,
+        kept ones included), centroid_terms, clusters (non-empty), p1_clusters, exact_clusters, and the estimated
+        masses p1_mass (kept + p1 set) and exact_mass (kept + exact clusters)."""
+        st: DoublePState = cache.policy_state[layer]
+        plan = self.plan(layer, q, cache, positions)
+        B, Hq, _, _ = q.shape
+        out = merged_attention(q, _gather(cache.k[layer], plan.slots), _gather(cache.v[layer], plan.slots),
+                               plan.valid, plan.logits.reshape(B, Hq, -1), st.size.float().log(), st.value_sum,
+                               plan.approx)
+        stats = {"exact_tokens": plan.valid.sum(-1), "centroid_terms": plan.approx.sum(-1),
+                 "clusters": (st.size > 0).sum(-1), "p1_clusters": plan.in_p1.sum(-1),
+                 "exact_clusters": plan.exact.sum(-1), "p1_mass": plan.kept_mass + (plan.mass * plan.in_p1).sum(-1),
+                 "exact_mass": plan.kept_mass + (plan.mass * plan.exact).sum(-1)}
+        return out, stats
+
+    def decode(self, layer, q, cache, positions):
+        out, self.last_stats = self.decode_with_stats(layer, q, cache, positions)
+        return out
+
+    def selected_slots(self, layer: int, q: torch.Tensor, cache: KVCache,
+                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (exact [B, Hkv, S], approximated [B, Hkv, S]) bool, S = max(positions) + 1: the slots attended token
+        by token, and the members of the clusters entering as centroid terms (disjoint)."""
+        st: DoublePState = cache.policy_state[layer]
+        plan = self.plan(layer, q, cache, positions)
+        S = int(positions.max()) + 1
+        B, Hkv, _ = plan.slots.shape
+        hits = torch.zeros(B, Hkv, S, dtype=torch.long, device=q.device)
+        exact = hits.scatter_add_(-1, plan.slots, plan.valid.long()) > 0
+        cluster = st.assign[..., :S]
+        approx = (cluster >= 0) & plan.approx.gather(-1, cluster.clamp_min(0))
+        return exact, approx
