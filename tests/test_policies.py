@@ -33,6 +33,8 @@ def test_full_budget_reproduces_dense_greedy(smollm2_engine, prompt, dense_token
     options = {"budget": "1.0", "dense_layers": "0"}
     if name == "magicpig":  # its collision filter drops keys whatever the budget; 0 makes every key a candidate
         options["min_collisions"] = "0"
+    if name == "doublep":  # top-p: the budget is p, not a token count
+        options.update(p1="1.0", p2="1.0")
     policy = make_policy(name, options)
     out = smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=20, stop_on_eos=False), policy=policy)
     assert out.token_ids[0] == dense_tokens

@@ -7,6 +7,7 @@ from typing import Any
 from ..errors import SparseSpecError
 from .binarypc import BinaryPC
 from .dense import Dense
+from .doublep import DoubleP
 from .doublesparse import DoubleSparse
 from .magicpig import MagicPIG
 from .policy import Policy, parse_options
@@ -15,7 +16,7 @@ from .streaming import StreamingLLM
 from .topk import OracleTopK
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Dense, OracleTopK, StreamingLLM, Quest, DoubleSparse, MagicPIG, BinaryPC)
+    cls.name: cls for cls in (Dense, OracleTopK, StreamingLLM, Quest, DoubleSparse, MagicPIG, BinaryPC, DoubleP)
 }
 
 

@@ -267,7 +267,7 @@ class DoubleP(Policy):
             mean = key_sum / size.clamp_min(1)[..., None]
             st.centroids[b, :, :kc] = torch.where(size[..., None] > 0, mean, centroids)
             st.assign[b, :, o.sinks:end] = assign
-            st.perm[b, :, :n] = assign.argsort(-1, stable=True) + o.sinks
+            st.perm[b, :, :n] = assign.argsort(dim=-1, stable=True) + o.sinks
             st.offsets[b, :, 1:kc + 1] = size.cumsum(-1)
             st.offsets[b, :, kc + 1:] = n
         cache.policy_state[layer] = st

@@ -1,0 +1,447 @@
+"""Double-P against its definitions: k-means, cluster layout, the merged softmax, the two top-p stages, decoded-token
+assignment and rollback, full p = dense attention."""
+
+import itertools
+
+import pytest
+import torch
+
+from sparsespec.attention.dense import causal_mask, dense_attention
+from sparsespec.attention.doublep import (
+    DoubleP, DoublePOptions, cluster_sums, csr_members, kmeans, merged_attention, nearest, top_p_prefix,
+)
+from sparsespec.attention.policy import parse_options
+from sparsespec.cache import KVCache
+from sparsespec.config import ModelConfig
+from sparsespec.errors import SparseSpecError
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def make_cache(B, Hkv, S, D, dtype=torch.float32, seed=0, offset=0.0):
+    """A one-layer cache with random keys (plus a shared offset, as real keys have) and values in every slot."""
+    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=Hkv * D * 2, intermediate_size=8, num_layers=1,
+                      num_heads=Hkv * 2, num_kv_heads=Hkv, head_dim=D, max_position=S)
+    cache = KVCache(cfg, B, S, dtype, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    cache.k[0].copy_(torch.randn(B, Hkv, S, D, generator=g) * 1.5 + offset * torch.randn(1, Hkv, 1, D, generator=g))
+    cache.v[0].copy_(torch.randn(B, Hkv, S, D, generator=g))
+    return cache
+
+
+def dense_reference(q, cache, positions):
+    kv_len = int(positions.max()) + 1
+    k, v = cache.keys(0, kv_len)
+    return dense_attention(q, k, v, causal_mask(positions[:, None], kv_len))
+
+
+def grow(policy, cache, lengths, steps):
+    """Commit `steps` more tokens per row, one decode step at a time (the cache already holds their K/V)."""
+    for _ in range(steps):
+        lengths = [n + 1 for n in lengths]
+        policy.append(0, cache, lengths)
+    return lengths
+
+
+def clone_state(st):
+    return {name: getattr(st, name).clone() for name in ("centroids", "key_sum", "value_sum", "size", "assign")} | {
+        "clustered_end": list(st.clustered_end)}
+
+
+# ---------------------------------------------------------------------------------------------- full p = dense
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decoded,sinks,window,cluster_size", [
+    ("assign", 3, 5, 4), ("window", 4, 7, 3), ("assign", 0, 0, 5), ("assign", 2, 60, 4)])
+def test_full_p_equals_dense_attention(dtype, decoded, sinks, window, cluster_size):
+    B, Hq, Hkv, D, S = 2, 6, 2, 24, 71
+    cache = make_cache(B, Hkv, S, D, dtype, seed=sinks + window, offset=2.0)
+    policy = DoubleP(DoublePOptions(p1=1.0, p2=1.0, sinks=sinks, window=window, cluster_size=cluster_size,
+                                    decoded=decoded, dense_layers=0))
+    lengths = [47, 59]
+    policy.build(0, cache, lengths)
+    g = torch.Generator().manual_seed(7)
+    for steps in (0, 3, 6):
+        lengths = grow(policy, cache, lengths, steps)
+        positions = torch.tensor(lengths)
+        q = (torch.randn(B, Hq, 1, D, generator=g) * 1.5).to(dtype)
+        out = policy.decode(0, q, cache, positions)
+        assert out.dtype == dtype and out.shape == (B, Hq, 1, D)
+        ref = dense_reference(q, cache, positions)
+        assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), \
+            (out.float() - ref.float()).abs().max()
+        stats = policy.last_stats
+        assert stats["centroid_terms"].sum() == 0
+        assert torch.equal(stats["exact_tokens"], (positions + 1)[:, None].expand(B, Hkv))
+
+
+# ---------------------------------------------------------------------------------------------- merged softmax
+
+def naive_merged(q, exact_k, exact_v, exact_valid, cent_logit, cent_size, cent_vsum, cent_valid):
+    """float64, one softmax over a written-out term list: tokens (q·k/√D, v) and centroids (x + log s, VΣ / s)."""
+    B, Hq, _, D = q.shape
+    Hkv = exact_k.shape[1]
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    for b, h in itertools.product(range(B), range(Hq)):
+        kv = h // (Hq // Hkv)
+        logits, values = [], []
+        for j in range(exact_k.shape[2]):
+            if exact_valid[b, kv, j]:
+                logits.append(q[b, h, 0].double() @ exact_k[b, kv, j].double() / D**0.5)
+                values.append(exact_v[b, kv, j].double())
+        for i in range(cent_logit.shape[-1]):
+            if cent_valid[b, kv, i]:
+                s = cent_size[b, kv, i].double()
+                logits.append(cent_logit[b, h, i].double() + s.log())
+                values.append(cent_vsum[b, kv, i].double() / s)
+        w = torch.stack(logits).softmax(0)
+        out[b, h] = (w[:, None] * torch.stack(values)).sum(0)
+    return out[:, :, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_merged_attention_equals_naive_term_list(dtype, scale):
+    g = torch.Generator().manual_seed(int(scale))
+    B, Hq, Hkv, D, M, C = 2, 6, 2, 24, 13, 9
+    q = (torch.randn(B, Hq, 1, D, generator=g) * scale).to(dtype)
+    exact_k = torch.randn(B, Hkv, M, D, generator=g).to(dtype)
+    exact_v = torch.randn(B, Hkv, M, D, generator=g).to(dtype)
+    exact_valid = torch.rand(B, Hkv, M, generator=g) > 0.3
+    exact_valid[..., 0] = True
+    cent_logit = torch.randn(B, Hq, C, generator=g) * 5 * scale  # |x| up to ~1000 at scale 40
+    size = torch.randint(1, 40, (B, Hkv, C), generator=g)
+    cent_vsum = torch.randn(B, Hkv, C, D, generator=g) * size[..., None]
+    cent_valid = torch.rand(B, Hkv, C, generator=g) > 0.4
+    out = merged_attention(q, exact_k, exact_v, exact_valid, cent_logit, size.float().log(), cent_vsum, cent_valid)
+    assert out.dtype == dtype and out.shape == (B, Hq, 1, D) and torch.isfinite(out).all()
+    ref = naive_merged(q, exact_k, exact_v, exact_valid, cent_logit, size, cent_vsum, cent_valid)
+    tol = TOL[dtype] if scale == 1.0 else max(TOL[dtype], 2e-3)  # fp32 q·k of size ~1e3 carries ~1e-4 error
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+    # per-query-head log sizes give the same result
+    per_head = size.float().log().repeat_interleave(Hq // Hkv, dim=1)
+    same = merged_attention(q, exact_k, exact_v, exact_valid, cent_logit, per_head, cent_vsum, cent_valid)
+    assert torch.equal(same, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cluster_of_identical_keys_is_exact_as_a_centroid_term(dtype):
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, M, n = 2, 6, 2, 24, 7, 11
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
+    exact_k = torch.randn(B, Hkv, M, D, generator=g).to(dtype)
+    exact_v = torch.randn(B, Hkv, M, D, generator=g).to(dtype)
+    key = (torch.randn(B, Hkv, 1, D, generator=g) * 2).to(dtype)
+    members_v = torch.randn(B, Hkv, n, D, generator=g).to(dtype)
+    all_k = torch.cat([exact_k, key.expand(-1, -1, n, -1)], 2)
+    all_v = torch.cat([exact_v, members_v], 2)
+    ref = dense_attention(q.float(), all_k.float(), all_v.float(), torch.ones(B, 1, 1, M + n, dtype=torch.bool))
+    x = (q.float().view(B, Hkv, Hq // Hkv, D) @ key.float().transpose(-1, -2)).view(B, Hq, 1) / D**0.5
+    out = merged_attention(q, exact_k, exact_v, torch.ones(B, Hkv, M, dtype=torch.bool), x,
+                           torch.full((B, Hkv, 1), float(n)).log(), members_v.float().sum(2, keepdim=True),
+                           torch.ones(B, Hkv, 1, dtype=torch.bool))
+    assert torch.allclose(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype]), (out.float() - ref).abs().max()
+
+
+def test_merged_attention_with_nothing_valid_is_zero():
+    q = torch.randn(1, 2, 1, 8)
+    out = merged_attention(q, torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8), torch.zeros(1, 1, 3, dtype=torch.bool),
+                           torch.randn(1, 2, 2), torch.zeros(1, 1, 2), torch.randn(1, 1, 2, 8),
+                           torch.zeros(1, 1, 2, dtype=torch.bool))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+# ---------------------------------------------------------------------------------------------- k-means
+
+def objective(x, centroids, assign):
+    return (x - centroids.gather(1, assign[..., None].expand(-1, -1, x.shape[-1]))).pow(2).sum().item()
+
+
+def test_kmeans_is_seeded_assigns_every_point_and_never_worsens():
+    g = torch.Generator().manual_seed(0)
+    G, N, D, k = 3, 157, 12, 10
+    x = torch.randn(G, N, D, generator=g) + 4 * torch.randn(G, 1, D, generator=g)
+    c1, a1 = kmeans(x, k, 6, torch.Generator().manual_seed(5))
+    c2, a2 = kmeans(x, k, 6, torch.Generator().manual_seed(5))
+    assert torch.equal(c1, c2) and torch.equal(a1, a2)
+    c3, _ = kmeans(x, k, 6, torch.Generator().manual_seed(6))
+    assert not torch.equal(c1, c3)
+    assert a1.shape == (G, N) and a1.dtype == torch.long and ((a1 >= 0) & (a1 < k)).all()
+    # the centroids are the means of the returned clusters
+    sums, sizes = cluster_sums(x, a1, k)
+    nonempty = sizes > 0
+    assert torch.allclose(c1[nonempty], (sums / sizes.clamp_min(1)[..., None])[nonempty], atol=1e-5)
+    # Lloyd: the objective never increases from one iteration to the next
+    costs = [objective(x, *kmeans(x, k, t, torch.Generator().manual_seed(5))) for t in range(1, 9)]
+    assert all(b <= a * (1 + 1e-6) for a, b in itertools.pairwise(costs)), costs
+    assert costs[-1] < costs[0]
+
+
+def test_kmeans_empty_clusters_and_nearest_matches_cdist():
+    g = torch.Generator().manual_seed(1)
+    # two distinct points repeated: k = 4 distinct initial points are impossible to keep apart, clusters empty out
+    x = torch.randn(2, 2, 7, generator=g).repeat_interleave(15, dim=1)  # [2, 30, 7]
+    centroids, assign = kmeans(x, 4, 5, torch.Generator().manual_seed(0))
+    assert torch.isfinite(centroids).all() and ((assign >= 0) & (assign < 4)).all()
+    assert objective(x, centroids, assign) < 1e-8
+    _, sizes = cluster_sums(x, assign, 4)
+    assert ((sizes > 0).sum(-1) == 2).all()
+    # k = N: every point is its own cluster
+    y = torch.randn(2, 9, 7, generator=g)
+    centroids, assign = kmeans(y, 9, 3, torch.Generator().manual_seed(0))
+    assert objective(y, centroids, assign) < 1e-8 and all(len(set(a.tolist())) == 9 for a in assign)
+    x = torch.randn(2, 90, 7, generator=g) * 3
+    cents = torch.randn(2, 6, 7, generator=g)
+    assert torch.equal(nearest(x, cents), torch.cdist(x, cents).argmin(-1))
+    valid = torch.tensor([[True, False, True, False, True, True]] * 2)
+    masked = torch.cdist(x, cents).masked_fill(~valid[:, None], float("inf")).argmin(-1)
+    assert torch.equal(nearest(x, cents, valid), masked)
+
+
+def test_cluster_layout_groups_each_clusters_members():
+    cache = make_cache(2, 2, 80, 16, seed=4)
+    policy = DoubleP(DoublePOptions(sinks=3, window=6, cluster_size=5, dense_layers=0))
+    lengths = [61, 77]
+    policy.build(0, cache, lengths)
+    st = cache.policy_state[0]
+    for b, n in enumerate(lengths):
+        end = n - 6
+        assert st.prefill_end[b] == st.clustered_end[b] == end
+        k = -(-(end - 3) // 5)
+        for h in range(2):
+            assign = st.assign[b, h]
+            assert (assign[:3] == -1).all() and (assign[end:] == -1).all() and (assign[3:end] >= 0).all()
+            assert (assign[3:end] < k).all() and (st.size[b, h, k:] == 0).all()
+            for c in range(k):
+                members = st.perm[b, h, st.offsets[b, h, c]:st.offsets[b, h, c + 1]]
+                assert set(members.tolist()) == set((torch.nonzero(assign == c).flatten()).tolist())
+                assert st.size[b, h, c] == len(members)
+                if len(members):
+                    vsum = cache.v[0][b, h, members].sum(0)
+                    assert torch.allclose(st.value_sum[b, h, c], vsum, atol=1e-5)
+                    assert torch.allclose(st.centroids[b, h, c], cache.k[0][b, h, members].mean(0), atol=1e-5)
+    # csr_members gathers exactly the chosen clusters' members
+    chosen = torch.rand(st.size.shape, generator=torch.Generator().manual_seed(0)) > 0.5
+    slots, valid = csr_members(st.perm, st.offsets, chosen)
+    for b, h in itertools.product(range(2), range(2)):
+        got = slots[b, h][valid[b, h]].tolist()
+        assert len(got) == len(set(got))
+        expected = {s for s in range(80) if st.assign[b, h, s] >= 0 and chosen[b, h, st.assign[b, h, s]]}
+        assert set(got) == expected
+
+
+# ---------------------------------------------------------------------------------------------- the two stages
+
+def brute_force_top_p(mass, valid, base, target):
+    """The smallest set of valid clusters reaching target (None if none does), by enumeration; ties impossible."""
+    ids = [i for i in range(len(mass)) if valid[i]]
+    for r in range(len(ids) + 1):
+        best = max(itertools.combinations(ids, r), key=lambda s: sum(mass[i] for i in s))
+        if base + sum(mass[i] for i in best) >= target:
+            return set(best)
+    return set(ids)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_p_prefix_is_the_smallest_set_reaching_p(seed):
+    g = torch.Generator().manual_seed(seed)
+    R, C = 20, 7
+    raw = torch.rand(R, C + 1, generator=g) ** 3
+    raw = raw / raw.sum(-1, keepdim=True)
+    base, mass = raw[:, 0], raw[:, 1:]
+    valid = torch.rand(R, C, generator=g) > 0.2
+    for p in (0.3, 0.7, 0.95, 1.0):
+        got = top_p_prefix(mass, valid, base, p)
+        for r in range(R):
+            expected = brute_force_top_p(mass[r].tolist(), valid[r].tolist(), base[r].item(), p)
+            if p == 1.0:  # p = 1 takes every valid cluster, whatever the rounding of the sums
+                expected = set(torch.nonzero(valid[r]).flatten().tolist())
+            assert set(torch.nonzero(got[r]).flatten().tolist()) == expected, (p, r)
+    total = torch.rand(R, generator=g)  # a relative target: p · total
+    got = top_p_prefix(mass, valid, base, 0.6, total)
+    for r in range(R):
+        expected = brute_force_top_p(mass[r].tolist(), valid[r].tolist(), base[r].item(), 0.6 * total[r].item())
+        assert set(torch.nonzero(got[r]).flatten().tolist()) == expected
+
+
+def reference_masses(q, cache, st, positions, sinks):
+    """float64 per query head softmax over kept tokens' logits and cluster log-weights, averaged over the group."""
+    B, Hq, _, D = q.shape
+    Hkv = cache.k[0].shape[1]
+    G = Hq // Hkv
+    kept_mass = torch.zeros(B, Hkv, dtype=torch.float64)
+    mass = torch.zeros(st.size.shape, dtype=torch.float64)
+    for b in range(B):
+        p, e = int(positions[b]), st.clustered_end[b]
+        kept = [s for s in range(p + 1) if s < sinks or s >= e]
+        for h in range(Hq):
+            kv = h // G
+            qh = q[b, h, 0].double()
+            lk = cache.k[0][b, kv, kept].double() @ qh / D**0.5
+            size = st.size[b, kv].double()
+            lc = st.centroids[b, kv].double() @ qh / D**0.5 + size.log()
+            w = torch.cat([lk, lc]).softmax(0)
+            kept_mass[b, kv] += w[:len(kept)].sum() / G
+            mass[b, kv] += w[len(kept):] / G
+    return kept_mass, mass
+
+
+@pytest.mark.parametrize("p2_of,tail", [("total", "approx"), ("selected", "approx"), ("total", "drop")])
+def test_stages_select_the_brute_force_sets(p2_of, tail):
+    B, Hq, Hkv, D, S = 2, 6, 2, 24, 140
+    cache = make_cache(B, Hkv, S, D, seed=11, offset=1.0)
+    opts = DoublePOptions(p1=0.8, p2=0.5, sinks=3, window=9, cluster_size=6, p2_of=p2_of, tail=tail, dense_layers=0)
+    policy = DoubleP(opts)
+    lengths = [97, 123]
+    policy.build(0, cache, lengths)
+    lengths = grow(policy, cache, lengths, 12)
+    positions = torch.tensor(lengths)
+    g = torch.Generator().manual_seed(2)
+    st = cache.policy_state[0]
+    for _ in range(3):
+        q = torch.randn(B, Hq, 1, D, generator=g) * 3
+        plan = policy.plan(0, q, cache, positions)
+        kept_mass, mass = reference_masses(q, cache, st, positions, sinks=3)
+        assert torch.allclose(plan.kept_mass.double(), kept_mass, atol=1e-5)
+        assert torch.allclose(plan.mass.double(), mass, atol=1e-5)
+        for b, h in itertools.product(range(B), range(Hkv)):
+            m, valid, base = plan.mass[b, h].tolist(), (st.size[b, h] > 0).tolist(), plan.kept_mass[b, h].item()
+            p1_set = brute_force_top_p(m, valid, base, opts.p1)
+            assert set(torch.nonzero(plan.in_p1[b, h]).flatten().tolist()) == p1_set
+            target = opts.p2 * (base + sum(m[i] for i in p1_set) if p2_of == "selected" else 1.0)
+            in_p1 = [i in p1_set for i in range(len(m))]
+            assert set(torch.nonzero(plan.exact[b, h]).flatten().tolist()) == brute_force_top_p(m, in_p1, base, target)
+            approx = p1_set - set(torch.nonzero(plan.exact[b, h]).flatten().tolist()) if tail == "approx" else set()
+            assert set(torch.nonzero(plan.approx[b, h]).flatten().tolist()) == approx
+        _, stats = policy.decode_with_stats(0, q, cache, positions)
+        every = plan.in_p1.sum(-1) == (st.size > 0).sum(-1)
+        assert ((stats["p1_mass"] >= opts.p1 - 1e-6) | every).all()
+        assert (stats["exact_tokens"] < positions[:, None] + 1).any()  # it is sparse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_is_the_merged_softmax_over_the_selected_slots_and_centroids(dtype):
+    B, Hq, Hkv, D, S = 2, 6, 2, 24, 120
+    cache = make_cache(B, Hkv, S, D, dtype, seed=5, offset=1.0)
+    policy = DoubleP(DoublePOptions(p1=0.9, p2=0.6, sinks=2, window=7, cluster_size=5, dense_layers=0))
+    lengths = [83, 101]
+    policy.build(0, cache, lengths)
+    lengths = grow(policy, cache, lengths, 9)
+    positions = torch.tensor(lengths)
+    st = cache.policy_state[0]
+    q = (torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(9)) * 3).to(dtype)
+    out, stats = policy.decode_with_stats(0, q, cache, positions)
+    plan = policy.plan(0, q, cache, positions)
+    exact, approx = policy.selected_slots(0, q, cache, positions)
+    assert not (exact & approx).any()
+    assert torch.equal(exact.sum(-1), stats["exact_tokens"]) and (stats["centroid_terms"] > 0).any()
+    for b, h in itertools.product(range(B), range(Hkv)):  # exact = kept tokens + members of exact clusters
+        p, e = lengths[b], st.clustered_end[b]
+        for s in range(p + 1):
+            c = int(st.assign[b, h, s])
+            assert bool(exact[b, h, s]) == (s < 2 or s >= e or bool(plan.exact[b, h, c])), (b, h, s)
+            assert bool(approx[b, h, s]) == (c >= 0 and bool(plan.approx[b, h, c]))
+    kv_len = int(positions.max()) + 1
+    ref = naive_merged(q, cache.k[0][:, :, :kv_len], cache.v[0][:, :, :kv_len], exact,
+                       plan.logits.reshape(B, Hq, -1), st.size.clamp_min(1), st.value_sum, plan.approx)
+    assert torch.allclose(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype]), (out.double() - ref).abs().max()
+
+
+# ---------------------------------------------------------------------------------------------- decoded tokens
+
+def assert_matches_recomputation(st, cache, sinks):
+    k, v = cache.k[0].float(), cache.v[0].float()
+    B, Hkv, C = st.size.shape
+    for b, h in itertools.product(range(B), range(Hkv)):
+        end, assign = st.clustered_end[b], st.assign[b, h]
+        assert (assign[:sinks] == -1).all() and (assign[end:] == -1).all() and (assign[sinks:end] >= 0).all()
+        idx = assign[sinks:end]
+        size = torch.bincount(idx, minlength=C)
+        key_sum = torch.zeros(C, k.shape[-1]).index_add_(0, idx, k[b, h, sinks:end])
+        value_sum = torch.zeros(C, k.shape[-1]).index_add_(0, idx, v[b, h, sinks:end])
+        assert torch.equal(st.size[b, h], size)
+        assert torch.allclose(st.key_sum[b, h], key_sum, atol=1e-4)
+        assert torch.allclose(st.value_sum[b, h], value_sum, atol=1e-4)
+        nonempty = size > 0
+        assert torch.allclose(st.centroids[b, h][nonempty], (key_sum / size.clamp_min(1)[:, None])[nonempty],
+                              atol=1e-5)
+
+
+def test_decoded_tokens_join_the_nearest_cluster_and_rollback_restores_the_state():
+    sinks, window = 3, 5
+    cache = make_cache(2, 2, 96, 20, seed=8, offset=1.5)
+    policy = DoubleP(DoublePOptions(sinks=sinks, window=window, cluster_size=4, dense_layers=0))
+    lengths = [50, 63]
+    policy.build(0, cache, lengths)
+    st = cache.policy_state[0]
+    before = st.centroids.clone()
+    valid = st.size > 0
+    lengths = grow(policy, cache, lengths, 1)  # one token per row leaves the window
+    for b, n in enumerate(lengths):
+        slot = n - window - 1
+        assert st.clustered_end[b] == n - window
+        for h in range(2):
+            dist = (before[b, h] - cache.k[0][b, h, slot]).norm(dim=-1).masked_fill(~valid[b, h], float("inf"))
+            assert st.assign[b, h, slot] == dist.argmin()
+    assert_matches_recomputation(st, cache, sinks)
+    lengths = grow(policy, cache, lengths, 7)
+    assert_matches_recomputation(st, cache, sinks)
+    snapshot, at = clone_state(st), list(lengths)
+    policy.append(0, cache, [n + 6 for n in lengths])  # a multi-token commit
+    assert_matches_recomputation(st, cache, sinks)
+    assert not torch.allclose(st.centroids, snapshot["centroids"])
+    policy.append(0, cache, at)  # roll back
+    for name, value in snapshot.items():
+        if name == "clustered_end":
+            assert st.clustered_end == value
+        elif value.dtype == torch.long:
+            assert torch.equal(getattr(st, name), value), name
+        else:
+            assert torch.allclose(getattr(st, name), value, atol=1e-5), name
+    # regrow after the rollback with different tokens, then roll back below the prefill length
+    for b, n in enumerate(at):
+        cache.k[0][b, :, n:].normal_()
+    policy.append(0, cache, [n + 12 for n in at])
+    assert_matches_recomputation(st, cache, sinks)
+    policy.append(0, cache, [40, 41])
+    assert st.clustered_end == [40 - window, 41 - window]
+    assert_matches_recomputation(st, cache, sinks)
+    q = torch.randn(2, 4, 1, 20)
+    positions = torch.tensor([40, 41])
+    full = DoubleP(DoublePOptions(p1=1.0, p2=1.0, sinks=sinks, window=window, dense_layers=0))
+    assert torch.allclose(full.decode(0, q, cache, positions), dense_reference(q, cache, positions), atol=1e-5)
+
+
+def test_window_mode_never_clusters_decoded_tokens():
+    cache = make_cache(1, 2, 90, 16, seed=2)
+    policy = DoubleP(DoublePOptions(sinks=4, window=6, cluster_size=4, decoded="window", dense_layers=0))
+    policy.build(0, cache, [60])
+    st = cache.policy_state[0]
+    snapshot = clone_state(st)
+    grow(policy, cache, [60], 20)
+    assert st.clustered_end == [54]
+    assert torch.equal(st.assign, snapshot["assign"]) and torch.equal(st.size, snapshot["size"])
+    q = torch.randn(1, 4, 1, 16)
+    _, stats = policy.decode_with_stats(0, q, cache, torch.tensor([80]))
+    assert (stats["exact_tokens"] >= 4 + 80 - 54 + 1).all()  # sinks + growing window + current token
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+@pytest.mark.parametrize("bad", [
+    {"p1": 0.0}, {"p1": 1.2}, {"p2": 0.0}, {"p1": 0.6, "p2": 0.7}, {"p2_of": "all"}, {"tail": "keep"},
+    {"decoded": "recluster"}, {"cluster_size": 0}, {"kmeans_iters": 0}, {"window": -1}, {"sinks": -2}])
+def test_invalid_options_are_rejected(bad):
+    with pytest.raises(SparseSpecError):
+        DoublePOptions(**bad)
+
+
+def test_options_parse_from_strings():
+    opts = parse_options(DoublePOptions, ["p1=0.9", "p2=0.5", "p2_of=selected", "tail=drop", "decoded=window",
+                                          "cluster_size=32"])
+    assert (opts.p1, opts.p2, opts.p2_of, opts.tail, opts.decoded, opts.cluster_size) == (
+        0.9, 0.5, "selected", "drop", "window", 32)
+    assert (DoublePOptions().sinks, DoublePOptions().window, DoublePOptions().p1, DoublePOptions().p2) == (
+        4, 64, 0.95, 0.7)
+    with pytest.raises(SparseSpecError):
+        parse_options(DoublePOptions, ["p2=0.99"])
