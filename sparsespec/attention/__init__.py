@@ -14,10 +14,11 @@ from .policy import Policy, parse_options
 from .quest import Quest
 from .streaming import StreamingLLM
 from .topk import OracleTopK
+from .topp import OracleTopP, Twilight
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Dense, OracleTopK, StreamingLLM, Quest, DoubleSparse, MagicPIG, BinaryPC, DoubleP)
-}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
+    Dense, OracleTopK, StreamingLLM, Quest, DoubleSparse, MagicPIG, BinaryPC, OracleTopP, Twilight, DoubleP,
+)}
 
 
 def parse_spec(spec: str) -> tuple[str, list[str]]:

@@ -235,6 +235,10 @@ class DoubleP(Policy):
         super().__init__(options)
         self.last_stats: dict[str, torch.Tensor] | None = None
 
+    @property
+    def target_mass(self) -> float:
+        return self.options.p1
+
     def build(self, layer, cache, lengths):
         if not self.is_sparse(layer):
             return

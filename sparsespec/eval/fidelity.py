@@ -23,7 +23,7 @@ import torch
 from .. import corpora
 from ..attention import make_policy, parse_spec
 from ..attention.dense import causal_mask, dense_attention
-from ..attention.policy import SelectionPolicy, attend_selected
+from ..attention.policy import attend_selected
 from ..cache import KVCache
 from ..errors import SparseSpecError
 from ..generate import prefill
@@ -133,15 +133,52 @@ def _dense_reference(q: torch.Tensor, cache: KVCache, layer: int, pos: int):
     return probs, dense_attention(q, keys, values, mask), scores
 
 
-def evaluate_policy(policy: SelectionPolicy, cache: KVCache, queries, context_len: int, references) -> dict:
+def _attend(policy, layer: int, q: torch.Tensor, cache: KVCache, pos: int):
+    """One step of `policy` -> (output [1, Hq, 1, D], exact slots [Hkv, S], approximated slots [Hkv, S] | None,
+    centroid terms per KV head [Hkv] | None)."""
+    positions = torch.tensor([pos], device=q.device)
+    if hasattr(policy, "selected_slots"):  # approximating policies (Double-P): exact tokens + centroid terms
+        exact, approx = policy.selected_slots(layer, q, cache, positions)
+        out, stats = policy.decode_with_stats(layer, q, cache, positions)
+        return out, exact[0], approx[0], stats["centroid_terms"][0].float()
+    idx, valid = policy.select(layer, q, cache, positions)
+    chosen = torch.zeros(idx.shape[1], pos + 1, dtype=torch.bool, device=q.device)
+    chosen.scatter_(1, idx[0], valid[0])
+    return attend_selected(q, cache.k[layer], cache.v[layer], idx, valid), chosen, None, None
+
+
+def centroid_log_bias(state, q: torch.Tensor, keys: torch.Tensor, pos: int) -> float:
+    """Double-P's size-weighted centroid estimate vs the truth, per cluster and query head:
+    log Σ_j e^{q·k_j/√d} − (q·C/√d + log s) ≥ 0 by Jensen; the mean weighted by each cluster's true mass."""
+    assign = state.assign[0, :, : pos + 1]  # [Hkv, S]
+    Hkv, C = state.size.shape[1], state.size.shape[2]
+    D = q.shape[-1]
+    qg = q[0, :, 0].float().view(Hkv, -1, D)  # [Hkv, G, D]
+    logits = (qg @ keys[0].float().transpose(-1, -2)) * D**-0.5  # [Hkv, G, S]
+    member = assign >= 0
+    idx = assign.clamp_min(0)[:, None].expand_as(logits)  # [Hkv, G, S]
+    true = torch.full((*logits.shape[:2], C), float("-inf"), device=q.device)
+    true = true.scatter_reduce(-1, idx, logits.masked_fill(~member[:, None], float("-inf")), "amax")
+    lse = torch.zeros_like(true).scatter_add(-1, idx, (logits - true.gather(-1, idx)).exp() * member[:, None])
+    true = true + lse.log()  # [Hkv, G, C]
+    est = (qg @ state.centroids[0].transpose(-1, -2)) * D**-0.5  # [Hkv, G, C]
+    est = est + state.size[0].float().log()[:, None]
+    valid = (state.size[0] > 0)[:, None].expand_as(true)
+    weight = (true - torch.logsumexp(logits, -1, keepdim=True)).exp() * valid
+    return ((true - est).masked_fill(~valid, 0) * weight).sum().item() / weight.sum().clamp_min(1e-30).item()
+
+
+def evaluate_policy(policy, cache: KVCache, queries, context_len: int, references) -> dict:
     """Mean metrics over steps and sparse layers for one policy."""
     num_layers = len(queries[0])
     for layer in range(num_layers):
         if policy.is_sparse(layer):
             policy.build(layer, cache, [context_len])
-    sums = {"mass_recall": 0.0, "topk_recall": 0.0, "output_error": 0.0, "tokens": 0.0, "min_mass_recall": 1.0}
-    tokens_per_head: list[float] = []
-    count = 0
+    target = getattr(policy, "target_mass", None)
+    keys_ = ("mass_recall", "exact_mass_recall", "topk_recall", "output_error", "tokens", "centroid_terms",
+             "below_target", "centroid_bias")
+    sums = dict.fromkeys(keys_, 0.0)
+    min_mass, tokens_per_head, count = 1.0, [], 0
     for t, step in enumerate(queries):
         pos = context_len + t
         for layer in range(num_layers):
@@ -152,28 +189,35 @@ def evaluate_policy(policy: SelectionPolicy, cache: KVCache, queries, context_le
             q = step[layer]
             Hq = q.shape[1]
             probs, dense_out, scores = references[t][layer]
-            idx, valid = policy.select(layer, q, cache, torch.tensor([pos], device=q.device))
-            Hkv = idx.shape[1]
-            chosen = torch.zeros(Hkv, pos + 1, dtype=torch.bool, device=q.device)
-            chosen.scatter_(1, idx[0], valid[0])
-            per_q = chosen.repeat_interleave(Hq // Hkv, dim=0)  # [Hq, S]
-            mass = (probs * per_q).sum(-1)  # [Hq]
-            out = attend_selected(q, cache.k[layer], cache.v[layer], idx, valid)
+            out, exact, approx, terms = _attend(policy, layer, q, cache, pos)
+            Hkv = exact.shape[0]
+            covered = exact if approx is None else exact | approx
+            mass = (probs * covered.repeat_interleave(Hq // Hkv, dim=0)).sum(-1)  # [Hq]
+            exact_mass = (probs * exact.repeat_interleave(Hq // Hkv, dim=0)).sum(-1)
             err = (out - dense_out).float().norm(dim=-1) / dense_out.float().norm(dim=-1)  # [1, Hq, 1]
             group = scores.view(Hkv, Hq // Hkv, -1).amax(1)  # [Hkv, S]
-            n_sel = chosen.sum(-1)  # [Hkv]
-            overlap = 0.0
-            for h in range(Hkv):
-                oracle = group[h].topk(int(n_sel[h])).indices
-                overlap += chosen[h, oracle].float().mean().item()
+            n_sel = exact.sum(-1)  # [Hkv]
+            overlap = sum(exact[h, group[h].topk(int(n_sel[h])).indices].float().mean().item() for h in range(Hkv))
             sums["mass_recall"] += mass.mean().item()
-            sums["min_mass_recall"] = min(sums["min_mass_recall"], mass.min().item())
+            sums["exact_mass_recall"] += exact_mass.mean().item()
             sums["topk_recall"] += overlap / Hkv
             sums["output_error"] += err.mean().item()
             sums["tokens"] += n_sel.float().mean().item()
+            sums["centroid_terms"] += 0.0 if terms is None else terms.mean().item()
+            if target is not None:
+                sums["below_target"] += (mass < target - 1e-6).float().mean().item()
+            if approx is not None:
+                sums["centroid_bias"] += centroid_log_bias(cache.policy_state[layer], q, cache.keys(layer, pos + 1)[0],
+                                                           pos)
+            min_mass = min(min_mass, mass.min().item())
             tokens_per_head += n_sel.float().tolist()
             count += 1
-    row = {k: (v / count if k != "min_mass_recall" else v) for k, v in sums.items()}
+    row = {k: v / count for k, v in sums.items()}
+    if target is None:
+        row["below_target"] = None
+    if not hasattr(policy, "selected_slots"):
+        row["centroid_bias"] = None
+    row["min_mass_recall"] = min_mass
     row["tokens_std"] = float(torch.tensor(tokens_per_head).std()) if len(tokens_per_head) > 1 else 0.0
     return row
 
@@ -187,11 +231,13 @@ def run_fidelity(model: Transformer, tokenizer, cfg: FidelityConfig, progress: b
         cache, queries = record_queries(model, context, continuation, steps)
         references = [{layer: _dense_reference(q, cache, layer, len(context) + t) for layer, q in step.items()}
                       for t, step in enumerate(queries)]
-        jobs = [(name, budget) for name in cfg.policies for budget in cfg.budgets]
-        for name, budget in track(jobs, f"fidelity ({kind})", enabled=progress):
-            policy = cfg.policy(name, budget)
-            if not isinstance(policy, SelectionPolicy):
-                raise SparseSpecError(f"policy {name} does not select keys; fidelity measures selection policies")
+        # top-p policies (those with a target mass) ignore the budget: one run each
+        jobs = [(name, None if hasattr(cfg.policy(name, 1.0), "target_mass") else budget)
+                for name in cfg.policies for budget in cfg.budgets]
+        for name, budget in track(list(dict.fromkeys(jobs)), f"fidelity ({kind})", enabled=progress):
+            policy = cfg.policy(name, 1.0 if budget is None else budget)
+            if not (hasattr(policy, "select") or hasattr(policy, "selected_slots")):
+                raise SparseSpecError(f"policy {name} exposes neither a key selection nor selected slots")
             metrics = evaluate_policy(policy, cache, queries, len(context), references)
             rows.append({"context": kind, "length": len(context), "policy": spec_label(name), "budget": budget,
                          "steps": steps, **metrics})
@@ -199,7 +245,8 @@ def run_fidelity(model: Transformer, tokenizer, cfg: FidelityConfig, progress: b
 
 
 def write_report(rows: list[dict], out: Path, title: str) -> str:
-    """JSON, a markdown table and a plot of mass recall vs budget per policy (one panel per context)."""
+    """fidelity.json, a markdown table, and two plots: mass recall vs budget (fixed-budget policies) and mass
+    recall vs tokens attended (every policy), one panel per context."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,32 +254,53 @@ def write_report(rows: list[dict], out: Path, title: str) -> str:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "fidelity.json").write_text(json.dumps(rows, indent=1))
+
+    def opt(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
     lines = [title, "",
-             "| context | policy | budget | tokens/head | mass recall (min) | top-k recall | output rel. error |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["context"], r["budget"], -r["mass_recall"])):
-        lines.append(f"| {r['context']} | {r['policy']} | {r['budget']:g} | {r['tokens']:.0f} | "
-                     f"{r['mass_recall']:.3f} ({r['min_mass_recall']:.2f}) | {r['topk_recall']:.3f} | "
-                     f"{r['output_error']:.3f} |")
+             "| context | policy | budget | tokens/head (std) | centroid terms | mass recall (min) | exact mass | "
+             "share below p | top-k recall | output rel. error | centroid log-bias |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["context"], r["tokens"])):
+        lines.append(f"| {r['context']} | {r['policy']} | {opt(r['budget'], 'g')} | {r['tokens']:.0f} "
+                     f"({r['tokens_std']:.0f}) | {r['centroid_terms']:.1f} | {r['mass_recall']:.3f} "
+                     f"({r['min_mass_recall']:.2f}) | {r['exact_mass_recall']:.3f} | {opt(r['below_target'], '.3f')} "
+                     f"| {r['topk_recall']:.3f} | {r['output_error']:.3f} | {opt(r['centroid_bias'], '.3f')} |")
     table = "\n".join(lines)
     (out / "fidelity.md").write_text(table + "\n")
     contexts = sorted({r["context"] for r in rows})
-    budgets = sorted({r["budget"] for r in rows})
-    low = min(r["mass_recall"] for r in rows)
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 5), squeeze=False)
-    for ax, kind in zip(axes[0], contexts):
-        for name in sorted({r["policy"] for r in rows}):
-            pts = sorted((r["budget"], r["mass_recall"]) for r in rows if r["policy"] == name and r["context"] == kind)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set(title=f"{kind} context", xlabel="budget (share of the context)", ylabel="attention mass recall",
-               xscale="log", ylim=(max(0.0, low - 0.05), 1.0))
-        ax.set_xticks(budgets, [f"{100 * b:g}%" for b in budgets])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout(rect=(0, 0.05 + 0.035 * -(-len(labels) // 3), 1, 1))
-    fig.savefig(out / "fidelity.png", dpi=120)
-    plt.close(fig)
+    names = sorted({r["policy"] for r in rows})
+    colours = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
+    for fname, x_key, x_label in (("fidelity.png", "budget", "budget (share of the context)"),
+                                  ("fidelity_tokens.png", "tokens", "keys attended exactly per head (mean)")):
+        chosen = [r for r in rows if r[x_key] is not None]
+        if not chosen:
+            continue
+        low = min(r["mass_recall"] for r in chosen)
+        fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 5), squeeze=False)
+        for ax, kind in zip(axes[0], contexts):
+            for name in names:
+                pts = sorted((r[x_key], r["mass_recall"]) for r in chosen
+                             if r["policy"] == name and r["context"] == kind)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=colours[name])
+            ax.set(title=f"{kind} context", xlabel=x_label, ylabel="attention mass recall", xscale="log",
+                   ylim=(max(0.0, low - 0.05), 1.0))
+            if x_key == "budget":
+                budgets = sorted({r["budget"] for r in chosen})
+                ax.set_xticks(budgets, [f"{100 * b:g}%" for b in budgets])
+                ax.minorticks_off()
+            ax.grid(alpha=0.3)
+        handles, labels = [], []
+        for ax in axes[0]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+        fig.suptitle(title, fontsize=8)
+        fig.tight_layout(rect=(0, 0.05 + 0.035 * -(-len(labels) // 3), 1, 1))
+        fig.savefig(out / fname, dpi=120)
+        plt.close(fig)
     return table
