@@ -14,7 +14,7 @@ from sparsespec.generate import GenerationConfig
 from .conftest import cache_with_keys
 from .test_binarypc import anisotropic_keys
 
-SELECTION = [name for name in POLICIES if name not in ("dense", "doublesparse")]
+NO_CALIBRATION = [name for name in POLICIES if name not in ("dense", "doublesparse")]
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +28,17 @@ def dense_tokens(smollm2_engine, prompt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SELECTION)
+@pytest.mark.parametrize("name", NO_CALIBRATION)
 def test_full_budget_reproduces_dense_greedy(smollm2_engine, prompt, dense_tokens, name):
     options = {"budget": "1.0", "dense_layers": "0"}
     if name == "magicpig":  # its collision filter drops keys whatever the budget; 0 makes every key a candidate
         options["min_collisions"] = "0"
     if name == "doublep":  # top-p: the budget is p, not a token count
         options.update(p1="1.0", p2="1.0")
+    if name in ("topp", "twilight"):
+        options.update(p="1.0")
+    if name == "twilight":
+        options.update(candidates="1.0")
     policy = make_policy(name, options)
     out = smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=20, stop_on_eos=False), policy=policy)
     assert out.token_ids[0] == dense_tokens
