@@ -430,7 +430,8 @@ def test_window_mode_never_clusters_decoded_tokens():
 
 @pytest.mark.parametrize("bad", [
     {"p1": 0.0}, {"p1": 1.2}, {"p2": 0.0}, {"p1": 0.6, "p2": 0.7}, {"p2_of": "all"}, {"tail": "keep"},
-    {"decoded": "recluster"}, {"cluster_size": 0}, {"kmeans_iters": 0}, {"window": -1}, {"sinks": -2}])
+    {"decoded": "never"}, {"recluster_every": 0}, {"cluster_size": 0}, {"kmeans_iters": 0}, {"window": -1},
+    {"sinks": -2}])
 def test_invalid_options_are_rejected(bad):
     with pytest.raises(SparseSpecError):
         DoublePOptions(**bad)
@@ -445,3 +446,33 @@ def test_options_parse_from_strings():
         4, 64, 0.95, 0.7)
     with pytest.raises(SparseSpecError):
         parse_options(DoublePOptions, ["p2=0.99"])
+
+
+def test_recluster_equals_a_fresh_build_on_the_longer_cache():
+    from sparsespec.attention.doublep import DoubleP, DoublePOptions
+
+    from .conftest import cache_with_keys
+
+    g = torch.Generator().manual_seed(11)
+    cache = cache_with_keys(torch.randn(1, 2, 120, 8, generator=g))
+    opts = DoublePOptions(dense_layers=0, sinks=2, window=10, cluster_size=8, decoded="recluster", recluster_every=5)
+    policy = DoubleP(opts)
+    policy.build(0, cache, [60])
+    for n in range(61, 64):  # 3 tokens join: below recluster_every, plain assignment
+        policy.append(0, cache, [n])
+    assert cache.policy_state[0].prefill_end == [50]
+    for n in range(64, 70):  # the 5th joined token triggers a fresh clustering
+        policy.append(0, cache, [n])
+    reclustered = cache.policy_state[0]
+    assert reclustered.prefill_end == [55]
+    fresh = DoubleP(opts)
+    fresh_cache = cache_with_keys(cache.k[0].clone())
+    fresh_cache.v[0].copy_(cache.v[0])
+    fresh.build(0, fresh_cache, [65])  # the clustering the 5th joined token (n = 65) triggered ...
+    for n in range(66, 70):  # ... then 4 more tokens joined by assignment
+        fresh.append(0, fresh_cache, [n])
+    expected = fresh_cache.policy_state[0]
+    assert torch.equal(reclustered.size, expected.size)
+    torch.testing.assert_close(reclustered.centroids, expected.centroids)
+    assert reclustered.clustered_end == expected.clustered_end == [59]
+    assert torch.equal(reclustered.assign, expected.assign)

@@ -27,6 +27,8 @@ centroid becomes the new mean. Every clustered slot remembers its cluster, so a 
 the new boundary again (their keys are read back from the cache: call append on a rollback before the rolled-back
 slots are overwritten, or roll back at most `window` tokens). A row whose prefill left no candidates keeps its
 decoded tokens exact. decoded="window": decoded tokens are never clustered (a growing exact window).
+decoded="recluster": as "assign", and once `recluster_every` decoded tokens have joined clusters in some row, the
+layer is clustered again from scratch (as at the end of prefill) over everything outside the sinks and the window.
 Empty clusters (k-means can leave some) keep their last centroid, have size 0 and never take part.
 """
 
@@ -41,7 +43,7 @@ from ..errors import SparseSpecError
 from .policy import Policy, PolicyOptions
 
 _CHUNK = 1 << 24  # elements of one [G, n, k] distance block in `nearest`
-_CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window")}
+_CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster")}
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,10 @@ class DoublePOptions(PolicyOptions):
     seed: int = 0
     p2_of: str = "total"  # p2 against the total estimated mass, or "selected": against the p1 set's mass
     tail: str = "approx"  # p1 clusters outside the p2 set: centroid terms, or "drop"
-    decoded: str = "assign"  # decoded tokens leaving the window join the nearest cluster, or "window": stay exact
+    decoded: str = "assign"  # decoded tokens leaving the window join the nearest cluster, or "window": stay exact,
+    # or "recluster": join the nearest cluster, and k-means is run again over everything outside the sinks and the
+    # window once `recluster_every` tokens have joined since the last clustering
+    recluster_every: int = 256
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,6 +73,8 @@ class DoublePOptions(PolicyOptions):
             raise SparseSpecError(f"cluster_size must be >= 1, got {self.cluster_size}")
         if self.kmeans_iters < 1:
             raise SparseSpecError(f"kmeans_iters must be >= 1, got {self.kmeans_iters}")
+        if self.recluster_every < 1:
+            raise SparseSpecError(f"recluster_every must be >= 1, got {self.recluster_every}")
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise SparseSpecError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -298,6 +305,9 @@ class DoubleP(Policy):
                     st.assign[b, :, lo:hi] = -1
                     self._accumulate(st, b, idx, keys, values, -1)
             st.clustered_end[b] = target
+        if o.decoded == "recluster" and any(e - p >= o.recluster_every
+                                            for e, p in zip(st.clustered_end, st.prefill_end)):
+            self.build(layer, cache, lengths)
 
     @staticmethod
     def _accumulate(st: DoublePState, row: int, idx: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
