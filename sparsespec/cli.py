@@ -91,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--dtype", choices=list(DTYPES), default="float32")
     fid.add_argument("--out", default="fidelity-results", help="folder for fidelity.json / .md / .png")
 
+    ev = sub.add_parser("eval", help="long-context accuracy (RULER-style tasks) and perplexity per policy")
+    ev.add_argument("--model", default=DEFAULT_MODEL)
+    ev.add_argument("--tasks", default="all", help="comma-separated task names, or all")
+    ev.add_argument("--lengths", default="4k", help="comma-separated, e.g. 4k,8k or 4096")
+    ev.add_argument("--samples", type=_positive_int, default=20)
+    ev.add_argument("--attention", nargs="+", default=["dense"], help="policies; NAME:key=value,... for a variant")
+    ev.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="[POLICY.]KEY=VALUE")
+    ev.add_argument("--perplexity-tokens", type=int, default=0, help="also score this many real tokens per length")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ev.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ev.add_argument("--out", default="eval-results", help="folder for results.jsonl, accuracy.md / .png")
+
     pol = sub.add_parser("policies", help="list the attention policies and their options")
     pol.add_argument("--json", action="store_true")
 
@@ -217,6 +230,31 @@ def cmd_fidelity(args) -> None:
     print(write_report(rows, Path(args.out), title))
 
 
+def cmd_eval(args) -> None:
+    from pathlib import Path
+
+    from .eval.harness import EvalConfig, parse_length, report, run_eval, run_perplexity
+    from .eval.tasks import TASKS
+    from .generate import Engine
+
+    tasks = TASKS if args.tasks == "all" else tuple(t.strip() for t in args.tasks.split(","))
+    if args.perplexity_tokens < 0:
+        raise SparseSpecError("--perplexity-tokens must be >= 0")
+    cfg = EvalConfig(tasks=tasks, lengths=tuple(parse_length(x) for x in args.lengths.split(",")),
+                     samples=args.samples, policies=tuple(args.attention), options=tuple(args.attention_opt),
+                     seed=args.seed, perplexity_tokens=args.perplexity_tokens)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    progress = sys.stderr.isatty()
+    engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
+    for length in cfg.lengths:
+        engine.check_fits(length, 64)
+    out = Path(args.out)
+    rows = run_eval(engine, cfg, out, progress)
+    ppl = run_perplexity(engine, cfg, out, progress=progress) if cfg.perplexity_tokens else []
+    title = f"Accuracy: {args.model} (real weights, {dtype}, {args.device}), seed {args.seed}"
+    print(report(rows, ppl, out, title))
+
+
 def cmd_policies(args) -> None:
     import dataclasses
 
@@ -243,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         commands = {"generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "calibrate": cmd_calibrate,
-                    "policies": cmd_policies, "fidelity": cmd_fidelity}
+                    "policies": cmd_policies, "fidelity": cmd_fidelity, "eval": cmd_eval}
         commands[args.command](args)
     except SparseSpecError as e:
         print(f"sparsespec: error: {e}", file=sys.stderr)

@@ -384,6 +384,7 @@ class DoubleP(Policy):
 
     def decode(self, layer, q, cache, positions):
         out, self.last_stats = self.decode_with_stats(layer, q, cache, positions)
+        self.count_attended(self.last_stats["exact_tokens"] + self.last_stats["centroid_terms"])
         return out
 
     def selected_slots(self, layer: int, q: torch.Tensor, cache: KVCache,

@@ -91,6 +91,16 @@ class Policy(ABC):
 
     def __init__(self, options: PolicyOptions | None = None):
         self.options = options if options is not None else self.Options()
+        self._attended: list[torch.Tensor] = []  # keys attended per (row, KV head), one entry per sparse step
+
+    def count_attended(self, keys: torch.Tensor) -> None:
+        """Record keys attended [B, Hkv] by one sparse decode step (kept on device: no synchronisation)."""
+        self._attended.append(keys.float().mean())
+
+    @property
+    def mean_attended(self) -> float | None:
+        """Mean keys attended per KV head over every sparse step so far (None before the first)."""
+        return torch.stack(self._attended).mean().item() if self._attended else None
 
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.options.dense_layers
@@ -120,6 +130,7 @@ class SelectionPolicy(Policy):
 
     def decode(self, layer, q, cache, positions):
         idx, valid = self.select(layer, q, cache, positions)
+        self.count_attended(valid.sum(-1))
         return attend_selected(q, cache.k[layer], cache.v[layer], idx, valid)
 
 

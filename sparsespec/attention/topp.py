@@ -86,6 +86,7 @@ class OracleTopP(Policy):
 
     def decode(self, layer, q, cache, positions):
         idx, valid = self.select(layer, q, cache, positions)
+        self.count_attended(valid.sum(-1))
         return attend_selected(q, cache.k[layer], cache.v[layer], idx, valid)
 
 

@@ -63,7 +63,7 @@ def _build(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], freq_factors, de
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
-    return model.to(device).eval()
+    return model.to(device).eval().requires_grad_(False)  # inference only
 
 
 def _to_ours(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
