@@ -115,8 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _writable_folder(path: str):
+    """Create `path` if needed and check it can be written, before any long work; -> Path."""
+    from pathlib import Path
+
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ".write-test").touch()
+        (folder / ".write-test").unlink()
+    except OSError as e:
+        raise SparseSpecError(f"cannot write to {folder}: {e.strerror}") from None
+    return folder
+
+
 def cmd_generate(args) -> None:
-    from .attention import make_policy
+    from .attention import make_policy, parse_spec
     from .generate import Engine, GenerationConfig
     from .sampling import SamplingConfig
 
@@ -130,6 +144,8 @@ def cmd_generate(args) -> None:
                 prompt = fh.read()
         except OSError as e:
             raise SparseSpecError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise SparseSpecError(f"prompt file {args.prompt_file} is not UTF-8 text") from None
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
@@ -138,12 +154,12 @@ def cmd_generate(args) -> None:
         compile=args.compile,
     )
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    policy = make_policy(args.attention, args.attention_opt)
+    name, inline = parse_spec(args.attention)
+    policy = make_policy(name, [*inline, *args.attention_opt])
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     ids = engine.encode(prompt, chat=args.chat)
-    engine.check_fits(len(ids), args.max_new_tokens)
-    result = engine.generate([ids], gen, progress=progress, policy=None if args.attention == "dense" else policy)
+    result = engine.generate([ids], gen, progress=progress, policy=None if name == "dense" else policy)
     record = {
         "token_ids": result.token_ids[0],
         "text": result.texts[0],
@@ -188,6 +204,7 @@ def cmd_calibrate(args) -> None:
     from .capture import capture_qk
     from .generate import Engine
 
+    _writable_folder(os.path.dirname(os.path.abspath(args.out)))
     engine = Engine.from_name(args.model, device=args.device, dtype="float32", progress=sys.stderr.isatty())
     tokens = engine.tokenizer(corpora.text(args.corpus, args.tokens, args.seed))["input_ids"][: args.tokens]
     q, k = capture_qk(engine.model, tokens, progress=sys.stderr.isatty())
@@ -220,18 +237,22 @@ def cmd_fidelity(args) -> None:
                          seed=args.seed)
     for name in cfg.policies:  # validate every policy and option before the long work
         for budget in cfg.budgets:
-            cfg.policy(name, budget)
+            policy = cfg.policy(name, budget)
+            if not (hasattr(policy, "select") or hasattr(policy, "selected_slots")):
+                raise SparseSpecError(f"fidelity compares sparse policies with dense attention; {name!r} has no "
+                                      "key selection to measure")
+    _writable_folder(args.out)
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=args.dtype, progress=progress)
     engine.check_fits(args.length, args.steps)
     rows = run_fidelity(engine.model, engine.tokenizer, cfg, progress=progress)
     title = (f"Fidelity vs dense attention: {args.model} (real weights, {args.dtype}, {args.device}), "
-             f"{args.length}-token contexts, {cfg.steps} teacher-forced decode steps, all heads of layers >= 2")
+             f"{args.length}-token contexts, {cfg.steps} teacher-forced decode steps, all heads of each policy's "
+             f"sparse layers")
     print(write_report(rows, Path(args.out), title))
 
 
 def cmd_eval(args) -> None:
-    from pathlib import Path
 
     from .eval.harness import EvalConfig, parse_length, report, run_eval, run_perplexity
     from .eval.tasks import TASKS
@@ -243,12 +264,12 @@ def cmd_eval(args) -> None:
     cfg = EvalConfig(tasks=tasks, lengths=tuple(parse_length(x) for x in args.lengths.split(",")),
                      samples=args.samples, policies=tuple(args.attention), options=tuple(args.attention_opt),
                      seed=args.seed, perplexity_tokens=args.perplexity_tokens)
+    out = _writable_folder(args.out)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     for length in cfg.lengths:
         engine.check_fits(length, 64)
-    out = Path(args.out)
     rows = run_eval(engine, cfg, out, progress)
     ppl = run_perplexity(engine, cfg, out, progress=progress) if cfg.perplexity_tokens else []
     title = f"Accuracy: {args.model} (real weights, {dtype}, {args.device}), seed {args.seed}"

@@ -103,6 +103,7 @@ def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, graph:
 
 def build_policy(policy: Policy, model: Transformer, cache: KVCache) -> None:
     """Let `policy` index every layer's prefill keys (cache.lengths tokens per row)."""
+    policy.reset_attended()
     for layer in range(model.cfg.num_layers):
         policy.build(layer, cache, cache.lengths)
 
@@ -161,6 +162,8 @@ class Engine:
         lens = [len(p) for p in prompts]
         for n in lens:
             self.check_fits(n, gen.max_new_tokens)
+        if policy is not None and self.config.sliding_window is not None:
+            raise SparseSpecError("sparse attention policies do not support sliding-window models yet; use dense")
         B = len(prompts)
         graphed = gen.cuda_graph and self.device.type == "cuda" and policy is None
         cache = KVCache(self.config, B, max(lens) + gen.max_new_tokens, self.dtype, self.device)
@@ -177,8 +180,9 @@ class Engine:
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         steps = 0
-        start = time.perf_counter()
+        # graph capture (and compilation) is set-up, timed neither as first token nor as decoding
         graph = CudaGraphDecodeStep(self.model, cache, gen.compile) if graphed and gen.max_new_tokens > 1 else None
+        start = time.perf_counter()
         while True:
             for b, t in enumerate(tokens.tolist()):
                 if not done[b]:

@@ -118,3 +118,31 @@ def test_real_process_exit_code_and_no_traceback():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_non_finite_budget(capsys):
+    assert_clear_error(*run_main(capsys, "generate", "--prompt", "x", "--attention", "topk", "--attention-opt",
+                                 "budget=inf")[::2], "budget")
+
+
+def test_non_utf8_prompt_file(capsys, tmp_path):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"\xff\xfe\x00bad")
+    assert_clear_error(*run_main(capsys, "generate", "--prompt-file", str(bad))[::2], "not UTF-8")
+
+
+def test_unwritable_output_folder_is_refused_before_work(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_clear_error(*run_main(capsys, "fidelity", "--out", str(blocker / "sub"))[::2], "cannot write")
+    assert_clear_error(*run_main(capsys, "eval", "--out", str(blocker / "sub"), "--samples", "1", "--tasks",
+                                 "niah_single", "--lengths", "512")[::2], "cannot write")
+
+
+def test_fidelity_refuses_dense(capsys):
+    assert_clear_error(*run_main(capsys, "fidelity", "--attention", "dense")[::2], "no key selection")
+
+
+def test_unknown_task_and_bad_length(capsys):
+    assert_clear_error(*run_main(capsys, "eval", "--tasks", "nope")[::2], "unknown task")
+    assert_clear_error(*run_main(capsys, "eval", "--lengths", "4q")[::2], "invalid length")

@@ -476,3 +476,31 @@ def test_recluster_equals_a_fresh_build_on_the_longer_cache():
     torch.testing.assert_close(reclustered.centroids, expected.centroids)
     assert reclustered.clustered_end == expected.clustered_end == [59]
     assert torch.equal(reclustered.assign, expected.assign)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rollback_below_prefill_then_regrowth_keeps_each_token_in_one_place(seed):
+    from sparsespec.attention.doublep import DoubleP, DoublePOptions
+
+    from .conftest import cache_with_keys
+
+    g = torch.Generator().manual_seed(seed)
+    cache = cache_with_keys(torch.randn(1, 2, 90, 8, generator=g))
+    policy = DoubleP(DoublePOptions(dense_layers=0, sinks=2, window=6, cluster_size=4, p1=1.0, p2=0.5))
+    policy.build(0, cache, [60])
+    policy.append(0, cache, [45])  # roll back below the prefill clustering (ends at 54)
+    cache.k[0][:, :, 45:70] = torch.randn(1, 2, 25, 8, generator=g)  # new tokens overwrite the dead slots
+    cache.v[0][:, :, 45:70] = torch.randn(1, 2, 25, 8, generator=g)
+    for n in range(46, 71):
+        policy.append(0, cache, [n])
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    exact, approx = policy.selected_slots(0, q, cache, torch.tensor([70]))
+    st = cache.policy_state[0]
+    clustered = st.assign[0, :, :71] >= 0  # [Hkv, S]
+    for h in range(2):
+        assert not (exact[0, h] & approx[0, h]).any()
+        # every clustered slot is either attended exactly or approximated (p1 = 1 keeps every cluster)
+        assert torch.equal((exact[0, h] | approx[0, h])[clustered[h]], torch.ones(int(clustered[h].sum()),
+                                                                                  dtype=torch.bool))
+    out = policy.decode(0, q, cache, torch.tensor([70]))
+    assert torch.isfinite(out).all()

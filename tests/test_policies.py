@@ -76,9 +76,9 @@ def test_encode_decoded_keeps_the_unhashed_tail_within_the_window():
         policy.build(0, cache, [100])
         for n in range(101, 181):
             policy.append(0, cache, [n])
-    assert cache.policy_state[0].encoded == [172]  # the bounded policy ran last
+    assert cache.policy_state[0].encoded == [173]  # the bounded policy ran last: (172, 180] is the window
     idx, valid = bounded.select(0, q, cache, torch.tensor([180]))
-    assert int(valid.sum(-1).max()) == bounded.options.tokens(181)
+    assert int(valid.sum(-1).max()) == bounded.options.tokens(181)  # window (8) inside the budget (9): bounded
     grow.build(0, cache, [100])
     for n in range(101, 181):
         grow.append(0, cache, [n])

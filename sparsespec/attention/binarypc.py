@@ -203,7 +203,8 @@ class BinaryPC(SelectionPolicy):
         for b, n in enumerate(lengths):
             state.encoded[b] = min(state.encoded[b], n)  # a rollback forgets codes past the committed length
             if self.options.encode_decoded:
-                self._encode(state, cache.k[layer], b, state.encoded[b], n - self.options.window)
+                # the next query sits at position n and forces the window (n - w, n]: hash everything before it
+                self._encode(state, cache.k[layer], b, state.encoded[b], n - max(self.options.window, 1) + 1)
 
     def scores(self, layer, q, cache, positions):
         state: BinaryPCState = cache.policy_state[layer]

@@ -218,6 +218,8 @@ class DoublePState:
     assign: torch.Tensor  # [B, Hkv, capacity] int64: each clustered slot's cluster, -1 elsewhere
     prefill_end: list[int]  # row b's prefill members are slots [sinks, prefill_end[b])
     clustered_end: list[int]  # row b's clustered slots are [sinks, clustered_end[b]); later slots are kept exact
+    csr_end: list[int]  # perm/offsets are valid for slots below csr_end[b] (a rollback lowers it); clustered slots
+    #                     from csr_end[b] on are found through `assign`
 
 
 @dataclass
@@ -264,7 +266,7 @@ class DoubleP(Policy):
                           perm=torch.zeros(B, Hkv, N, dtype=long, device=dev),
                           offsets=torch.zeros(B, Hkv, C + 1, dtype=long, device=dev),
                           assign=torch.full((B, Hkv, capacity), -1, dtype=long, device=dev),
-                          prefill_end=ends, clustered_end=list(ends))
+                          prefill_end=ends, clustered_end=list(ends), csr_end=list(ends))
         for b in range(B):
             n, kc, end = counts[b], ks[b], ends[b]
             if n == 0:
@@ -305,6 +307,7 @@ class DoubleP(Policy):
                     st.assign[b, :, lo:hi] = -1
                     self._accumulate(st, b, idx, keys, values, -1)
             st.clustered_end[b] = target
+            st.csr_end[b] = min(st.csr_end[b], target)
         if o.decoded == "recluster" and any(e - p >= o.recluster_every
                                             for e, p in zip(st.clustered_end, st.prefill_end)):
             self.build(layer, cache, lengths)
@@ -332,7 +335,7 @@ class DoubleP(Policy):
         B, Hq, _, D = q.shape
         Hkv, dev = k.shape[1], q.device
         qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
-        pos, ends, pre = positions.tolist(), st.clustered_end, st.prefill_end
+        pos, ends, pre = positions.tolist(), st.clustered_end, st.csr_end
 
         # Always kept: sinks [0, min(sinks, pos + 1)) and [clustered_end, pos].
         n_sink = [min(o.sinks, p + 1) for p in pos]
@@ -353,9 +356,10 @@ class DoubleP(Policy):
         exact = top_p_prefix(mass, in_p1, kept_mass, o.p2, total)
         approx = in_p1 & ~exact if o.tail == "approx" else torch.zeros_like(exact)
 
-        # Exact clusters' members: prefill members via CSR, decoded members from [prefill_end, clustered_end).
+        # Exact clusters' members: prefill members via CSR (below csr_end), the later clustered slots
+        # [csr_end, clustered_end) through their recorded cluster.
         members, members_valid = csr_members(st.perm, st.offsets, exact)
-        members_valid &= members < ends_t[:, :, None]  # (a rollback below the prefill length unclusters slots)
+        members_valid &= members < torch.tensor(pre, device=dev)[:, None, None]
         n_dec = [max(0, e - s) for e, s in zip(ends, pre)]
         d = torch.arange(max(n_dec), device=dev)
         dec_valid = (d < torch.tensor(n_dec, device=dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]

@@ -37,8 +37,8 @@ class PolicyOptions:
     window: int = 0
 
     def __post_init__(self):
-        if not self.budget > 0:
-            raise SparseSpecError(f"budget must be > 0, got {self.budget}")
+        if not 0 < self.budget < float("inf"):
+            raise SparseSpecError(f"budget must be a positive finite number, got {self.budget}")
         if self.budget > 1 and self.budget != int(self.budget):
             raise SparseSpecError(f"a budget above 1 is a token count and must be an integer, got {self.budget}")
         for name in ("min_tokens", "dense_layers", "sinks", "window"):
@@ -91,16 +91,21 @@ class Policy(ABC):
 
     def __init__(self, options: PolicyOptions | None = None):
         self.options = options if options is not None else self.Options()
-        self._attended: list[torch.Tensor] = []  # keys attended per (row, KV head), one entry per sparse step
+        self.reset_attended()
+
+    def reset_attended(self) -> None:
+        self._attended_sum: torch.Tensor | float = 0.0
+        self._attended_steps = 0
 
     def count_attended(self, keys: torch.Tensor) -> None:
-        """Record keys attended [B, Hkv] by one sparse decode step (kept on device: no synchronisation)."""
-        self._attended.append(keys.float().mean())
+        """Record keys attended [B, Hkv] by one sparse decode step (summed on device: no synchronisation)."""
+        self._attended_sum = self._attended_sum + keys.float().mean()
+        self._attended_steps += 1
 
     @property
     def mean_attended(self) -> float | None:
-        """Mean keys attended per KV head over every sparse step so far (None before the first)."""
-        return torch.stack(self._attended).mean().item() if self._attended else None
+        """Mean keys attended per KV head over the sparse steps since the last reset (None before the first)."""
+        return float(self._attended_sum) / self._attended_steps if self._attended_steps else None
 
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.options.dense_layers
@@ -134,6 +139,13 @@ class SelectionPolicy(Policy):
         return attend_selected(q, cache.k[layer], cache.v[layer], idx, valid)
 
 
+def forced_slots(opts: PolicyOptions, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """bool [B, 1, kv_len]: the sinks, the recent window and the current token of each row (none past it)."""
+    slots = torch.arange(kv_len, device=positions.device)
+    pos = positions.view(-1, 1, 1)
+    return ((slots < opts.sinks) | (slots > pos - max(opts.window, 1))) & (slots <= pos)
+
+
 def select_top(scores: torch.Tensor, positions: torch.Tensor, opts: PolicyOptions):
     """scores [B, Hkv, S] -> the top slots per (row, KV head) within the budget, with sinks, the recent window and
     the current token forced in, and slots past each row's position or scored -inf kept out. Forced slots beyond
@@ -141,8 +153,8 @@ def select_top(scores: torch.Tensor, positions: torch.Tensor, opts: PolicyOption
     B, _, S = scores.shape
     slots = torch.arange(S, device=scores.device)
     pos = positions.view(B, 1, 1)
-    forced = (slots < opts.sinks) | (slots > pos - max(opts.window, 1))
-    scores = scores.float().masked_fill(forced, float("inf")).masked_fill(slots > pos, float("-inf"))
+    scores = scores.float().masked_fill(forced_slots(opts, positions, S), float("inf"))
+    scores = scores.masked_fill(slots > pos, float("-inf"))
     n_forced = (scores == float("inf")).sum(-1).amax(-1)  # [B]
     budget = torch.tensor([opts.tokens(int(p) + 1) for p in positions.tolist()], device=scores.device)
     budget = torch.maximum(budget, n_forced)  # [B]
@@ -160,7 +172,7 @@ def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torc
     gather = idx.unsqueeze(-1).expand(-1, -1, -1, D)
     ks, vs = k.gather(2, gather), v.gather(2, gather)  # [B, Hkv, K, D]
     qg = q.view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
-    logits = (qg @ ks.transpose(-1, -2)).float() * D**-0.5  # [B, Hkv, G, K]
+    logits = (qg.float() @ ks.float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, K], fp32 like SDPA's accumulation
     probs = logits.masked_fill(~valid.unsqueeze(2), float("-inf")).softmax(-1)
     return (probs.to(vs.dtype) @ vs).view(B, Hq, 1, D)
 

@@ -13,5 +13,5 @@ class OracleTopK(SelectionPolicy):
         keys, _ = cache.keys(layer, kv_len)  # [B, Hkv, S, D]
         B, Hq, _, D = q.shape
         Hkv = keys.shape[1]
-        per_head = q.view(B, Hkv, Hq // Hkv, D) @ keys.transpose(-1, -2)  # [B, Hkv, G, S]
+        per_head = q.view(B, Hkv, Hq // Hkv, D).float() @ keys.float().transpose(-1, -2)  # [B, Hkv, G, S]
         return group_max(per_head.reshape(B, Hq, kv_len).float(), Hkv)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SparseSpecError
-from .policy import Policy, PolicyOptions, attend_selected
+from .policy import Policy, PolicyOptions, attend_selected, forced_slots
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class TwilightOptions(TopPOptions):
         super().__post_init__()
         if not 1 <= self.bits <= 16:
             raise SparseSpecError(f"bits must be in [1, 16], got {self.bits}")
-        if not self.candidates > 0:
-            raise SparseSpecError(f"candidates must be > 0, got {self.candidates}")
+        if not 0 < self.candidates < float("inf"):
+            raise SparseSpecError(f"candidates must be a positive finite number, got {self.candidates}")
 
 
 def top_p_mask(probs: torch.Tensor, p: float) -> torch.Tensor:
@@ -56,13 +56,6 @@ def mask_to_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = max(int(count.max()), 1)
     idx = torch.argsort(mask.to(torch.int8), dim=-1, descending=True, stable=True)[..., :k]
     return idx, torch.arange(k, device=mask.device) < count[..., None]
-
-
-def _forced(opts: PolicyOptions, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[B, 1, S]: sinks, the recent window and the current token; False past each row's position."""
-    slots = torch.arange(kv_len, device=positions.device)
-    pos = positions.view(-1, 1, 1)
-    return ((slots < opts.sinks) | (slots > pos - max(opts.window, 1))) & (slots <= pos)
 
 
 class OracleTopP(Policy):
@@ -82,7 +75,8 @@ class OracleTopP(Policy):
         slots = torch.arange(kv_len, device=q.device)
         logits = logits.masked_fill((slots > positions.view(B, 1, 1, 1)), float("-inf"))
         chosen = top_p_mask(logits.softmax(-1), self.options.p).any(2)  # union over the group
-        return mask_to_indices(chosen | _forced(self.options, positions, kv_len))
+        chosen &= slots <= positions.view(B, 1, 1)  # zero-probability slots can pass a p = 1 threshold
+        return mask_to_indices(chosen | forced_slots(self.options, positions, kv_len))
 
     def decode(self, layer, q, cache, positions):
         idx, valid = self.select(layer, q, cache, positions)
@@ -108,7 +102,8 @@ class Twilight(OracleTopP):
 
         o = self.options
         self.base = make_policy(o.base, {"budget": str(o.candidates), "dense_layers": str(o.dense_layers),
-                                         "sinks": str(o.sinks), "window": str(o.window)})
+                                         "sinks": str(o.sinks), "window": str(o.window),
+                                         "min_tokens": str(o.min_tokens)})
         if not hasattr(self.base, "scores"):
             raise SparseSpecError(f"twilight needs a selection policy as its base, not {o.base!r}")
 
@@ -129,4 +124,4 @@ class Twilight(OracleTopP):
         keep = top_p_mask(logits.softmax(-1), self.options.p).any(2) & cand_valid  # [B, Hkv, K]
         kv_len = int(positions.max()) + 1
         chosen = torch.zeros(B, Hkv, kv_len, dtype=torch.bool, device=q.device).scatter(-1, cand, keep)
-        return mask_to_indices(chosen | _forced(self.options, positions, kv_len))
+        return mask_to_indices(chosen | forced_slots(self.options, positions, kv_len))

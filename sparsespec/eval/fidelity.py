@@ -159,7 +159,8 @@ def centroid_log_bias(state, q: torch.Tensor, keys: torch.Tensor, pos: int) -> f
     idx = assign.clamp_min(0)[:, None].expand_as(logits)  # [Hkv, G, S]
     true = torch.full((*logits.shape[:2], C), float("-inf"), device=q.device)
     true = true.scatter_reduce(-1, idx, logits.masked_fill(~member[:, None], float("-inf")), "amax")
-    lse = torch.zeros_like(true).scatter_add(-1, idx, (logits - true.gather(-1, idx)).exp() * member[:, None])
+    shifted = torch.where(member[:, None], logits - true.gather(-1, idx), float("-inf"))  # no inf - inf
+    lse = torch.zeros_like(true).scatter_add(-1, idx, shifted.exp())
     true = true + lse.log()  # [Hkv, G, C]
     est = (qg @ state.centroids[0].transpose(-1, -2)) * D**-0.5  # [Hkv, G, C]
     est = est + state.size[0].float().log()[:, None]

@@ -172,10 +172,14 @@ class TaskBuilder:
         words = rng.sample(_WORDS, 60)
         common, rare = words[:10], words[10:]
 
-        def make(n: int) -> str:
-            r = random.Random(seed)
-            items = common * (3 * max(1, n // 40)) + [r.choice(rare) for _ in range(n)]
-            r.shuffle(items)
+        picks = [rng.choice(rare) for _ in range(4 * length)]  # rare words, each ~1.3% of the items
+        slots = list(range(4 * length))
+        rng.shuffle(slots)
+
+        def make(n: int) -> str:  # n items: 35% common words (3.5% each) round-robin, the rest rare
+            n_common = round(0.35 * n)
+            items = [common[i % 10] for i in range(n_common)] + picks[: n - n_common]
+            items = [w for _, w in sorted(zip(slots, items))]  # a fixed pseudo-random order
             listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
             return ("Below is a numbered list of words. Find the ten most common words in it.\n\n" + listing +
                     "\n\nQuestion: What are the ten most common words in the list above?\n"
