@@ -47,28 +47,35 @@ def test_engine_on_cuda_matches_cpu_greedy():
     assert gpu.generate([prompt], gen).token_ids == cpu.generate([prompt], gen).token_ids
 
 
+FULL = {"topk": {}, "streaming": {}, "quest": {}, "magicpig": {"min_collisions": "0"}, "binarypc": {},
+        "topp": {"p": "1.0"}, "twilight": {"p": "1.0", "candidates": "1.0"}, "doublep": {"p1": "1.0", "p2": "1.0"}}
+
+
 @cuda
-@pytest.mark.parametrize("budget", ["1.0", "0.02"])
+@pytest.mark.parametrize("name,budget", [(n, "1.0") for n in FULL] + [("binarypc", "0.02"), ("doublep", "0.02")])
 @torch.inference_mode()
-def test_binarypc_decode_on_cuda(budget, tmp_path):
+def test_sparse_decode_on_cuda(name, budget, tmp_path):
+    """Every policy decodes on CUDA; at a full budget (p = 1) it gives the dense greedy tokens."""
     from sparsespec.attention import make_policy
 
     tiny_hf_model("qwen2").save_pretrained(tmp_path)
     model = load(tmp_path, device="cuda", with_tokenizer=False).model
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0)).tolist()
     runs = {}
-    for name in ("dense", "binarypc"):
-        policy = make_policy(name, {"budget": budget, "dense_layers": "0"})
+    for run in ("dense", name):
+        options = {"budget": budget, "dense_layers": "0", **(FULL[name] if budget == "1.0" else {})}
+        policy = None if run == "dense" else make_policy(name, options)
         cache = KVCache(model.cfg, 1, 230, torch.float32, "cuda")
         hidden = prefill(model, cache, prompt, chunk=64)
-        for layer in range(model.cfg.num_layers):
-            policy.build(layer, cache, cache.lengths)
+        if policy is not None:
+            for layer in range(model.cfg.num_layers):
+                policy.build(layer, cache, cache.lengths)
         tokens, out = model.logits(hidden).argmax(-1), []
         for _ in range(20):
-            logits = decode_step(model, cache, tokens, policy=None if name == "dense" else policy)
+            logits = decode_step(model, cache, tokens, policy=policy)
             assert torch.isfinite(logits).all()
             tokens = logits.argmax(-1)
             out.append(tokens.item())
-        runs[name] = out
+        runs[run] = out
     if budget == "1.0":
-        assert runs["binarypc"] == runs["dense"]
+        assert runs[name] == runs["dense"]
