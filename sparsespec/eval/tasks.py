@@ -123,12 +123,16 @@ class TaskBuilder:
                                        f"Answer: The special magic {kind} for {key} is:")
         return Sample("niah_single", length, seed, prompt, (value,), depth, 24 if kind != "uuid" else 40)
 
-    def _niah_multikey(self, rng, length, seed):
+    def _four_needles(self, rng):
+        """Four keys with a number each, at random depths -> (keys, values, depths, needle sentences)."""
         keys = self._keys(rng, 4)
         values = [self._value(rng, "number") for _ in keys]
         depths = [rng.random() for _ in keys]
+        return keys, values, depths, [f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)]
+
+    def _niah_multikey(self, rng, length, seed):
+        keys, values, depths, needles = self._four_needles(rng)
         asked = rng.randrange(4)
-        needles = [f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)]
         prompt = self._haystack_prompt(rng, length, needles, depths,
                                        f"What is the special magic number for {keys[asked]} mentioned in the text?",
                                        f"Answer: The special magic number for {keys[asked]} is:")
@@ -145,10 +149,7 @@ class TaskBuilder:
         return Sample("niah_multivalue", length, seed, prompt, tuple(values), None, 64)
 
     def _niah_multiquery(self, rng, length, seed):
-        keys = self._keys(rng, 4)
-        values = [self._value(rng, "number") for _ in keys]
-        depths = [rng.random() for _ in keys]
-        needles = [f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)]
+        keys, values, depths, needles = self._four_needles(rng)
         prompt = self._haystack_prompt(rng, length, needles, depths,
                                        "What are the special magic numbers for " + ", ".join(keys[:-1]) +
                                        f" and {keys[-1]} mentioned in the text?",
