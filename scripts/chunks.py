@@ -4,8 +4,8 @@
         -> .chunks/part000 ... and .chunks/manifest.json (offsets, sizes, SHA-256 of every part and of the whole)
     (one device call per part, carrying .chunks/manifest.json and .chunks/partNNN:)
     python3 scripts/chunks.py append .chunks ~/models/qwen.gguf
-        -> appends whichever part it carries, after checking the part's hash and that the file so far ends
-           exactly where the part begins (so a repeated or out-of-order call is refused, never corrupts)
+        -> appends, in order, the parts present that continue the file (hash-checked; parts already in it are
+           skipped, so a repeated call does nothing and parts left from earlier calls are used)
     python3 scripts/chunks.py verify .chunks ~/models/qwen.gguf
         -> checks the whole file's size and SHA-256
 
@@ -45,21 +45,24 @@ def split(src: Path, out: Path, size_mb: int) -> None:
 
 
 def append(folder: Path, dest: Path) -> None:
+    """Append, in order, every part present in `folder` that continues `dest` (parts already in it are skipped,
+    so calls can be repeated; a part that would leave a gap waits for the missing one)."""
     manifest = json.loads((folder / "manifest.json").read_text())
-    present = [p for p in manifest["parts"] if (folder / p["name"]).is_file()]
-    if len(present) != 1:
-        sys.exit(f"chunks: expected exactly one part in {folder}, found {len(present)}")
-    part = present[0]
-    data = (folder / part["name"]).read_bytes()
-    if hashlib.sha256(data).hexdigest() != part["sha256"]:
-        sys.exit(f"chunks: {part['name']} is corrupt (hash mismatch)")
-    have = dest.stat().st_size if dest.exists() else 0
-    if have != part["offset"]:
-        sys.exit(f"chunks: {dest} holds {have} bytes but {part['name']} starts at {part['offset']}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest, "ab") as fh:
-        fh.write(data)
-    print(f"appended {part['name']}: {have + len(data)} of {manifest['size']} bytes")
+    have = dest.stat().st_size if dest.exists() else 0
+    for part in manifest["parts"]:
+        if part["offset"] + part["size"] <= have or not (folder / part["name"]).is_file():
+            continue
+        if part["offset"] != have:
+            break
+        data = (folder / part["name"]).read_bytes()
+        if hashlib.sha256(data).hexdigest() != part["sha256"]:
+            sys.exit(f"chunks: {part['name']} is corrupt (hash mismatch)")
+        with open(dest, "ab") as fh:
+            fh.write(data)
+        have += len(data)
+        print(f"appended {part['name']}")
+    print(f"{dest}: {have} of {manifest['size']} bytes")
 
 
 def verify(folder: Path, dest: Path) -> None:
