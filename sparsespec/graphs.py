@@ -1,25 +1,34 @@
-"""One decode step captured as a CUDA graph: B tokens at per-row positions, attending the whole static cache.
+"""Forward steps captured as CUDA graphs: W tokens per row at per-row positions, attending the whole static cache.
 
-Static shapes make this possible: the cache is preallocated and the mask hides slots past each row's position,
-so a replay only needs the new tokens and positions copied into the graph's input buffers.
+Static shapes make this possible: the cache is preallocated and the causal mask hides slots past each query's
+position, so a replay only needs the new tokens and positions copied into the graph's input buffers. Width 1 is the
+decode step; width B is a speculative verify step (a block of B positions, shorter blocks padded at the end: the
+padding writes K/V past the committed length, which is dead, and later queries never see it before it is rewritten).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from .cache import KVCache
 from .models.transformer import Transformer
 
-class CudaGraphDecodeStep:
-    def __init__(self, model: Transformer, cache: KVCache, compile: bool = False, warmup: int = 3):
-        """`compile`: run the step through torch.compile first, which fuses the small element-wise kernels (norms,
-        rotary, SwiGLU, residuals) that otherwise dominate a batch-1 step; costs a compilation per shape."""
+
+class CudaGraphStep:
+    def __init__(self, model: Transformer, cache: KVCache, width: int = 1, taps: Sequence[int] = (),
+                 compile: bool = False, warmup: int = 3):
+        """`taps`: also return the outputs of these decoder layers (drafter context features). `compile`: run the
+        step through torch.compile first, which fuses the small element-wise kernels (norms, rotary, SwiGLU,
+        residuals) that otherwise dominate a batch-1 step; costs a compilation per shape."""
         device = cache.device
+        self.taps = tuple(taps)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
-        self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)  # [B, 1]
-        # Warm-up and capture write at the last slot of each row: never a committed token (capacity > length).
-        self.positions = torch.full((cache.batch, 1), cache.capacity - 1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(cache.batch, width, dtype=torch.long, device=device)  # [B, W]
+        # Warm-up and capture write at the last W slots of each row: never committed tokens (capacity >= length + W).
+        last = torch.arange(cache.capacity - width, cache.capacity, device=device)
+        self.positions = last.expand(cache.batch, -1).clone()  # [B, W]
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -28,14 +37,26 @@ class CudaGraphDecodeStep:
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits = self.step(model, cache)  # [B, V] fp32, overwritten by each replay
+            self.logits, self.features = self.step(model, cache)  # overwritten by each replay
 
-    def _step(self, model: Transformer, cache: KVCache) -> torch.Tensor:
-        return model.logits(model(self.tokens, self.positions, cache)[:, -1])
+    def _step(self, model: Transformer, cache: KVCache):
+        hidden, features = model.forward_tapped(self.tokens, self.positions, cache, None, self.taps)
+        return model.logits(hidden), features
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """tokens, positions [B, W] -> (logits [B, W, V] fp32, features [B, W, taps * hidden] or None); views
+        reused by the next call."""
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.logits, self.features
+
+
+class CudaGraphDecodeStep(CudaGraphStep):
+    """One decode step: tokens, positions [B] -> next-token logits [B, V]."""
+
+    def __init__(self, model: Transformer, cache: KVCache, compile: bool = False, warmup: int = 3):
+        super().__init__(model, cache, 1, (), compile, warmup)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [B] -> next-token logits [B, V] (a view reused by the next call)."""
-        self.tokens.copy_(tokens[:, None])
-        self.positions.copy_(positions[:, None])
-        self.graph.replay()
-        return self.logits
+        return super().__call__(tokens[:, None], positions[:, None])[0][:, -1]

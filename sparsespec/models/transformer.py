@@ -6,7 +6,7 @@ matrix product each at decode. The loader fuses them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,16 +57,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.split = (q_dim, kv_dim, kv_dim)
 
-    def forward(self, x: torch.Tensor, layer: int, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, hidden] -> q [B, Hq, T, D], k, v [B, Hkv, T, D]: projected, q/k-normed, rotated."""
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(B, T, -1, D).transpose(1, 2)  # [B, Hq, T, D]
-        k = k.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
+        q = q.view(B, T, -1, D).transpose(1, 2)
+        k = k.view(B, T, -1, D).transpose(1, 2)
         v = v.view(B, T, -1, D).transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, layer: int, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, plan.cos, plan.sin)
         if plan.observer is not None:
             plan.observer(layer, q, k)
         cache.write(layer, plan.positions, k, v)
@@ -133,11 +138,20 @@ class Transformer(nn.Module):
         static shape for CUDA graphs). Call `logits` only on the rows that need them. `policy` replaces the
         attention of its sparse layers in single-token steps; `observer(layer, q, k)` sees post-RoPE q and k.
         """
+        return self.forward_tapped(tokens, positions, cache, kv_len, (), policy, observer)[0]
+
+    def forward_tapped(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None,
+                       taps: Sequence[int], policy: Policy | None = None, observer: Callable | None = None):
+        """As `forward`, also returning the outputs of decoder layers `taps` (0-based), concatenated in that order:
+        (hidden [B, T, hidden], features [B, T, len(taps) * hidden] or None without taps)."""
         plan = self.plan(positions, cache.capacity if kv_len is None else kv_len, policy, observer)
         x = self.embed_tokens(tokens)
+        tapped = {}
         for i, block in enumerate(self.layers):
             x = block(x, i, plan, cache)
-        return self.norm(x)
+            if i in taps:
+                tapped[i] = x
+        return self.norm(x), torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> fp32 logits [..., vocab]."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters and lossless verification."""

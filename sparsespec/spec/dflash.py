@@ -1,0 +1,246 @@
+"""DFlash: a block-diffusion drafter that drafts B − 1 tokens in one forward pass, conditioned on target features.
+
+    target layers `taps` -> features f_t [n·H] per committed token -> c_t = RMSNorm(fc(f_t))      (context)
+    every drafter layer: keys/values = [k,v(c_0..c_{s-1}) ; k,v(x_block)], queries from the block only
+    block at positions s..s+B−1: [last committed token, MASK × (B−1)], bidirectional inside the block
+    output at block position k (1 ≤ k < B) -> target LM head -> the token at position s + k
+
+The drafter has the target's own decoder layer type and width (a few layers, possibly a narrower MLP); it owns no
+embedding or LM head (the target's are shared, frozen) and learns one MASK embedding. At inference its context
+lives in a static position-indexed KV cache (slot t = c_t's K/V in every layer); the block's K/V are written at
+slots s..s+B−1, past the committed context, and overwritten when those tokens' features arrive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..attention.dense import dense_attention
+from ..cache import KVCache
+from ..config import ModelConfig, RopeScaling
+from ..errors import SparseSpecError
+from ..models.rope import inverse_frequencies, rope_cos_sin
+from ..models.transformer import Block, RMSNorm, StepPlan, Transformer
+from ..sampling import SamplingConfig
+from .drafters import Drafter
+
+
+def default_taps(target_layers: int, n: int) -> tuple[int, ...]:
+    """n target layers spread evenly from the second to the fourth-last: round(linspace(1, L − 3, n))."""
+    if n == 1:
+        return (target_layers // 2,)
+    hi = max(1, target_layers - 3)
+    return tuple(round(1 + i * (hi - 1) / (n - 1)) for i in range(n))
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    target: ModelConfig
+    layers: int = 1
+    block_size: int = 16
+    taps: tuple[int, ...] = ()  # target layers (0-based decoder layer outputs); () = default_taps(L, 3)
+    intermediate_size: int = 0  # drafter MLP width; 0 = the target's
+
+    def __post_init__(self):
+        if self.layers < 1:
+            raise SparseSpecError(f"a DFlash drafter needs >= 1 layer, got {self.layers}")
+        if self.block_size < 2:
+            raise SparseSpecError(f"block size must be >= 2, got {self.block_size}")
+        if not self.taps:
+            object.__setattr__(self, "taps", default_taps(self.target.num_layers, 3))
+        if any(not 0 <= t < self.target.num_layers for t in self.taps):
+            raise SparseSpecError(f"tapped layers {self.taps} outside the target's {self.target.num_layers}")
+        if self.intermediate_size == 0:
+            object.__setattr__(self, "intermediate_size", self.target.intermediate_size)
+
+    @property
+    def layer_config(self) -> ModelConfig:
+        return dataclasses.replace(self.target, num_layers=self.layers, intermediate_size=self.intermediate_size,
+                                   sliding_window=None)
+
+    def to_json(self) -> dict:
+        return {"target": dataclasses.asdict(self.target), "layers": self.layers, "block_size": self.block_size,
+                "taps": list(self.taps), "intermediate_size": self.intermediate_size}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DFlashConfig":
+        t = dict(d["target"])
+        t["rope_scaling"] = RopeScaling(**t["rope_scaling"])
+        t["eos_token_ids"] = tuple(t["eos_token_ids"])
+        return cls(ModelConfig(**t), d["layers"], d["block_size"], tuple(d["taps"]), d["intermediate_size"])
+
+
+class DFlash(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        lc = cfg.layer_config
+        H = lc.hidden_size
+        self.fc = nn.Linear(len(cfg.taps) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, lc.rms_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(H))
+        self.layers = nn.ModuleList(Block(lc) for _ in range(cfg.layers))
+        self.norm = RMSNorm(H, lc.rms_eps)
+        self.register_buffer("inv_freq", inverse_frequencies(lc.head_dim, lc.rope_theta, lc.rope_scaling),
+                             persistent=False)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., taps * H] (target layer outputs) -> context vectors [..., H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def block_embeddings(self, target: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] (the block's first token) -> [N, B, H]: that token's embedding, then B − 1 MASK embeddings."""
+        first = target.embed_tokens(tokens).to(self.mask_embedding.dtype)[:, None]  # [N, 1, H]
+        rest = self.mask_embedding.expand(tokens.shape[0], self.cfg.block_size - 1, -1)
+        return torch.cat([first, rest], dim=1)
+
+    # --- inference: context in a static cache --------------------------------------------------------------
+
+    def ingest(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+        """Write the context K/V of features [N, T, taps * H] at positions [N, T] into every layer's cache."""
+        c = self.context(features)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, c.dtype)
+        for i, layer in enumerate(self.layers):
+            _, k, v = layer.self_attn.project(c, cos, sin)
+            cache.write(i, positions, k, v)
+
+    def draft_hidden(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor,
+                     cache: KVCache) -> torch.Tensor:
+        """tokens [N] at positions start [N] (context slots [0, start) cached) -> hidden [N, B, H] of the block."""
+        B = self.cfg.block_size
+        positions = start[:, None] + torch.arange(B, device=start.device)  # [N, B]
+        kv_len = int(start.max()) + B
+        slots = torch.arange(kv_len, device=start.device)
+        mask = (slots < (start[:, None] + B)[..., None])[:, None].expand(-1, 1, B, -1)  # [N, 1, B, kv_len]
+        x = self.block_embeddings(target, tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        plan = StepPlan(positions, kv_len, cos, sin, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, plan, cache)
+        return self.norm(x)
+
+    # --- training: many blocks per sequence, one masked attention --------------------------------------------
+
+    def train_hidden(self, target: Transformer, features: torch.Tensor, tokens: torch.Tensor,
+                     anchors: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """features [N, T, taps * H] and tokens [N, T] of N sequences, anchors [N, M] (block starts), mask
+        [N, 1, M·B, T + M·B] (block_mask) -> hidden [N, M, B, H] of every block."""
+        N, T = tokens.shape
+        M, B = anchors.shape[1], self.cfg.block_size
+        c = self.context(features)  # [N, T, H]
+        ctx_pos = torch.arange(T, device=tokens.device).expand(N, -1)
+        blk_pos = (anchors[..., None] + torch.arange(B, device=tokens.device)).reshape(N, M * B)
+        cos_c, sin_c = rope_cos_sin(ctx_pos, self.inv_freq, c.dtype)
+        cos_b, sin_b = rope_cos_sin(blk_pos, self.inv_freq, c.dtype)
+        first = tokens.gather(1, anchors)  # [N, M]
+        x = self.block_embeddings(target, first.reshape(-1)).reshape(N, M * B, -1)
+        for layer in self.layers:
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cos_b, sin_b)  # [N, Hq | Hkv, M·B, D]
+            _, kc, vc = attn.project(c, cos_c, sin_c)  # [N, Hkv, T, D]
+            out = dense_attention(q, torch.cat([kc, k], 2), torch.cat([vc, v], 2), mask)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(N, M * B, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x).view(N, M, B, -1)
+
+    # --- files ---------------------------------------------------------------------------------------------
+
+    def save(self, path: Path, dtype: torch.dtype = torch.bfloat16, meta: dict | None = None) -> None:
+        """path.safetensors (weights) + path.json (config and how it was made)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path.with_suffix(".safetensors")))
+        path.with_suffix(".json").write_text(json.dumps({"config": self.cfg.to_json(), **(meta or {})}, indent=1))
+
+    @classmethod
+    def load(cls, path: Path, device="cpu", dtype: torch.dtype = torch.float32) -> "DFlash":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        weights, meta = path.with_suffix(".safetensors"), path.with_suffix(".json")
+        if not weights.is_file() or not meta.is_file():
+            raise SparseSpecError(f"DFlash drafter not found: need {weights} and {meta}")
+        try:
+            cfg = DFlashConfig.from_json(json.loads(meta.read_text())["config"])
+            state = load_file(str(weights))
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            raise SparseSpecError(f"corrupt DFlash drafter {path}: {e}") from None
+        model = cls(cfg)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise SparseSpecError(f"DFlash drafter {weights} does not match its config: {str(e)[:200]}") from None
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def block_mask(anchors: torch.Tensor, lengths: torch.Tensor, T: int, B: int) -> torch.Tensor:
+    """anchors [N, M], sequence lengths [N] -> bool [N, 1, M·B, T + M·B]: a query of block j sees context
+    positions strictly before its anchor (and inside its sequence) and every position of block j, nothing else."""
+    N, M = anchors.shape
+    ctx = torch.arange(T, device=anchors.device)
+    block_of = torch.arange(M, device=anchors.device).repeat_interleave(B)  # [M·B]: which block a query is in
+    anchor = anchors[:, block_of]  # [N, M·B]
+    sees_ctx = (ctx < anchor[..., None]) & (ctx < lengths[:, None, None])  # [N, M·B, T]
+    sees_blk = (block_of[:, None] == block_of[None, :]).expand(N, -1, -1)  # [N, M·B, M·B]
+    return torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]
+
+
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor, B: int) -> torch.Tensor:
+    """tokens [N, T], anchors [N, M] -> labels [N, M, B]: block position k predicts tokens[anchor + k];
+    -100 (ignored) at k = 0 (the given token) and past the sequence's end."""
+    pos = anchors[..., None] + torch.arange(B, device=tokens.device)  # [N, M, B]
+    labels = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos)
+    invalid = (pos >= lengths[:, None, None]) | (torch.arange(B, device=tokens.device) == 0)
+    return labels.masked_fill(invalid, -100)
+
+
+def loss_weights(B: int, gamma: float | None = None, device=None) -> torch.Tensor:
+    """[B]: 0 at the given token, exp(−(k − 1)/γ) at block position k ≥ 1 (γ = 7 at B = 16, scaled with B)."""
+    gamma = gamma if gamma is not None else 7.0 * (B - 1) / 15
+    k = torch.arange(B, device=device, dtype=torch.float32)
+    return torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma))
+
+
+class DFlashDrafter(Drafter):
+    """The DFlash model driven by the speculative loop: its own context cache gets only newly committed features;
+    one forward drafts a block; proposals are the argmax (point masses, lossless under verification at any T)."""
+
+    name = "dflash"
+
+    def __init__(self, model: DFlash, target: Transformer):
+        self.model = model
+        self.target = target
+        self.taps = model.cfg.taps
+        self.cache: KVCache | None = None
+
+    def start(self, prompt, features, capacity):
+        device = self.model.fc.weight.device
+        self.cache = KVCache(self.model.cfg.layer_config, 1, capacity, self.model.fc.weight.dtype, device)
+        self.model.ingest(features[None], torch.arange(len(prompt), device=device)[None], self.cache)
+        self.cache.truncate([len(prompt)])
+
+    @torch.inference_mode()
+    def propose(self, history, k, cfg: SamplingConfig, rng):
+        if k < 1:
+            return [], None
+        s = len(history) - 1  # the pending token's position: context covers [0, s)
+        device = self.model.fc.weight.device
+        tokens = torch.tensor([history[-1]], device=device)
+        hidden = self.model.draft_hidden(self.target, tokens, torch.tensor([s], device=device), self.cache)
+        hidden = hidden[0, 1 : 1 + min(k, self.model.cfg.block_size - 1)]  # [k, H]
+        logits = self.target.logits(hidden.to(self.target.embed_tokens.weight.dtype))
+        return logits.argmax(-1).tolist(), None
+
+    def commit(self, history, accepted, features):
+        n = self.cache.lengths[0]  # context covers [0, n); the newly cached target tokens sit at n..n+accepted
+        positions = torch.arange(n, n + accepted + 1, device=features.device)[None]
+        self.model.ingest(features[None], positions, self.cache)
+        self.cache.truncate([n + accepted + 1])

@@ -1,0 +1,125 @@
+"""Drafters behind one interface: n-gram prompt lookup and a smaller draft model (DFlash lives in dflash.py).
+
+The speculative loop (decode.py) drives a drafter through three calls:
+
+    start(prompt, features)          after the target's prefill; features [L, taps * hidden] of the prompt
+                                     positions when the drafter asked for target layers (`taps`), else None
+    propose(history, k, cfg, rng)    history = every committed token, the last one not yet seen by the target;
+                                     -> up to k proposed continuations, and the distributions they were drawn
+                                     from ([k, V]) or None for point-mass proposals (argmax drafts, copies)
+    commit(history, accepted, features)  after verification: `accepted` proposals were kept (then one target
+                                     token); features of the tokens the target has just cached, [accepted + 1, ·]
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..cache import KVCache
+from ..errors import SparseSpecError
+from ..generate import decode_step, prefill
+from ..graphs import CudaGraphDecodeStep
+from ..sampling import SamplingConfig
+from .verify import draft_distribution
+
+
+class Drafter(ABC):
+    name: str = ""
+    taps: tuple[int, ...] = ()  # target decoder layers whose outputs the drafter conditions on
+
+    @abstractmethod
+    def start(self, prompt: list[int], features: torch.Tensor | None, capacity: int) -> None:
+        """`capacity`: the most positions the generation will reach (prompt + new tokens + a block)."""
+
+    @abstractmethod
+    def propose(self, history: list[int], k: int, cfg: SamplingConfig,
+                rng: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        ...
+
+    def commit(self, history: list[int], accepted: int, features: torch.Tensor | None) -> None:
+        """Default: nothing to update (stateless drafters)."""
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the history's last n tokens (longest n first, from
+    `max_n` down to `min_n`) and propose the k tokens that followed it. Point-mass proposals, no model."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 2):
+        if not 1 <= min_n <= max_n:
+            raise SparseSpecError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.sizes = range(max_n, min_n - 1, -1)
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
+        self.indexed = 0  # history[:indexed] has every n-gram ending before it in `index`
+
+    def start(self, prompt, features, capacity):
+        self.index, self.indexed = {}, 0
+
+    def _extend(self, history: list[int]) -> None:
+        # index n-grams that end at or before len(history) - 1, so the current suffix never matches itself
+        for end in range(max(self.indexed, 1), len(history)):
+            for n in self.sizes:
+                if end >= n:
+                    self.index[tuple(history[end - n:end])] = end
+        self.indexed = max(self.indexed, len(history))
+
+    def propose(self, history, k, cfg, rng):
+        self._extend(history)
+        for n in self.sizes:
+            if len(history) > n:
+                end = self.index.get(tuple(history[-n:]))
+                if end is not None:
+                    return history[end:end + k], None
+        return [], None
+
+
+class ModelDrafter(Drafter):
+    """A smaller model of the same tokenizer drafts k tokens autoregressively (Leviathan et al.) in its own static
+    cache; rejected drafts are rolled back by truncating that cache. At T > 0 it samples from, and reports, the
+    same filtered distribution that verification applies to the target."""
+
+    def __init__(self, engine, name: str = "model", target_vocab: int | None = None):
+        if target_vocab is not None and engine.config.vocab_size != target_vocab:
+            raise SparseSpecError(f"draft model vocabulary ({engine.config.vocab_size}) differs from the target's "
+                                  f"({target_vocab}): a draft model must share the target's tokenizer")
+        self.engine = engine
+        self.name = name
+        self.cache: KVCache | None = None
+        self.drafted = 0  # proposals of the last propose() call whose K/V are in the draft cache
+
+    def start(self, prompt, features, capacity):
+
+        self.cache = KVCache(self.engine.config, 1, capacity, self.engine.dtype, self.engine.device)
+        prefill(self.engine.model, self.cache, [prompt], 1024)
+        cuda = self.cache.device.type == "cuda"
+        self.graph = CudaGraphDecodeStep(self.engine.model, self.cache) if cuda else None
+
+    @torch.inference_mode()
+    def propose(self, history, k, cfg, rng):
+        model, cache = self.engine.model, self.cache
+        n = cache.lengths[0]
+        new = torch.tensor([history[n:]], device=cache.device)  # [1, m]: committed tokens not yet drafted on
+        positions = torch.arange(n, len(history), device=cache.device)[None]
+        logits = model.logits(model(new, positions, cache, kv_len=len(history))[0, -1])  # [V]
+        cache.truncate([len(history)])
+        proposals, probs = [], []
+        for i in range(k):
+            if cfg.greedy:
+                token = logits.argmax(-1)
+            else:
+                p = draft_distribution(logits, cfg)
+                token = torch.multinomial(p, 1, generator=rng)[0]
+                probs.append(p)
+            proposals.append(token)
+            if i < k - 1:
+                logits = decode_step(model, cache, token.view(1), self.graph)[0]
+        self.drafted = max(k - 1, 0)
+        return torch.stack(proposals).tolist() if proposals else [], torch.stack(probs) if probs else None
+
+    def commit(self, history, accepted, features):
+        # the cache holds the old history and the first `drafted` proposals; keep only what was accepted
+        old = len(history) - accepted - 1
+        self.cache.truncate([old + min(accepted, self.drafted)])

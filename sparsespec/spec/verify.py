@@ -1,0 +1,87 @@
+"""Lossless verification of speculative proposals: greedy prefix match and Leviathan et al. speculative sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..sampling import SamplingConfig, filter_logits
+
+AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _check_shapes(proposals: torch.Tensor, target_logits: torch.Tensor) -> None:
+    if proposals.dim() != 1 or target_logits.dim() != 2 or target_logits.shape[0] != proposals.shape[0] + 1:
+        raise ValueError(f"need proposals [k] and target logits [k+1, V], got {tuple(proposals.shape)} and "
+                         f"{tuple(target_logits.shape)}")
+
+
+def verify_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> list[int]:
+    """proposals [k] int64, target_logits [k+1, V] -> the longest prefix of proposals matching the target's argmax,
+    then the target's argmax at the first mismatch (or the bonus after all k): 1..k+1 tokens."""
+    _check_shapes(proposals, target_logits)
+    k = proposals.shape[0]
+    best = target_logits.argmax(-1)  # [k+1]
+    n = (best[:k] == proposals).long().cumprod(0).sum()  # accepted proposals, 0-d
+    out = torch.cat([n.view(1), best]).tolist()  # one host sync
+    return out[1:out[0] + 2]  # accepted proposals equal the argmax, so the committed tokens are best[:n+1]
+
+
+def draft_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """logits [..., V] -> the filtered sampling distribution [..., V] (one-hot argmax when cfg is greedy).
+
+    Verification uses it for the target rows; a sampling drafter must draw from (and report) the same thing."""
+    if cfg.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return filter_logits(logits, cfg).softmax(-1)
+
+
+def acceptance_probability(p_target_d: torch.Tensor, p_draft_d: torch.Tensor) -> torch.Tensor:
+    """min(1, p_t(d) / p_d(d)) elementwise; 0 where p_d(d) == 0 (a proposal its drafter could not have drawn)."""
+    ratio = p_target_d / p_draft_d.clamp(min=torch.finfo(p_draft_d.dtype).tiny)
+    return torch.where(p_draft_d > 0, ratio.clamp(max=1.0), 0.0)
+
+
+def speculative_step(proposals: torch.Tensor, p_target: torch.Tensor, p_draft: torch.Tensor | None,
+                     generator: torch.Generator | None, *,
+                     accept: AcceptRule = acceptance_probability) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched speculative sampling on probabilities, no host sync.
+
+    proposals [B, k] int64; p_target [B, k+1, V] (row i: after proposals[:i]); p_draft [B, k, V] or None for
+    point-mass proposals -> (n_accepted [B] in 0..k, next_token [B]: drawn from norm(max(0, p_t - p_d)) at the
+    first rejection, from p_t row k when all k are accepted)."""
+    B, k = proposals.shape
+    V = p_target.shape[-1]
+    pt_d = p_target[:, :k].gather(-1, proposals[..., None]).squeeze(-1)  # [B, k]
+    pd_d = torch.ones_like(pt_d) if p_draft is None else p_draft.gather(-1, proposals[..., None]).squeeze(-1)
+    u = torch.rand(B, k, generator=generator, device=p_target.device)  # [B, k]
+    n = (u < accept(pt_d, pd_d)).long().cumprod(-1).sum(-1)  # [B]: leading accepted proposals
+    p_next = p_target.gather(1, n.view(B, 1, 1).expand(B, 1, V)).squeeze(1)  # [B, V]: p_t row n
+    residual = p_next
+    if k:
+        i = n.clamp(max=k - 1).view(B, 1)  # [B, 1]: the rejected row (ignored when n == k)
+        if p_draft is None:
+            pd_next = torch.zeros_like(p_next).scatter_(1, proposals.gather(1, i), 1.0)  # [B, V] one-hot
+        else:
+            pd_next = p_draft.gather(1, i.view(B, 1, 1).expand(B, 1, V)).squeeze(1)  # [B, V]
+        residual = (p_next - pd_next * (n < k).view(B, 1)).clamp(min=0)
+    # all-zero residual (p_t == p_d up to rounding): fall back to p_t
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    return n, torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+
+
+def verify_sampling(proposals: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                    cfg: SamplingConfig, generator: torch.Generator | None, *,
+                    accept: AcceptRule = acceptance_probability) -> list[int]:
+    """proposals [k] int64, draft_probs [k, V] (the filtered distributions the proposals were drawn from) or None
+    (point masses), target_logits [k+1, V] fp32 -> 1..k+1 committed tokens, distributed exactly as sampling from
+    softmax(filter_logits(target_logits, cfg)) token by token. cfg.greedy delegates to verify_greedy."""
+    if cfg.greedy:
+        return verify_greedy(proposals, target_logits)
+    _check_shapes(proposals, target_logits)
+    p_target = draft_distribution(target_logits, cfg)[None]  # [1, k+1, V]
+    p_draft = None if draft_probs is None else draft_probs[None].float()  # [1, k, V]
+    n, last = speculative_step(proposals[None], p_target, p_draft, generator, accept=accept)
+    out = torch.cat([n, proposals, last]).tolist()  # one host sync
+    return out[1:out[0] + 1] + out[-1:]

@@ -1,0 +1,180 @@
+"""Speculative decoding end to end: drafters, the loop's losslessness (greedy and sampled), DFlash's two paths."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+from sparsespec.cache import KVCache
+from sparsespec.config import ModelConfig
+from sparsespec.generate import Engine, GenerationConfig
+from sparsespec.models.loading import LoadedModel
+from sparsespec.models.transformer import Transformer
+from sparsespec.sampling import SamplingConfig
+from sparsespec.spec import verify
+from sparsespec.spec import decode
+from sparsespec.spec.decode import speculative_generate
+from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter, block_labels, block_mask, loss_weights
+from sparsespec.spec.drafters import ModelDrafter, NgramDrafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Tokenizer:
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def tiny_engine(seed: int, vocab: int = 64, layers: int = 2, scale: float = 1.0, eos: tuple = ()) -> Engine:
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=layers,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position=512, eos_token_ids=eos)
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return Engine(LoadedModel(model.eval().requires_grad_(False), _Tokenizer(), cfg, None))
+
+
+def tiny_dflash(target: Engine, seed: int = 1, block: int = 5) -> DFlash:
+    torch.manual_seed(seed)
+    model = DFlash(DFlashConfig(target.config, layers=2, block_size=block, taps=(0, 1)))
+    with torch.no_grad():
+        model.mask_embedding.normal_()
+    return model.eval().requires_grad_(False)
+
+
+def test_ngram_drafter_copies_the_latest_continuation():
+    d = NgramDrafter(max_n=3, min_n=1)
+    d.start([], None, 0)
+    history = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]
+    assert d.propose(history, 3, SamplingConfig(), None) == ([2, 3, 5], None)  # the latest "5 6 7" wins
+    assert d.propose(history + [4], 3, SamplingConfig(), None) == ([], None)  # 4 never occurred before
+    d.start([], None, 0)
+    assert d.propose([1, 2, 9, 2], 2, SamplingConfig(), None) == ([9, 2], None)  # falls back to n = 1
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash"])
+@pytest.mark.parametrize("block", [2, 5])
+def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
+    target = tiny_engine(0)
+    gen = GenerationConfig(max_new_tokens=40)
+    for p, prompt in enumerate(([3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50)))):
+        if drafter == "ngram":
+            d = NgramDrafter()
+        elif drafter == "model":
+            d = ModelDrafter(tiny_engine(100 + p, layers=1), target_vocab=64)
+        else:
+            d = DFlashDrafter(tiny_dflash(target, block=block), target.model)
+        ref = target.generate([prompt], gen).token_ids[0]
+        out = speculative_generate(target, prompt, d, gen, block)
+        assert out.token_ids == ref
+        assert sum(out.committed) >= len(ref) - 1 and all(1 <= c <= block for c in out.committed)
+
+
+def test_a_drafter_that_is_the_target_is_always_accepted_and_stops_at_eos():
+    target = tiny_engine(0)
+    gen = GenerationConfig(max_new_tokens=33)
+    out = speculative_generate(target, [1, 2, 3], ModelDrafter(target), gen, 8)
+    assert out.token_ids == target.generate([[1, 2, 3]], gen).token_ids[0]
+    assert out.committed[:4] == [8, 8, 8, 8]
+    eos = out.token_ids[10]
+    stopping = tiny_engine(0, eos=(eos,))
+    cut = speculative_generate(stopping, [1, 2, 3], ModelDrafter(stopping), gen, 8).token_ids
+    assert cut == out.token_ids[: out.token_ids.index(eos) + 1]
+
+
+def _sequence_counts(draw, n: int) -> torch.Tensor:
+    counts = torch.zeros(4 ** 3)
+    for i in range(n):
+        a, b, c = draw(i)
+        counts[a * 16 + b * 4 + c] += 1
+    return counts
+
+
+def _chi2_pvalue(counts: torch.Tensor, ref: torch.Tensor) -> float:
+    """Two-sample chi-square homogeneity test over the cells either sample hit."""
+    keep = (counts + ref) > 0
+    a, b = counts[keep], ref[keep]
+    na, nb = a.sum(), b.sum()
+    stat = (((a * (nb / na).sqrt() - b * (na / nb).sqrt()) ** 2) / (a + b)).sum()
+    dof = int(keep.sum()) - 1
+    return float(1 - torch.special.gammainc(torch.tensor(dof / 2.0), stat / 2))
+
+
+@pytest.mark.parametrize("drafter", ["model", "dflash"])
+def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypatch):
+    # vocabulary of 4, three new tokens: 64 possible sequences, compared with a chi-square homogeneity test
+    target = tiny_engine(3, vocab=4, scale=4.0)
+    draft = tiny_engine(4, vocab=4, scale=4.0)
+    prompt = [1, 2, 3, 0]
+
+    def make():
+        return ModelDrafter(draft) if drafter == "model" else DFlashDrafter(tiny_dflash(target, block=3), target.model)
+
+    def spec(i):
+        g = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=10_000 + i),
+                         stop_on_eos=False)
+        return speculative_generate(target, prompt, make(), g, 3).token_ids
+
+    ref = _sequence_counts(lambda i: target.generate([prompt], GenerationConfig(
+        max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=i), stop_on_eos=False)).token_ids[0], 3000)
+    good = _sequence_counts(spec, 3000)
+    assert _chi2_pvalue(good, ref) > 1e-3
+    always = functools.partial(verify.verify_sampling, accept=lambda pt, pd: torch.ones_like(pt))
+    monkeypatch.setattr(decode, "verify_sampling", always)  # a wrong rule: accept every proposal
+    bad = _sequence_counts(spec, 3000)
+    assert _chi2_pvalue(bad, ref) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dflash_training_path_equals_the_inference_path(dtype):
+    target = tiny_engine(0)
+    model = tiny_dflash(target, block=4).to(dtype)
+    T = 23
+    tokens = torch.randint(0, 64, (1, T))
+    _, feats = target.model.forward_tapped(tokens, torch.arange(T)[None], KVCache(target.config, 1, T, torch.float32,
+                                                                                   "cpu"), T, model.cfg.taps)
+    anchors = torch.tensor([[0, 5, 17, 22]])
+    mask = block_mask(anchors, torch.tensor([T]), T, 4)
+    trained = model.train_hidden(target.model, feats.to(dtype), tokens, anchors, mask)  # [1, 4, 4, H]
+    for j, a in enumerate(anchors[0].tolist()):
+        cache = KVCache(model.cfg.layer_config, 1, T + 4, dtype, "cpu")
+        if a:
+            model.ingest(feats[:, :a].to(dtype), torch.arange(a)[None], cache)
+        hidden = model.draft_hidden(target.model, tokens[:, a], torch.tensor([a]), cache)  # [1, 4, H]
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(trained[0, j], hidden[0], atol=tol, rtol=tol)
+
+
+def test_block_mask_sees_context_strictly_before_the_anchor_and_its_own_block():
+    anchors = torch.tensor([[2, 6]])
+    m = block_mask(anchors, torch.tensor([7]), 8, 3)[0, 0]  # [6, 8 + 6]
+    for q in range(6):
+        j = q // 3
+        assert m[q, :8].nonzero().flatten().tolist() == list(range(anchors[0, j]))
+        assert m[q, 8:].nonzero().flatten().tolist() == list(range(3 * j, 3 * j + 3))
+    short = block_mask(anchors, torch.tensor([4]), 8, 3)[0, 0]
+    assert short[3:, :8].nonzero()[:, 1].max() == 3  # never past the sequence's end
+
+
+def test_block_labels_are_same_position_and_weights_decay():
+    tokens = torch.arange(100, 110)[None]
+    labels = block_labels(tokens, torch.tensor([[2, 8]]), torch.tensor([10]), 4)
+    assert labels.tolist() == [[[-100, 103, 104, 105], [-100, 109, -100, -100]]]
+    w = loss_weights(16)
+    assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)
+    assert (w[2:] < w[1:-1]).all()
+
+
+def test_dflash_save_load_roundtrip(tmp_path):
+    target = tiny_engine(0)
+    model = tiny_dflash(target)
+    model.save(tmp_path / "d", dtype=torch.float32, meta={"made": "test"})
+    again = DFlash.load(tmp_path / "d")
+    assert again.cfg == model.cfg
+    for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), k
