@@ -61,7 +61,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention", default="dense", help="decode attention policy (see `sparsespec policies`)")
     g.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="policy option, e.g. budget=0.02 sinks=4 (repeatable)")
+    g.add_argument("--draft", default="none",
+                   help="speculative drafter: none, ngram, dflash (shipped for the model), dflash:PATH, model:NAME")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="speculation: tokens verified per step")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    tr = sub.add_parser("train", help="train a drafter")
+    trs = tr.add_subparsers(dest="what", required=True, parser_class=_Parser)
+    td = trs.add_parser("dflash", help="train a DFlash block-diffusion drafter on the target's own answers")
+    td.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder")
+    td.add_argument("--out", required=True, help="folder for data, checkpoints and the drafter (resumes from it)")
+    for name, default in (("prompts", 512), ("heldout", 32), ("max-new-tokens", 256), ("gen-batch", 32),
+                          ("layers", 1), ("block-size", 16), ("taps", 3), ("steps", 2000), ("batch", 8),
+                          ("anchors", 64), ("eval-every", 200)):
+        td.add_argument(f"--{name}", type=_positive_int, default=default)
+    td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (0: the target's)")
+    td.add_argument("--lr", type=_float, default=6e-4)
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    td.add_argument("--dtype", choices=list(DTYPES), default=None, help="target dtype; default: float32 on cpu, "
+                    "bfloat16 on cuda (the drafter trains in fp32 with bf16 autocast on cuda)")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bs = b.add_subparsers(dest="what", required=True, parser_class=_Parser)
+    sp = bs.add_parser("spec", help="speculative decoding: tau, tokens/s and speedup per drafter vs plain decoding")
+    sp.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder")
+    sp.add_argument("--target-name", default=None, help="registry name of a --target given as a path (to find "
+                    "its shipped drafter)")
+    sp.add_argument("--drafters", nargs="+", default=["ngram", "dflash"], help="ngram, dflash[:PATH], model:NAME")
+    sp.add_argument("--prompts", type=_positive_int, default=8, help="held-out prompts per kind")
+    sp.add_argument("--kinds", default="code,text")
+    sp.add_argument("--temperatures", default="0,1")
+    sp.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    sp.add_argument("--block-size", type=_positive_int, default=16)
+    sp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    sp.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    sp.add_argument("--no-cuda-graph", action="store_true", help="cuda: run plain and verify steps eagerly")
+    sp.add_argument("--out", default=None, help="folder for spec.jsonl, spec.md and spec_histogram.png")
 
     m = sub.add_parser("models", help="list the packaged models")
     m.add_argument("--json", action="store_true")
@@ -99,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--attention", nargs="+", default=["dense"], help="policies; NAME:key=value,... for a variant")
     ev.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="[POLICY.]KEY=VALUE")
     ev.add_argument("--perplexity-tokens", type=int, default=0, help="also score this many real tokens per length")
+    ev.add_argument("--perplexity-rows", type=_positive_int, default=4, help="windows of real text scored together")
+    ev.add_argument("--batch", type=_positive_int, default=8, help="samples of one length and task run together")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ev.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
@@ -157,8 +195,13 @@ def cmd_generate(args) -> None:
     name, inline = parse_spec(args.attention)
     policy = make_policy(name, [*inline, *args.attention_opt])
     progress = sys.stderr.isatty()
+    if args.draft != "none" and name != "dense":
+        raise SparseSpecError("--draft with a sparse --attention policy is not supported yet: use one of them")
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     ids = engine.encode(prompt, chat=args.chat)
+    if args.draft != "none":
+        _speculate(args, engine, ids, gen, dtype, progress)
+        return
     result = engine.generate([ids], gen, progress=progress, policy=None if name == "dense" else policy)
     record = {
         "token_ids": result.token_ids[0],
@@ -174,6 +217,76 @@ def cmd_generate(args) -> None:
         print(f"[{record['prompt_tokens']} prompt tokens, {len(record['token_ids'])} generated | "
               f"time to first token {result.ttft_s:.3f} s | decode {result.decode_tokens_per_s:.1f} tok/s | "
               f"{args.model} on {args.device} ({dtype}), attention {args.attention}]", file=sys.stderr)
+
+
+def _speculate(args, engine, ids, gen, dtype, progress) -> None:
+    from .spec.bench import make_drafter
+    from .spec.decode import speculative_generate
+
+    drafter = make_drafter(args.draft, engine, args.model, args.device, dtype, progress)
+    result = speculative_generate(engine, ids, drafter, gen, args.block_size)
+    tps = (len(result.token_ids) - 1) / result.decode_s if result.decode_s > 0 else float("nan")
+    record = {"token_ids": result.token_ids, "text": result.text, "prompt_tokens": result.prompt_tokens,
+              "ttft_s": round(result.ttft_s, 6), "decode_tokens_per_s": round(tps, 3), "tau": result.tau,
+              "committed_histogram": result.histogram()}
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(result.text)
+        print(f"[{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated | time to first token "
+              f"{result.ttft_s:.3f} s | decode {tps:.1f} tok/s | drafter {args.draft}: tau {result.tau:.2f} tokens "
+              f"per verify step | {args.model} on {args.device} ({dtype})]", file=sys.stderr)
+
+
+def cmd_train(args) -> None:
+    from .generate import Engine
+    from .spec.train import TrainConfig, train_dflash
+
+    cfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
+                      gen_batch=args.gen_batch, layers=args.layers, block_size=args.block_size, taps=args.taps,
+                      intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
+                      anchors=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed)
+    out = _writable_folder(args.out)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    progress = sys.stderr.isatty()
+    engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
+    summary = train_dflash(engine, cfg, out, args.target, progress=progress,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['heldout_tau']:.2f}, "
+          f"{summary['train_seconds']:.0f} s of training)")
+
+
+def cmd_bench(args) -> None:
+    from .generate import Engine
+    from .spec.bench import BenchConfig, make_drafter, report, run_bench
+
+    try:
+        temps = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        raise SparseSpecError(f"invalid --temperatures {args.temperatures!r} (use e.g. 0,1)") from None
+    cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts,
+                      kinds=tuple(k.strip() for k in args.kinds.split(",")), temperatures=temps,
+                      max_new_tokens=args.max_new_tokens, block_size=args.block_size)
+    out = _writable_folder(args.out) if args.out else None
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    progress = sys.stderr.isatty()
+    engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
+    name = args.target_name or args.target
+    drafters = {d: make_drafter(d, engine, name, args.device, dtype, progress) for d in cfg.drafters}
+    rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph)
+    device = torch_device_name(args.device)
+    print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, real weights) on {device}, block "
+                            f"{cfg.block_size}, {cfg.max_new_tokens} new tokens, held-out prompts"))
+
+
+def torch_device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
 def cmd_models(args) -> None:
@@ -259,11 +372,10 @@ def cmd_eval(args) -> None:
     from .generate import Engine
 
     tasks = TASKS if args.tasks == "all" else tuple(t.strip() for t in args.tasks.split(","))
-    if args.perplexity_tokens < 0:
-        raise SparseSpecError("--perplexity-tokens must be >= 0")
     cfg = EvalConfig(tasks=tasks, lengths=tuple(parse_length(x) for x in args.lengths.split(",")),
                      samples=args.samples, policies=tuple(args.attention), options=tuple(args.attention_opt),
-                     seed=args.seed, perplexity_tokens=args.perplexity_tokens)
+                     seed=args.seed, perplexity_tokens=args.perplexity_tokens, perplexity_rows=args.perplexity_rows,
+                     batch=args.batch)
     out = _writable_folder(args.out)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     progress = sys.stderr.isatty()
@@ -302,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         commands = {"generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "calibrate": cmd_calibrate,
-                    "policies": cmd_policies, "fidelity": cmd_fidelity, "eval": cmd_eval}
+                    "policies": cmd_policies, "fidelity": cmd_fidelity, "eval": cmd_eval, "train": cmd_train,
+                    "bench": cmd_bench}
         commands[args.command](args)
     except SparseSpecError as e:
         print(f"sparsespec: error: {e}", file=sys.stderr)

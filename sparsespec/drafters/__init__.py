@@ -1,0 +1,1 @@
+"""Trained DFlash drafters shipped with the package (see spec/registry.py)."""

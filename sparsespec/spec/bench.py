@@ -1,0 +1,142 @@
+"""`sparsespec bench spec`: τ, tokens/s and speedup of each drafter against plain decoding in the same engine.
+
+For every held-out prompt (spec/prompts.py) and temperature, plain decoding runs first (the reference output and
+the speed baseline), then each drafter. Speed is decode tokens per second after the first token (prefill and
+first token excluded on both sides); speedup = speculative tokens/s over plain tokens/s on the same prompt. At
+T = 0 every speculative output is compared with the plain one token for token (`identical` in each row).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SparseSpecError
+from ..generate import Engine, GenerationConfig
+from ..progress import progress_bar
+from ..sampling import SamplingConfig
+from .decode import speculative_generate
+from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .prompts import KINDS, make_prompts
+
+
+def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu", dtype: str = "float32",
+                 progress: bool = False) -> Drafter | None:
+    """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME"."""
+    from ..models.loading import DTYPES
+    from .dflash import DFlash, DFlashDrafter
+    from .registry import drafter_path
+
+    kind, _, arg = spec.partition(":")
+    if kind == "none" and not arg:
+        return None
+    if kind == "ngram" and not arg:
+        return NgramDrafter()
+    if kind == "dflash":
+        model = DFlash.load(Path(arg) if arg else drafter_path(target_name), engine.device, DTYPES[dtype])
+        if model.cfg.target != engine.config:
+            raise SparseSpecError(f"the DFlash drafter {arg or target_name} was trained for another target model")
+        return DFlashDrafter(model, engine.model)
+    if kind == "model" and arg:
+        draft = Engine.from_name(arg, device=device, dtype=dtype, progress=progress)
+        return ModelDrafter(draft, f"model:{arg}", target_vocab=engine.config.vocab_size)
+    raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME)")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    drafters: tuple[str, ...] = ("ngram", "dflash")
+    prompts: int = 8  # per kind
+    kinds: tuple[str, ...] = KINDS
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    max_new_tokens: int = 128
+    block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.prompts < 1 or self.max_new_tokens < 2 or self.block_size < 2:
+            raise SparseSpecError("bench needs prompts >= 1, max-new-tokens >= 2 and block-size >= 2")
+        if any(t < 0 for t in self.temperatures):
+            raise SparseSpecError("temperatures must be >= 0")
+
+
+def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, out: Path | None = None,
+              progress: bool = False, cuda_graph: bool = True) -> list[dict]:
+    """One row per (prompt, temperature, drafter); written to out/spec.jsonl when `out` is given."""
+    prompts = [p for kind in cfg.kinds for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed)]
+    rows = []
+    with progress_bar() as bar:
+        task = bar.add_task("bench spec", total=len(prompts) * len(cfg.temperatures) * (1 + len(drafters)),
+                            visible=progress)
+        for i, p in enumerate(prompts):
+            ids = engine.encode(p.text, chat=True)
+            for T in cfg.temperatures:
+                sampling = SamplingConfig(temperature=T, seed=cfg.seed + i)
+                gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, cuda_graph=cuda_graph)
+                plain = engine.generate([ids], gen)
+                plain_tps = plain.decode_tokens_per_s
+                bar.advance(task)
+                for name, drafter in drafters.items():
+                    s = speculative_generate(engine, ids, drafter, gen, cfg.block_size)
+                    tps = (len(s.token_ids) - 1) / s.decode_s if s.decode_s > 0 else float("nan")
+                    rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,
+                                 "tokens": len(s.token_ids), "steps": s.steps, "tau": s.tau,
+                                 "committed": s.committed, "tokens_per_s": tps, "plain_tokens_per_s": plain_tps,
+                                 "speedup": tps / plain_tps, "identical": s.token_ids == plain.token_ids[0]
+                                 if T == 0 else None})
+                    bar.advance(task)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def report(rows: list[dict], out: Path | None, title: str) -> str:
+    """Markdown table per (drafter, kind, T): τ, tokens/s, plain tokens/s, speedup, identical outputs; and a
+    histogram plot of tokens committed per verify step."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["drafter"], r["kind"], r["temperature"])].append(r)
+    lines = [title, "", "| drafter | prompts | T | τ (tokens / verify step) | tokens/s | plain tokens/s | speedup | "
+             "greedy identical |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (d, kind, T), g in sorted(groups.items(), key=lambda x: (x[0][0], x[0][1], x[0][2])):
+        steps = sum(r["steps"] for r in g)
+        tau = sum(sum(r["committed"]) for r in g) / max(1, steps)
+        tps = sum(r["tokens_per_s"] for r in g) / len(g)
+        ptps = sum(r["plain_tokens_per_s"] for r in g) / len(g)
+        same = [r["identical"] for r in g if r["identical"] is not None]
+        ident = f"{sum(same)}/{len(same)}" if same else "-"
+        lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | "
+                     f"{tps / ptps:.2f}x | {ident} |")
+    table = "\n".join(lines)
+    if out is not None:
+        (out / "spec.md").write_text(table + "\n")
+        _plot(rows, out / "spec_histogram.png", title)
+    return table
+
+
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, Counter] = defaultdict(Counter)
+    for r in rows:
+        series[f"{r['drafter']} {r['kind']} T={r['temperature']:g}"].update(r["committed"])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    names = sorted(series)
+    width = 0.8 / max(1, len(names))
+    top = max((max(c) for c in series.values() if c), default=1)
+    for j, name in enumerate(names):
+        c = series[name]
+        total = sum(c.values())
+        xs = list(range(1, top + 1))
+        ax.bar([x + j * width for x in xs], [c[x] / total for x in xs], width, label=name)
+    ax.set(xlabel="tokens committed per verify step", ylabel="share of steps", title=title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,26 @@
+"""Trained drafters shipped inside the package: sparsespec/drafters/<target>-dflash.{safetensors,json}.
+
+The json beside each file records how it was made (command, data, steps, device, held-out acceptance)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SparseSpecError
+
+DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters"
+
+
+def shipped() -> list[str]:
+    """Target names that have a shipped DFlash drafter."""
+    return sorted(p.name.removesuffix("-dflash.safetensors") for p in DRAFTER_DIR.glob("*-dflash.safetensors"))
+
+
+def drafter_path(target: str) -> Path:
+    """The shipped DFlash drafter of a registered target (path without suffix)."""
+    path = DRAFTER_DIR / f"{target}-dflash"
+    if not path.with_suffix(".safetensors").is_file():
+        have = ", ".join(shipped()) or "none"
+        raise SparseSpecError(f"no DFlash drafter is shipped for {target!r} (shipped for: {have}); train one with "
+                              f"`sparsespec train dflash` and pass --draft dflash:PATH")
+    return path
