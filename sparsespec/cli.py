@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         td.add_argument(f"--{name}", type=_positive_int, default=default)
     td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (0: the target's)")
     td.add_argument("--lr", type=_float, default=6e-4)
+    td.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation; 0 = none")
     td.add_argument("--seed", type=int, default=0)
     td.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     td.add_argument("--dtype", choices=list(DTYPES), default=None, help="target dtype; default: float32 on cpu, "
@@ -245,7 +246,8 @@ def cmd_train(args) -> None:
     cfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
                       gen_batch=args.gen_batch, layers=args.layers, block_size=args.block_size, taps=args.taps,
                       intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
-                      anchors=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed)
+                      anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
+                      time_limit=args.time_limit, seed=args.seed)
     out = _writable_folder(args.out)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     progress = sys.stderr.isatty()

@@ -79,3 +79,32 @@ def test_sparse_decode_on_cuda(name, budget, tmp_path):
         runs[run] = out
     if budget == "1.0":
         assert runs[name] == runs["dense"]
+
+
+@cuda
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash"])
+def test_graphed_speculation_on_cuda_is_identical_to_plain_greedy(drafter):
+    from sparsespec.spec.decode import speculative_generate
+    from sparsespec.spec.dflash import DFlashDrafter
+    from sparsespec.spec.drafters import ModelDrafter, NgramDrafter
+
+    from .test_spec import tiny_dflash, tiny_engine
+
+    target = tiny_engine(0)
+    target.model.cuda()
+    target.device = torch.device("cuda")
+    gen = GenerationConfig(max_new_tokens=48)
+    for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7] * 30):
+        if drafter == "ngram":
+            d = NgramDrafter()
+        elif drafter == "model":
+            draft = tiny_engine(0)  # the target itself: every proposal accepted, full blocks
+            draft.model.cuda()
+            draft.device = torch.device("cuda")
+            d = ModelDrafter(draft)
+        else:
+            d = DFlashDrafter(tiny_dflash(target, block=6).cuda(), target.model)
+        out = speculative_generate(target, prompt, d, gen, 6)
+        assert out.token_ids == target.generate([prompt], gen).token_ids[0]
+        if drafter == "model":
+            assert max(out.committed) == 6

@@ -42,7 +42,7 @@ def _functions(split: str, rng: random.Random):
         lines = module.splitlines()
         nodes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and 6 <= n.end_lineno - n.lineno < 40]
         rng.shuffle(nodes)
-        for n in nodes[:4]:
+        for n in nodes[:12]:
             body = lines[n.lineno - 1:n.end_lineno]
             indent = len(body[0]) - len(body[0].lstrip())
             identity = f"{body[0].strip()}|{len(body)}|{lines[0][:40]}"

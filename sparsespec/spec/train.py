@@ -47,6 +47,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     eval_every: int = 200
+    time_limit: float = 0  # seconds of optimisation (0: none); the schedule is fitted to the steps that fit
     seed: int = 0
 
     def __post_init__(self):
@@ -56,6 +57,8 @@ class TrainConfig:
                 raise SparseSpecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise SparseSpecError(f"block size must be >= 2, got {self.block_size}")
+        if self.time_limit < 0:
+            raise SparseSpecError(f"time limit must be >= 0 seconds, got {self.time_limit}")
         if not (self.lr > 0 and 0 <= self.warmup < 1 and self.clip > 0 and self.weight_decay >= 0):
             raise SparseSpecError("invalid optimiser settings (need lr > 0, 0 <= warmup < 1, clip > 0, decay >= 0)")
 
@@ -197,9 +200,10 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
     evaluation); return (final held-out tau, [{step, loss, heldout_tau}])."""
     device = data.tokens.device
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    total = cfg.steps  # lowered once the step time is known when a time limit is set
     warm = max(1, int(cfg.warmup * cfg.steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, cfg.steps - warm)))))
+        1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, total - warm)))))
     step = 0
     if ckpt is not None and ckpt.is_file():
         state = torch.load(ckpt, map_location=device)
@@ -213,9 +217,10 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
                                                                                                     enabled=False)
     history: list[dict] = []
     tau = float("nan")
+    first, t0 = step, time.perf_counter()
     with progress_bar() as bar:
         task = bar.add_task("train dflash", total=cfg.steps, completed=step, visible=progress)
-        while step < cfg.steps:
+        while step < total:
             drafter.train()
             rows = torch.randint(0, len(data), (cfg.batch,), generator=g, device=device)
             anchors = sample_anchors(data, rows, cfg.anchors, g)
@@ -227,7 +232,12 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
             opt.step()
             sched.step()
             step += 1
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if cfg.time_limit and step == first + 20:
+                per_step = (time.perf_counter() - t0) / 20
+                total = min(cfg.steps, step + int((cfg.time_limit - (time.perf_counter() - t0)) / per_step))
+                bar.update(task, total=total)
+                log(f"{per_step * 1e3:.0f} ms per step: {total} steps fit in {cfg.time_limit:.0f} s")
+            if step % cfg.eval_every == 0 or step == total:
                 drafter.eval()
                 with autocast:
                     tau = acceptance(drafter, target, held)
