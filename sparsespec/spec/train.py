@@ -232,8 +232,10 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
             opt.step()
             sched.step()
             step += 1
-            if cfg.time_limit and step == first + 20:
-                per_step = (time.perf_counter() - t0) / 20
+            if cfg.time_limit and step == first + 10:
+                t10 = time.perf_counter()  # the first steps pay for warm-up: time the next 20
+            if cfg.time_limit and step == first + 30:
+                per_step = (time.perf_counter() - t10) / 20
                 total = min(cfg.steps, step + int((cfg.time_limit - (time.perf_counter() - t0)) / per_step))
                 bar.update(task, total=total)
                 log(f"{per_step * 1e3:.0f} ms per step: {total} steps fit in {cfg.time_limit:.0f} s")
