@@ -178,3 +178,33 @@ def test_dflash_save_load_roundtrip(tmp_path):
     assert again.cfg == model.cfg
     for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_the_shipped_drafter_loads_and_names_its_target():
+    from sparsespec.spec.registry import drafter_path, shipped
+
+    assert "qwen2.5-coder-0.5b" in shipped()
+    model = DFlash.load(drafter_path("qwen2.5-coder-0.5b"))
+    assert model.cfg.target.arch == "qwen2" and model.cfg.target.num_layers == 24 and model.cfg.block_size == 16
+    assert model.fc.weight.shape == (896, 3 * 896)
+
+
+def test_bad_drafter_requests_are_one_line_errors(tmp_path):
+    from sparsespec.errors import SparseSpecError
+    from sparsespec.spec.bench import make_drafter
+
+    target = tiny_engine(0)
+    with pytest.raises(SparseSpecError, match="unknown drafter"):
+        make_drafter("eagle", target, "tiny")
+    with pytest.raises(SparseSpecError, match="no DFlash drafter is shipped"):
+        make_drafter("dflash", target, "tiny")
+    with pytest.raises(SparseSpecError, match="not found"):
+        make_drafter(f"dflash:{tmp_path}/missing", target, "tiny")
+    (tmp_path / "bad.safetensors").write_bytes(b"garbage")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SparseSpecError, match="corrupt"):
+        make_drafter(f"dflash:{tmp_path}/bad", target, "tiny")
+    other = tiny_dflash(tiny_engine(0, vocab=80))
+    other.save(tmp_path / "other")
+    with pytest.raises(SparseSpecError, match="another target"):
+        make_drafter(f"dflash:{tmp_path}/other", target, "tiny")

@@ -155,17 +155,16 @@ class DFlash(nn.Module):
         """path.safetensors (weights) + path.json (config and how it was made)."""
         from safetensors.torch import save_file
 
-        path = Path(path)
+        weights, info = drafter_files(path)
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path.with_suffix(".safetensors")))
-        path.with_suffix(".json").write_text(json.dumps({"config": self.cfg.to_json(), **(meta or {})}, indent=1))
+        save_file(state, str(weights))
+        info.write_text(json.dumps({"config": self.cfg.to_json(), **(meta or {})}, indent=1))
 
     @classmethod
     def load(cls, path: Path, device="cpu", dtype: torch.dtype = torch.float32) -> "DFlash":
         from safetensors.torch import load_file
 
-        path = Path(path)
-        weights, meta = path.with_suffix(".safetensors"), path.with_suffix(".json")
+        weights, meta = drafter_files(path)
         if not weights.is_file() or not meta.is_file():
             raise SparseSpecError(f"DFlash drafter not found: need {weights} and {meta}")
         try:
@@ -179,6 +178,12 @@ class DFlash(nn.Module):
         except RuntimeError as e:
             raise SparseSpecError(f"DFlash drafter {weights} does not match its config: {str(e)[:200]}") from None
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def drafter_files(path: str | Path) -> tuple[Path, Path]:
+    """A drafter's two files from its path with or without the .safetensors suffix (names may hold dots)."""
+    base = str(path).removesuffix(".safetensors")
+    return Path(base + ".safetensors"), Path(base + ".json")
 
 
 def block_mask(anchors: torch.Tensor, lengths: torch.Tensor, T: int, B: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ def shipped() -> list[str]:
 def drafter_path(target: str) -> Path:
     """The shipped DFlash drafter of a registered target (path without suffix)."""
     path = DRAFTER_DIR / f"{target}-dflash"
-    if not path.with_suffix(".safetensors").is_file():
+    if not Path(f"{path}.safetensors").is_file():
         have = ", ".join(shipped()) or "none"
         raise SparseSpecError(f"no DFlash drafter is shipped for {target!r} (shipped for: {have}); train one with "
                               f"`sparsespec train dflash` and pass --draft dflash:PATH")
