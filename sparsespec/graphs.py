@@ -8,6 +8,7 @@ padding writes K/V past the committed length, which is dead, and later queries n
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import torch
@@ -24,24 +25,28 @@ class CudaGraphStep:
         residuals) that otherwise dominate a batch-1 step; costs a compilation per shape."""
         device = cache.device
         self.taps = tuple(taps)
-        self.step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+        # a plain function, not a bound method: a graph object must not sit in a reference cycle, or the cyclic
+        # GC may free it (and its memory pool) in the middle of a later capture, which invalidates that capture
+        self.step = torch.compile(_step, fullgraph=True, dynamic=False) if compile else _step
         self.tokens = torch.zeros(cache.batch, width, dtype=torch.long, device=device)  # [B, W]
         # Warm-up and capture write at the last W slots of each row: never committed tokens (capacity >= length + W).
         last = torch.arange(cache.capacity - width, cache.capacity, device=device)
         self.positions = last.expand(cache.batch, -1).clone()  # [B, W]
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        args = (model, cache, self.tokens, self.positions, self.taps)
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(warmup):
-                self.step(model, cache)
+                self.step(*args)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits, self.features = self.step(model, cache)  # overwritten by each replay
-
-    def _step(self, model: Transformer, cache: KVCache):
-        hidden, features = model.forward_tapped(self.tokens, self.positions, cache, None, self.taps)
-        return model.logits(hidden), features
+        gc.collect()  # free dead graphs now, and let no collection run during the capture
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph), torch.inference_mode():
+                self.logits, self.features = self.step(*args)  # overwritten by each replay
+        finally:
+            gc.enable()
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor):
         """tokens, positions [B, W] -> (logits [B, W, V] fp32, features [B, W, taps * hidden] or None); views
@@ -50,6 +55,11 @@ class CudaGraphStep:
         self.positions.copy_(positions)
         self.graph.replay()
         return self.logits, self.features
+
+
+def _step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, taps: tuple[int, ...]):
+    hidden, features = model.forward_tapped(tokens, positions, cache, None, taps)
+    return model.logits(hidden), features
 
 
 class CudaGraphDecodeStep(CudaGraphStep):
