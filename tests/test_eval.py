@@ -1,13 +1,19 @@
 """RULER-style tasks and the eval harness on the real default model's tokenizer and weights."""
 
 import json
+import math
 
 import pytest
 import torch
 
+from sparsespec import corpora
 from sparsespec.attention import make_policy
-from sparsespec.eval.harness import EvalConfig, parse_length, perplexity, report, run_eval
+from sparsespec.attention.policy import PolicyOptions, select_top
+from sparsespec.errors import SparseSpecError
+from sparsespec.eval.harness import EvalConfig, parse_length, perplexity, report, run_eval, run_perplexity
 from sparsespec.eval.tasks import TASKS, TaskBuilder, score
+
+from .conftest import cache_with_keys
 
 
 @pytest.fixture(scope="module")
@@ -40,30 +46,92 @@ def test_parse_length():
     assert parse_length("4k") == 4096 and parse_length("8192") == 8192 and parse_length(" 2K ") == 2048
 
 
+def _by_key(rows):
+    return {(r["task"], r["sample"], r["policy"]): r for r in rows}
+
+
 @pytest.mark.slow
-def test_eval_shares_prefill_resumes_and_full_budget_matches_dense(smollm2_engine, tmp_path):
-    cfg = EvalConfig(tasks=("niah_single", "vt"), lengths=(512,), samples=2,
-                     policies=("dense", "topk:budget=1.0,dense_layers=0"))
-    rows = run_eval(smollm2_engine, cfg, tmp_path)
-    assert len(rows) == 8
-    by = {(r["task"], r["sample"], r["policy"]): r for r in rows}
+def test_batched_eval_equals_one_by_one_resumes_and_full_budget_matches_dense(smollm2_engine, tmp_path):
+    policies = ("dense", "topk:budget=1.0,dense_layers=0")
+    cfg = EvalConfig(tasks=("niah_single", "vt"), lengths=(512,), samples=2, policies=policies, batch=1)
+    alone = run_eval(smollm2_engine, cfg, tmp_path / "alone")
+    assert len(alone) == 8
+    by = _by_key(alone)
     for task in ("niah_single", "vt"):
         for i in range(2):
-            dense, sparse = by[task, i, "dense"], by[task, i, "topk:budget=1.0,dense_layers=0"]
+            dense, sparse = by[task, i, "dense"], by[task, i, policies[1]]
             assert dense["output"] == sparse["output"] and 0 <= dense["score"] <= 1
-    assert run_eval(smollm2_engine, cfg, tmp_path) == rows  # a rerun finds everything done
-    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+            assert sparse["tokens_attended"] > dense["prompt_tokens"]
+
+    # Batched, in two runs: dense for sample 0 first, then one batch per task in which sample 0 lacks only topk.
+    out = tmp_path / "batched"
+    first = run_eval(smollm2_engine, EvalConfig(tasks=cfg.tasks, lengths=(512,), samples=1, policies=("dense",)),
+                     out)
+    assert len(first) == 2
+    rows = run_eval(smollm2_engine, EvalConfig(tasks=cfg.tasks, lengths=(512,), samples=2, policies=policies,
+                                               batch=2), out)
+    assert rows[:2] == first and len(rows) == 8 and _by_key(rows) == by  # per-row tokens_attended included
+    assert run_eval(smollm2_engine, cfg, out) == rows  # a rerun finds everything done
+    lines = (out / "results.jsonl").read_text().splitlines()
     assert len(lines) == 8 and {"task", "length", "policy", "sample", "score", "tokens_attended"} <= set(
         json.loads(lines[0]))
-    table = report(rows, [], tmp_path, "test")
-    assert "niah_single" in table and (tmp_path / "accuracy.png").is_file()
+    table = report(rows, [], out, "test")
+    assert "niah_single" in table and (out / "accuracy.png").is_file()
+
+
+def test_batch_options_are_validated():
+    for bad in ({"batch": 0}, {"perplexity_rows": 0}, {"perplexity_tokens": -1}):
+        with pytest.raises(SparseSpecError, match=next(iter(bad)).replace("_", " ")):
+            EvalConfig(**bad)
 
 
 @pytest.mark.slow
-def test_perplexity_through_a_full_budget_policy_equals_dense(smollm2_engine):
-    ids = smollm2_engine.tokenizer("The history of the city goes back to Roman times. " * 20)["input_ids"][:150]
-    dense = perplexity(smollm2_engine, None, ids, 120)
-    full = perplexity(smollm2_engine, make_policy("topk", {"budget": "1.0", "dense_layers": "0"}), ids, 120)
-    sparse = perplexity(smollm2_engine, make_policy("streaming", {"budget": "8", "dense_layers": "0"}), ids, 120)
+def test_batched_perplexity_pools_rows_and_a_full_budget_policy_equals_dense(smollm2_engine, tmp_path):
+    tok = smollm2_engine.tokenizer
+    rows = [tok(corpora.text("wiki", 300, seed))["input_ids"][:150] for seed in (1, 2)]
+    dense = perplexity(smollm2_engine, None, rows, 120)
+    alone = [perplexity(smollm2_engine, None, [r], 120) for r in rows]
+    assert dense == pytest.approx(math.sqrt(alone[0] * alone[1]), rel=1e-4)  # equal counts: geometric mean
+    full = perplexity(smollm2_engine, make_policy("topk", {"budget": "1.0", "dense_layers": "0"}), rows, 120)
+    sparse = perplexity(smollm2_engine, make_policy("streaming", {"budget": "8", "dense_layers": "0"}), rows, 120)
     assert dense == pytest.approx(full, rel=1e-4)
-    assert 1 < dense < 100 and torch.isfinite(torch.tensor(sparse)) and sparse != pytest.approx(dense, rel=1e-4)
+    assert 1 < dense < 100 and math.isfinite(sparse) and sparse != pytest.approx(dense, rel=1e-4)
+
+    cfg = EvalConfig(lengths=(160,), policies=("dense",), perplexity_tokens=20, perplexity_rows=2)
+    got = run_perplexity(smollm2_engine, cfg, tmp_path)
+    assert len(got) == 1 and got[0]["rows"] == 2 and 1 < got[0]["perplexity"] < 100
+    assert run_perplexity(smollm2_engine, cfg, tmp_path) == got
+
+
+@pytest.mark.parametrize("name,options", [
+    ("topk", {}), ("streaming", {}), ("quest", {"page": "4"}), ("magicpig", {"window": "2", "min_collisions": "0"}),
+    ("binarypc", {"bits": "8", "sinks": "2"}), ("twilight", {"candidates": "0.5"}),
+])
+def test_stepping_selects_what_reading_positions_back_selects(name, options):
+    g = torch.Generator().manual_seed(7)
+    cache = cache_with_keys(torch.randn(3, 2, 90, 16, generator=g))
+    policy = make_policy(name, {"budget": "0.2", "dense_layers": "0", **options})
+    lengths = [70, 41, 88]  # the harness's rows: different lengths, each querying at its own
+    policy.build(0, cache, [n - 5 for n in lengths])
+    policy.append(0, cache, lengths)
+    q, positions = torch.randn(3, 4, 1, 16, generator=g), torch.tensor(lengths)
+    idx, valid = policy.select(0, q, cache, positions)
+    with policy.stepping(lengths):
+        idx_stepped, valid_stepped = policy.select(0, q, cache, positions)
+    for b in range(3):
+        for h in range(2):
+            assert idx[b, h][valid[b, h]].tolist() == idx_stepped[b, h][valid_stepped[b, h]].tolist()
+
+
+def test_selection_ties_go_to_the_lower_slot_whatever_the_width():
+    # a batch selects up to its largest budget: a row's own top slots must not depend on that width
+    scores = torch.randn(2, 3, 300, generator=torch.Generator().manual_seed(1)).round()  # many ties, -0.0 too
+    positions, opts = torch.tensor([299, 150]), PolicyOptions(budget=0.1)
+    reference = scores.clone()
+    reference[0, :, 299] = reference[1, :, 150] = float("inf")  # the current token is forced in
+    reference[1, :, 151:] = float("-inf")
+    want = reference.sort(dim=-1, descending=True, stable=True).indices
+    for forced in ([0, 0], [40, 40], [300, 300]):
+        idx, valid = select_top(scores, positions, opts, positions.tolist(), forced)
+        for b, n in enumerate([30, 15]):  # the budgets
+            assert torch.equal(idx[b][valid[b]].view(3, n), want[b, :, :n])

@@ -208,3 +208,19 @@ def test_bad_drafter_requests_are_one_line_errors(tmp_path):
     other.save(tmp_path / "other")
     with pytest.raises(SparseSpecError, match="another target"):
         make_drafter(f"dflash:{tmp_path}/other", target, "tiny")
+
+
+@pytest.mark.slow
+def test_greedy_speculation_on_the_real_model_is_identical(smollm2_engine):
+    from sparsespec.spec.prompts import make_prompts
+
+    gen = GenerationConfig(max_new_tokens=32)
+    accepted = 0
+    for p in make_prompts(4, "heldout"):
+        ids = smollm2_engine.encode(p.text, chat=True)
+        ref = smollm2_engine.generate([ids], gen).token_ids[0]
+        for drafter in (NgramDrafter(), ModelDrafter(smollm2_engine)):
+            out = speculative_generate(smollm2_engine, ids, drafter, gen, 8)
+            assert out.token_ids == ref
+            accepted += sum(out.committed) - out.steps
+    assert accepted > 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, group_max
+from .policy import PolicyOptions, SelectionPolicy, device_ints, group_max
 
 WORD = 64
 
@@ -50,30 +50,40 @@ class BinaryPCOptions(PolicyOptions):
 
 # ---------------------------------------------------------------------------------------------- fitting, encoding
 
-def fit_basis(keys: torch.Tensor, bits: int, iters: int, generator: torch.Generator) -> torch.Tensor:
-    """keys [G, N, D] (G independent heads) -> basis P [G, bits, D] fp32, fitted greedily one bit at a time."""
-    G, N, D = keys.shape
+def fit_basis(keys: torch.Tensor, bits: int, iters: int, generator: torch.Generator,
+              counts: list[int] | None = None) -> torch.Tensor:
+    """keys [..., G, N, D] (independent heads; the leading dims, e.g. rows, share the random starts of their G
+    heads) -> basis P [..., G, bits, D] fp32, fitted greedily one bit at a time. `counts` (one per leading index,
+    keys [R, G, N, D]): only the first counts[r] keys of index r are fitted, the rest is padding."""
+    *_, G, N, D = keys.shape
     residual = keys.float().clone()
-    basis = torch.empty(G, bits, D, device=keys.device)
+    n: int | torch.Tensor = N
+    if counts is not None:
+        n = torch.tensor(counts, dtype=torch.float32, device=keys.device).view(-1, 1, 1, 1)
+        keep = (torch.arange(N, device=keys.device) < n).float().transpose(-1, -2)  # [R, 1, N, 1]
+        residual *= keep
+    basis = torch.empty(*keys.shape[:-2], bits, D, device=keys.device)
     for i in range(bits):
         v = torch.randn(G, D, 1, generator=generator).to(keys.device)
-        v = v / v.norm(dim=1, keepdim=True)
+        v = v / v.norm(dim=-2, keepdim=True)
         for _ in range(iters):
-            u = _sign(residual @ v)  # [G, N, 1]
-            v = residual.transpose(1, 2) @ u / N  # [G, D, 1]: least squares for fixed u
-        residual -= u * v.transpose(1, 2)
-        basis[:, i] = v.squeeze(-1)
+            u = _sign(residual @ v)  # [..., G, N, 1]
+            if counts is not None:
+                u = u * keep  # padding stays zero
+            v = residual.transpose(-1, -2) @ u / n  # [..., G, D, 1]: least squares for fixed u
+        residual -= u * v.transpose(-1, -2)
+        basis[..., i, :] = v.squeeze(-1)
     return basis
 
 
 def encode(keys: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [G, N, D], basis [G, b, D] -> (signs [G, N, b] bool, True = +1; reconstruction error ‖k − hP‖ [G, N]).
-    Residual encoding: h_i = sign(r · P_i), then r -= h_i P_i."""
+    """keys [..., G, N, D], basis [..., G, b, D] -> (signs [..., G, N, b] bool, True = +1; reconstruction error
+    ‖k − hP‖ [..., G, N]). Residual encoding: h_i = sign(r · P_i), then r -= h_i P_i."""
     residual = keys.float().clone()
-    signs = torch.empty(*keys.shape[:2], basis.shape[1], dtype=torch.bool, device=keys.device)
-    for i in range(basis.shape[1]):
-        p = basis[:, i, None, :]  # [G, 1, D]
-        h = _sign((residual * p).sum(-1, keepdim=True))  # [G, N, 1]
+    signs = torch.empty(*keys.shape[:-1], basis.shape[-2], dtype=torch.bool, device=keys.device)
+    for i in range(basis.shape[-2]):
+        p = basis[..., i, None, :]  # [..., G, 1, D]
+        h = _sign((residual * p).sum(-1, keepdim=True))  # [..., G, N, 1]
         residual -= h * p
         signs[..., i] = h.squeeze(-1) > 0
     return signs, residual.norm(dim=-1)
@@ -92,11 +102,9 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     words = -(-b // WORD)
     padded = torch.zeros(*bits.shape[:-1], words * WORD, dtype=torch.int64, device=bits.device)
     padded[..., :b] = bits.long()
-    padded = padded.view(*bits.shape[:-1], words, WORD)
-    out = torch.zeros(*bits.shape[:-1], words, dtype=torch.int64, device=bits.device)
-    for j in range(WORD):
-        out |= padded[..., j] << j
-    return out
+    shifts = torch.arange(WORD, device=bits.device)
+    # the shifted bits are disjoint, so their sum is their OR (no carry, bit 63 included)
+    return (padded.view(*bits.shape[:-1], words, WORD) << shifts).sum(-1)
 
 
 def unpack_bits(codes: torch.Tensor, b: int) -> torch.Tensor:
@@ -132,13 +140,12 @@ def packed_scores(codes: torch.Tensor, probe: torch.Tensor, magnitude_bits: int)
     With h_i = ±1 and p̃_i = s_i m_i: p̃_i h_i = m_i (1 − 2 x_i) where x_i = [h_i ≠ s_i] = code XOR sign-bits.
     Splitting m_i into bit-planes M_j: Σ = Σ_j 2^j (|M_j| − 2 popcount(M_j AND x))."""
     sign_words = pack_bits(probe >= 0)  # [B, Hkv, G, W]
-    magnitude = probe.abs()
     differ = codes[:, :, None] ^ sign_words[:, :, :, None]  # [B, Hkv, G, S, W]
-    total = torch.zeros(differ.shape[:-1], dtype=torch.int64, device=codes.device)
-    for j in range(magnitude_bits):
-        plane = pack_bits(((magnitude >> j) & 1).bool())[:, :, :, None]  # [B, Hkv, G, 1, W]
-        total += (popcount(plane).sum(-1) - 2 * popcount(plane & differ).sum(-1)) << j
-    return total
+    j = torch.arange(magnitude_bits, device=codes.device)[:, None]
+    planes = pack_bits(((probe.abs()[..., None, :] >> j) & 1).bool())  # [B, Hkv, G, m, W]: M_j
+    agree = popcount(planes).sum(-1)[..., None]  # [B, Hkv, G, m, 1]: |M_j|
+    clash = popcount(planes[..., None, :] & differ[:, :, :, None]).sum(-1)  # [B, Hkv, G, m, S]
+    return ((agree - 2 * clash) << j).sum(-2)
 
 
 # ---------------------------------------------------------------------------------------------- the policy
@@ -171,13 +178,17 @@ class BinaryPC(SelectionPolicy):
             error=torch.zeros(B, Hkv, S, device=k.device),
             encoded=[0] * B,
         )
-        for b, n in enumerate(lengths):
-            if self.calibrated is not None:
-                state.basis[b] = self._calibrated_basis(layer, Hkv, D).to(k.device)
-            else:
-                gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)
-                state.basis[b] = fit_basis(k[b, :, :n], opts.bits, opts.iters, gen)
-            self._encode(state, k, b, 0, n)
+        n = max(lengths)
+        if self.calibrated is not None:
+            state.basis[:] = self._calibrated_basis(layer, Hkv, D).to(k.device)
+        elif n > 0:  # every row at once, each from the same random starts (as alone), shorter rows padded
+            gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)
+            state.basis[:] = fit_basis(k[:, :, :n], opts.bits, opts.iters, gen, list(lengths))
+        if n > 0:
+            signs, err = encode(k[:, :, :n], state.basis)  # [B, Hkv, n, b]: codes past a row's length are unused
+            state.codes[:, :, :n] = pack_bits(signs)
+            state.error[:, :, :n] = err
+        state.encoded = list(lengths)
         cache.policy_state[layer] = state
 
     def _calibrated_basis(self, layer: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -206,20 +217,30 @@ class BinaryPC(SelectionPolicy):
                 # the next query sits at position n and forces the window (n - w, n]: hash everything before it
                 self._encode(state, cache.k[layer], b, state.encoded[b], n - max(self.options.window, 1) + 1)
 
+    def _safeguarded(self, positions: list[int]) -> list[int]:
+        """Per row, how many of the budget go to the worst-described keys."""
+        return [int(self.options.safeguard * self.options.tokens(p + 1)) for p in positions]
+
+    def scored_in(self, layer, cache, positions):
+        # decoded tokens not hashed yet, and the safeguarded keys
+        encoded = cache.policy_state[layer].encoded
+        safe = self._safeguarded(positions) if self.options.safeguard > 0 else [0] * len(positions)
+        return [max(0, p + 1 - e) + n for p, e, n in zip(positions, encoded, safe)]
+
     def scores(self, layer, q, cache, positions):
         state: BinaryPCState = cache.policy_state[layer]
         opts = self.options
         B, Hq, _, D = q.shape
         Hkv = state.basis.shape[1]
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         probe = q.view(B, Hkv, Hq // Hkv, D).float() @ state.basis.transpose(-1, -2)  # [B, Hkv, G, b]
         raw = packed_scores(state.codes[:, :, :kv_len], quantize_probe(probe, opts.probe_bits), opts.probe_bits)
         scores = group_max(raw.view(B, Hq, kv_len).float(), Hkv)  # [B, Hkv, S]
         slots = torch.arange(kv_len, device=q.device)
-        encoded = torch.tensor(state.encoded, device=q.device).view(B, 1, 1)
+        encoded = device_ints(state.encoded, q.device).view(B, 1, 1)
         unencoded = slots >= encoded  # decoded tokens not hashed (yet): always attended
         if opts.safeguard > 0:
-            n_safe = [int(opts.safeguard * opts.tokens(int(p) + 1)) for p in positions.tolist()]
+            n_safe = self._safeguarded(self.host_positions(positions))
             scores = scores.masked_fill(safeguard_mask(state.error[:, :, :kv_len], unencoded, n_safe), float("inf"))
         return scores.masked_fill(unencoded, float("inf"))
 
@@ -233,7 +254,7 @@ def safeguard_mask(error: torch.Tensor, excluded: torch.Tensor, counts: list[int
     if n == 0:
         return mask
     top = error.masked_fill(excluded, float("-inf")).topk(n, dim=-1)
-    in_count = torch.arange(n, device=error.device) < torch.tensor(counts, device=error.device).view(B, 1, 1)
+    in_count = torch.arange(n, device=error.device) < device_ints(counts, error.device).view(B, 1, 1)
     keep = in_count & (top.values > float("-inf"))
     return mask.scatter(-1, top.indices, keep)
 

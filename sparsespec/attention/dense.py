@@ -34,6 +34,6 @@ class Dense(Policy):
         return False
 
     def decode(self, layer, q, cache, positions):
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         keys, values = cache.keys(layer, kv_len)
         return dense_attention(q, keys, values, causal_mask(positions[:, None], kv_len))

@@ -40,7 +40,7 @@ import torch
 
 from ..cache import KVCache
 from ..errors import SparseSpecError
-from .policy import Policy, PolicyOptions
+from .policy import Policy, PolicyOptions, device_ints
 
 _CHUNK = 1 << 24  # elements of one [G, n, k] distance block in `nearest`
 _CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster")}
@@ -335,14 +335,14 @@ class DoubleP(Policy):
         B, Hq, _, D = q.shape
         Hkv, dev = k.shape[1], q.device
         qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
-        pos, ends, pre = positions.tolist(), st.clustered_end, st.csr_end
+        pos, ends, pre = self.host_positions(positions), st.clustered_end, st.csr_end
 
         # Always kept: sinks [0, min(sinks, pos + 1)) and [clustered_end, pos].
         n_sink = [min(o.sinks, p + 1) for p in pos]
         n_kept = [s + max(0, p - e + 1) for s, p, e in zip(n_sink, pos, ends)]
         m = torch.arange(max(n_kept), device=dev)
-        n_sink_t, ends_t = torch.tensor(n_sink, device=dev)[:, None], torch.tensor(ends, device=dev)[:, None]
-        kept_valid = (m < torch.tensor(n_kept, device=dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
+        n_sink_t, ends_t = device_ints(n_sink, dev)[:, None], device_ints(ends, dev)[:, None]
+        kept_valid = (m < device_ints(n_kept, dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
         kept = torch.where(m < n_sink_t, m, ends_t + m - n_sink_t)[:, None].expand(-1, Hkv, -1)
         kept = kept.masked_fill(~kept_valid, 0)
         kept_logits = (qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, W]
@@ -359,11 +359,11 @@ class DoubleP(Policy):
         # Exact clusters' members: prefill members via CSR (below csr_end), the later clustered slots
         # [csr_end, clustered_end) through their recorded cluster.
         members, members_valid = csr_members(st.perm, st.offsets, exact)
-        members_valid &= members < torch.tensor(pre, device=dev)[:, None, None]
+        members_valid &= members < device_ints(pre, dev)[:, None, None]
         n_dec = [max(0, e - s) for e, s in zip(ends, pre)]
         d = torch.arange(max(n_dec), device=dev)
-        dec_valid = (d < torch.tensor(n_dec, device=dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
-        dec = (torch.tensor(pre, device=dev)[:, None] + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
+        dec_valid = (d < device_ints(n_dec, dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
+        dec = (device_ints(pre, dev)[:, None] + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
         cluster = st.assign.gather(-1, dec)
         dec_valid = dec_valid & (cluster >= 0) & exact.gather(-1, cluster.clamp_min(0))
         return DoublePPlan(slots=torch.cat([kept, dec.masked_fill(~dec_valid, 0), members], -1),
@@ -397,7 +397,7 @@ class DoubleP(Policy):
         by token, and the members of the clusters entering as centroid terms (disjoint)."""
         st: DoublePState = cache.policy_state[layer]
         plan = self.plan(layer, q, cache, positions)
-        S = int(positions.max()) + 1
+        S = max(self.host_positions(positions)) + 1
         B, Hkv, _ = plan.slots.shape
         hits = torch.zeros(B, Hkv, S, dtype=torch.long, device=q.device)
         exact = hits.scatter_add_(-1, plan.slots, plan.valid.long()) > 0

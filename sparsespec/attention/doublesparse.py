@@ -105,7 +105,7 @@ class DoubleSparse(SelectionPolicy):
 
     def scores(self, layer, q, cache, positions):
         labels: torch.Tensor = cache.policy_state[layer]  # [Hkv, r]
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         keys, _ = cache.keys(layer, kv_len)  # [B, Hkv, S, D]
         B, Hq, _, D = q.shape
         Hkv, r = labels.shape

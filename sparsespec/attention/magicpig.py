@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy
+from .policy import PolicyOptions, SelectionPolicy, device_ints
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,10 @@ class MagicPIG(SelectionPolicy):
         state: MagicPIGState = cache.policy_state[layer]
         B, Hq, _, D = q.shape
         Hkv = state.mean.shape[1]
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         q_codes = simhash(q.view(B, Hkv, Hq // Hkv, D), state.planes).to(state.codes.dtype)  # [B, Hkv, G, L]
         counts = collision_counts(state.codes[:, :, :kv_len], q_codes).amax(2).float()  # [B, Hkv, S]
         slots = torch.arange(kv_len, device=q.device)
-        hashed = torch.tensor(state.hashed, device=q.device).view(B, 1, 1)
+        hashed = device_ints(state.hashed, q.device).view(B, 1, 1)
         out_of_index = (counts < self.options.min_collisions) | (slots >= hashed)
         return counts.masked_fill(out_of_index, float("-inf"))

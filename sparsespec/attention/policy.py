@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,6 +51,17 @@ class PolicyOptions:
         """How many of `context` tokens one decode query attends to."""
         k = round(self.budget * context) if self.budget <= 1 else int(self.budget)
         return max(1, min(context, max(k, self.min_tokens)))
+
+    def tokens_on_device(self, context: torch.Tensor) -> torch.Tensor:
+        """`tokens` for each context [B] (int64), computed where the tensor lives (no read-back)."""
+        k = torch.round(self.budget * context.double()).long() if self.budget <= 1 else torch.full_like(
+            context, int(self.budget))
+        return torch.minimum(context, k.clamp_min(self.min_tokens)).clamp_min(1)
+
+    def forced(self, position: int) -> int:
+        """How many slots `forced_slots` forces in for a query at `position`."""
+        sinks, recent_from = min(self.sinks, position + 1), max(0, position - max(self.window, 1) + 1)
+        return sinks + position + 1 - recent_from - max(0, sinks - recent_from)
 
 
 def parse_options(cls: type[PolicyOptions], pairs: list[str] | dict[str, Any]) -> PolicyOptions:
@@ -91,21 +104,44 @@ class Policy(ABC):
 
     def __init__(self, options: PolicyOptions | None = None):
         self.options = options if options is not None else self.Options()
+        self.step_positions: list[int] | None = None
         self.reset_attended()
 
+    @contextmanager
+    def stepping(self, positions: list[int]) -> Iterator[None]:
+        """Within: every decode query is at `positions` (per row; a decode step's `cache.lengths`), so the policy
+        sizes its work from these Python ints instead of reading the positions back (a wait for the device)."""
+        self.step_positions = list(positions)
+        try:
+            yield
+        finally:
+            self.step_positions = None
+
+    def host_positions(self, positions: torch.Tensor) -> list[int]:
+        """positions [B] as Python ints: those announced by `stepping`, else read back."""
+        return self.step_positions if self.step_positions is not None else positions.tolist()
+
     def reset_attended(self) -> None:
-        self._attended_sum: torch.Tensor | float = 0.0
+        self._attended_sum: torch.Tensor | float = 0.0  # [B] once a sparse step ran
         self._attended_steps = 0
 
     def count_attended(self, keys: torch.Tensor) -> None:
-        """Record keys attended [B, Hkv] by one sparse decode step (summed on device: no synchronisation)."""
-        self._attended_sum = self._attended_sum + keys.float().mean()
+        """Record keys attended [B, Hkv] by one sparse decode step (summed per row on device: no synchronisation)."""
+        self._attended_sum = self._attended_sum + keys.float().mean(-1)
         self._attended_steps += 1
 
     @property
+    def attended(self) -> tuple[torch.Tensor | float, int]:
+        """(keys attended per KV head summed over the sparse steps since the last reset, per row [B]; those
+        steps). Every step makes a new sum tensor, so a kept pair is a snapshot (no synchronisation)."""
+        return self._attended_sum, self._attended_steps
+
+    @property
     def mean_attended(self) -> float | None:
-        """Mean keys attended per KV head over the sparse steps since the last reset (None before the first)."""
-        return float(self._attended_sum) / self._attended_steps if self._attended_steps else None
+        """Mean keys attended per KV head over the rows and sparse steps since the last reset (None before the
+        first)."""
+        total, steps = self.attended
+        return float(torch.as_tensor(total).mean()) / steps if steps else None
 
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.options.dense_layers
@@ -129,9 +165,17 @@ class SelectionPolicy(Policy):
         """q [B, Hq, 1, D] at `positions` [B] -> importance [B, Hkv, max(positions) + 1] (fp32; +inf forces a
         slot in, -inf keeps it out)."""
 
+    def scored_in(self, layer: int, cache: KVCache, positions: list[int]) -> list[int]:
+        """Per row, at most how many slots up to its position `scores` scores +inf (none by default)."""
+        return [0] * len(positions)
+
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor):
         """-> (indices [B, Hkv, K] int64, valid [B, Hkv, K] bool): the slots each (row, KV head) attends to."""
-        return select_top(self.scores(layer, q, cache, positions), positions, self.options)
+        scores = self.scores(layer, q, cache, positions)
+        host = self.step_positions
+        forced = None if host is None else [self.options.forced(p) + n for p, n in
+                                             zip(host, self.scored_in(layer, cache, host))]
+        return select_top(scores, positions, self.options, host, forced)
 
     def decode(self, layer, q, cache, positions):
         idx, valid = self.select(layer, q, cache, positions)
@@ -146,21 +190,43 @@ def forced_slots(opts: PolicyOptions, positions: torch.Tensor, kv_len: int) -> t
     return ((slots < opts.sinks) | (slots > pos - max(opts.window, 1))) & (slots <= pos)
 
 
-def select_top(scores: torch.Tensor, positions: torch.Tensor, opts: PolicyOptions):
+def select_top(scores: torch.Tensor, positions: torch.Tensor, opts: PolicyOptions, host: list[int] | None = None,
+               forced: list[int] | None = None):
     """scores [B, Hkv, S] -> the top slots per (row, KV head) within the budget, with sinks, the recent window and
     the current token forced in, and slots past each row's position or scored -inf kept out. Forced slots beyond
-    the budget are all kept (the budget grows to hold them). Returns (indices [B, Hkv, K], valid [B, Hkv, K])."""
+    the budget are all kept (the budget grows to hold them). Returns (indices [B, Hkv, K], valid [B, Hkv, K]).
+
+    K is the largest budget, read back from the device; given the positions as Python ints (`host`) and per row a
+    bound on the slots scored +inf (`forced`), K is the largest bound instead (no read-back; extra columns invalid)."""
     B, _, S = scores.shape
     slots = torch.arange(S, device=scores.device)
     pos = positions.view(B, 1, 1)
     scores = scores.float().masked_fill(forced_slots(opts, positions, S), float("inf"))
     scores = scores.masked_fill(slots > pos, float("-inf"))
     n_forced = (scores == float("inf")).sum(-1).amax(-1)  # [B]
-    budget = torch.tensor([opts.tokens(int(p) + 1) for p in positions.tolist()], device=scores.device)
-    budget = torch.maximum(budget, n_forced)  # [B]
-    idx = torch.topk(scores, int(budget.max()), dim=-1).indices  # [B, Hkv, K]
+    budget = torch.maximum(opts.tokens_on_device(positions + 1), n_forced)  # [B]
+    if host is None or forced is None:
+        width = int(budget.max())
+    else:
+        width = min(S, max(max(opts.tokens(p + 1), f) for p, f in zip(host, forced)))
+    idx = torch.topk(_tie_broken(scores), width, dim=-1).indices  # [B, Hkv, K]
     in_budget = torch.arange(idx.shape[-1], device=scores.device) < budget.view(B, 1, 1)
     return idx, in_budget & (scores.gather(-1, idx) > float("-inf"))
+
+
+def _tie_broken(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 scores [..., S] -> int64 keys in the same order with ties (Quest pages, integer scores) going to the
+    lower slot: a total order, so the top K are the same slots whatever K is, and a row selects the same slots
+    alone as in any batch."""
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes 0.0, a tie as in a sort
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()  # IEEE order as integers
+    return (ordered << 32) | torch.arange(scores.shape[-1] - 1, -1, -1, device=scores.device)
+
+
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """Python ints -> an int64 tensor on `device`; to a GPU through pinned memory, without waiting for it."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,

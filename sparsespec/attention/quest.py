@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy
+from .policy import PolicyOptions, SelectionPolicy, device_ints
 
 
 @dataclass(frozen=True)
@@ -102,12 +102,12 @@ class Quest(SelectionPolicy):
         page = self.options.page
         B, Hq, _, D = q.shape
         Hkv = state.kmin.shape[1]
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         n_pages = -(-kv_len // page)
         qg = q.view(B, Hkv, Hq // Hkv, D).float()  # [B, Hkv, G, D]
         bounds = page_bounds(qg, state.kmin[:, :, :n_pages].float(), state.kmax[:, :, :n_pages].float())
         per_page = bounds.sum(2)  # [B, Hkv, P]: GQA-summed
         scores = per_page.repeat_interleave(page, dim=-1)[..., :kv_len]  # [B, Hkv, S]
         slots = torch.arange(kv_len, device=q.device)
-        committed = torch.tensor(state.committed, device=q.device).view(B, 1, 1)
+        committed = device_ints(state.committed, q.device).view(B, 1, 1)
         return scores.masked_fill(slots >= committed, float("-inf"))

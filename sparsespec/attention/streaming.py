@@ -19,6 +19,6 @@ class StreamingLLM(SelectionPolicy):
     Options = StreamingOptions
 
     def scores(self, layer, q, cache, positions):
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         recency = torch.arange(kv_len, device=q.device, dtype=torch.float32)
         return recency.expand(q.shape[0], cache.k[layer].shape[1], kv_len)

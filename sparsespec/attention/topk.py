@@ -9,7 +9,7 @@ class OracleTopK(SelectionPolicy):
     name = "topk"
 
     def scores(self, layer, q, cache, positions):
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         keys, _ = cache.keys(layer, kv_len)  # [B, Hkv, S, D]
         B, Hq, _, D = q.shape
         Hkv = keys.shape[1]

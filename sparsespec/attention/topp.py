@@ -11,6 +11,7 @@ the candidates, not to the whole context: the weakness Double-P addresses.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,7 @@ class OracleTopP(Policy):
 
     def select(self, layer, q, cache, positions):
         B, Hq, _, D = q.shape
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         keys, _ = cache.keys(layer, kv_len)
         Hkv = keys.shape[1]
         logits = (q.view(B, Hkv, Hq // Hkv, D).float() @ keys.float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, S]
@@ -107,6 +108,11 @@ class Twilight(OracleTopP):
         if not hasattr(self.base, "scores"):
             raise SparseSpecError(f"twilight needs a selection policy as its base, not {o.base!r}")
 
+    @contextmanager
+    def stepping(self, positions):
+        with super().stepping(positions), self.base.stepping(positions):
+            yield
+
     def build(self, layer, cache, lengths):
         self.base.build(layer, cache, lengths)
 
@@ -122,6 +128,6 @@ class Twilight(OracleTopP):
         logits = (q.view(B, Hkv, Hq // Hkv, D).float() @ estimate.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, K]
         logits = logits.masked_fill(~cand_valid[:, :, None], float("-inf"))
         keep = top_p_mask(logits.softmax(-1), self.options.p).any(2) & cand_valid  # [B, Hkv, K]
-        kv_len = int(positions.max()) + 1
+        kv_len = max(self.host_positions(positions)) + 1
         chosen = torch.zeros(B, Hkv, kv_len, dtype=torch.bool, device=q.device).scatter(-1, cand, keep)
         return mask_to_indices(chosen | forced_slots(self.options, positions, kv_len))

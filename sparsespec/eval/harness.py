@@ -1,10 +1,12 @@
 """`sparsespec eval`: long-context accuracy of every attention policy on RULER-style tasks, and perplexity.
 
-For each (length, task, sample) the prompt is prefilled once, densely; each policy then builds its index from that
-cache and decodes greedily, and the cache is rolled back to the prompt (`cache.truncate`) before the next policy:
+The samples of one (length, task) go through in batches of up to `batch` rows (right-padded, each row at its own
+position). A batch's prompts are prefilled once, densely; each policy then builds its index from that cache and
+decodes all rows greedily, and the cache is rolled back to the prompts (`cache.truncate`) before the next policy:
 adding a policy costs only its decode. Rows go to `results.jsonl` as they come; a rerun skips the rows already
-there. Perplexity: the text's first `prefix` tokens are prefilled densely, every later token is predicted by a
-teacher-forced decode step through the policy (so every prediction uses its sparse attention).
+there. Perplexity: `perplexity_rows` windows of real text, each one's first `prefix` tokens prefilled densely, every
+later token predicted by a teacher-forced decode step through the policy (so every prediction uses its sparse
+attention), all windows stepping together.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import json
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import corpora
 from ..attention import make_policy, parse_spec
@@ -24,8 +29,12 @@ from ..attention.policy import Policy
 from ..cache import KVCache
 from ..errors import SparseSpecError
 from ..generate import Engine, build_policy, decode_step, prefill
+from ..graphs import CudaGraphDecodeStep
 from ..progress import progress_bar
 from .tasks import TASKS, TaskBuilder, score
+
+
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # see _stepper
 
 
 def parse_length(text: str) -> int:
@@ -44,7 +53,9 @@ class EvalConfig:
     policies: tuple[str, ...] = ("dense",)  # specs: "name" or "name:key=value,..."
     options: tuple[str, ...] = ()  # "key=value" for every policy, "policy.key=value" for one
     seed: int = 0
-    perplexity_tokens: int = 0  # tokens of real text scored per length (0: no perplexity)
+    perplexity_tokens: int = 0  # tokens of real text scored per window and length (0: no perplexity)
+    perplexity_rows: int = 4  # windows of real text scored together per length
+    batch: int = 8  # samples of one (length, task) prefilled and decoded together
 
     def __post_init__(self):
         unknown = set(self.tasks) - set(TASKS)
@@ -52,6 +63,12 @@ class EvalConfig:
             raise SparseSpecError(f"unknown task {sorted(unknown)[0]!r} (choose from {', '.join(TASKS)})")
         if self.samples < 1:
             raise SparseSpecError(f"samples must be >= 1, got {self.samples}")
+        if self.perplexity_tokens < 0:
+            raise SparseSpecError(f"perplexity tokens must be >= 0, got {self.perplexity_tokens}")
+        if self.perplexity_rows < 1:
+            raise SparseSpecError(f"perplexity rows must be >= 1, got {self.perplexity_rows}")
+        if self.batch < 1:
+            raise SparseSpecError(f"batch must be >= 1, got {self.batch}")
         for spec in self.policies:
             self.policy(spec)  # validate names and options before any long work
 
@@ -79,89 +96,135 @@ def _done(path: Path) -> set[tuple]:
     return keys
 
 
+def _stepper(engine: Engine, cache: KVCache, policy: Policy | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One decode step, tokens [B] -> next-token logits [B, V]. On CUDA, dense steps replay a CUDA graph, and eager
+    steps keep cuDNN out of the dense attention (it builds a new plan for every new key count, ~40 ms a step). The
+    policy is told each step's positions (cache.lengths), so it reads none back from the device."""
+    cuda = engine.device.type == "cuda"
+    if policy is None and cuda:
+        graph = CudaGraphDecodeStep(engine.model, cache)
+        return lambda tokens: decode_step(engine.model, cache, tokens, graph)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(_NOT_CUDNN) if cuda else nullcontext(), \
+                policy.stepping(cache.lengths) if policy is not None else nullcontext():
+            return decode_step(engine.model, cache, tokens, policy=policy)
+
+    return step
+
+
 @torch.inference_mode()
 def _greedy(engine: Engine, cache: KVCache, first_logits: torch.Tensor, policy: Policy | None,
-            max_new: int) -> list[int]:
-    tokens = first_logits.argmax(-1)  # [1]
-    out = []
-    for _ in range(max_new):
-        out.append(int(tokens))
-        if out[-1] in engine.eos_ids or len(out) == max_new:
+            max_new: list[int]) -> tuple[list[list[int]], list[float | None]]:
+    """Greedy decode of every row until its EOS or max_new[b] tokens -> (tokens per row, keys attended per KV head
+    in the sparse layers per row, averaged over that row's own steps; None for dense or without a sparse step).
+    Rows that are done keep stepping until the last one is; their extra tokens are dropped."""
+    tokens = first_logits.argmax(-1)  # [B]
+    out: list[list[int]] = [[] for _ in max_new]
+    snapshots: list[tuple] = [(0.0, 0)] * len(max_new)
+    running = set(range(len(max_new)))
+    step = _stepper(engine, cache, policy)
+    while True:
+        for b, t in enumerate(tokens.tolist()):
+            if b in running:
+                out[b].append(t)
+                if t in engine.eos_ids or len(out[b]) == max_new[b]:
+                    running.discard(b)
+                    snapshots[b] = policy.attended if policy is not None else (0.0, 0)
+        if not running:
             break
-        tokens = decode_step(engine.model, cache, tokens, policy=policy).argmax(-1)
-    return out
+        tokens = step(tokens).argmax(-1)
+    attended = [float(total[b]) / steps if steps else None for b, (total, steps) in enumerate(snapshots)]
+    return out, attended
 
 
 @torch.inference_mode()
 def run_eval(engine: Engine, cfg: EvalConfig, out: Path, progress: bool = False) -> list[dict]:
-    """Run every missing (task, length, sample, policy) row, appending to out/results.jsonl; return all rows."""
+    """Run every missing (task, length, sample, policy) row, appending to out/results.jsonl; return all rows.
+
+    The samples some policy still lacks run in batches of up to `cfg.batch` (one prefill per batch); a policy
+    decodes the whole batch but writes only its missing rows."""
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     done = _done(results)
     builder = TaskBuilder(engine.tokenizer)
-    jobs = [(length, task, i) for length in cfg.lengths for task in cfg.tasks for i in range(cfg.samples)]
-    todo = [j for j in jobs if any((j[1], j[0], p, j[2]) not in done for p in cfg.policies)]
+    todo = {(length, task): [i for i in range(cfg.samples) if any((task, length, p, i) not in done
+                                                                   for p in cfg.policies)]
+            for length in cfg.lengths for task in cfg.tasks}
     with progress_bar() as bar, open(results, "a") as sink:
-        task_id = bar.add_task("eval", total=len(todo) * len(cfg.policies), visible=progress)
-        for length, task, i in todo:
-            sample = builder.sample(task, length, cfg.seed + i)
-            ids = engine.tokenizer(sample.prompt)["input_ids"]
-            engine.check_fits(len(ids), sample.max_new_tokens)
-            cache = KVCache(engine.config, 1, len(ids) + sample.max_new_tokens, engine.dtype, engine.device)
-            first = engine.model.logits(prefill(engine.model, cache, [ids], 1024))  # [1, V]
-            for spec in cfg.policies:
-                if (task, length, spec, i) in done:
-                    bar.advance(task_id)
-                    continue
-                cache.truncate([len(ids)])  # forget the previous policy's decoded tokens
-                policy = cfg.policy(spec)
-                if policy is not None:
-                    build_policy(policy, engine.model, cache)
-                generated = _greedy(engine, cache, first, policy, sample.max_new_tokens)
-                text = engine.tokenizer.decode(generated, skip_special_tokens=True)
-                attended = policy.mean_attended if policy is not None else None
-                row = {"task": task, "length": length, "policy": spec, "sample": i,
-                       "score": score(text, sample.answers), "tokens_attended": attended if attended is not None
-                       else len(ids) + len(generated) / 2, "prompt_tokens": len(ids), "depth": sample.depth,
-                       "answers": list(sample.answers), "output": text}
-                sink.write(json.dumps(row) + "\n")
-                sink.flush()
-                bar.advance(task_id)
+        task_id = bar.add_task("eval", total=sum(map(len, todo.values())) * len(cfg.policies), visible=progress)
+        for (length, task), indices in todo.items():
+            for start in range(0, len(indices), cfg.batch):
+                batch = indices[start:start + cfg.batch]
+                samples = [builder.sample(task, length, cfg.seed + i) for i in batch]
+                prompts = [engine.tokenizer(s.prompt)["input_ids"] for s in samples]
+                lens, max_new = [len(p) for p in prompts], [s.max_new_tokens for s in samples]
+                engine.check_fits(max(lens), max(max_new))  # finished rows keep stepping until the last is done
+                cache = KVCache(engine.config, len(batch), max(lens) + max(max_new), engine.dtype, engine.device)
+                first = engine.model.logits(prefill(engine.model, cache, prompts, 1024))  # [B, V]
+                for spec in cfg.policies:
+                    if all((task, length, spec, i) in done for i in batch):
+                        bar.advance(task_id, len(batch))
+                        continue
+                    cache.truncate(lens)  # forget the previous policy's decoded tokens
+                    policy = cfg.policy(spec)
+                    if policy is not None:
+                        build_policy(policy, engine.model, cache)
+                    generated, attended = _greedy(engine, cache, first, policy, max_new)
+                    for i, sample, n, ids, keys in zip(batch, samples, lens, generated, attended):
+                        if (task, length, spec, i) in done:
+                            continue
+                        text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+                        row = {"task": task, "length": length, "policy": spec, "sample": i,
+                               "score": score(text, sample.answers), "tokens_attended": keys if keys is not None
+                               else n + len(ids) / 2, "prompt_tokens": n, "depth": sample.depth,
+                               "answers": list(sample.answers), "output": text}
+                        sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                    bar.advance(task_id, len(batch))
     return [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
 
 
 @torch.inference_mode()
-def perplexity(engine: Engine, policy: Policy | None, ids: list[int], prefix: int) -> float:
-    """exp(mean NLL) of ids[prefix + 1:], each predicted by a decode step through `policy`."""
-    cache = KVCache(engine.config, 1, len(ids), engine.dtype, engine.device)
-    prefill(engine.model, cache, [ids[:prefix]], 1024)
+def perplexity(engine: Engine, policy: Policy | None, rows: list[list[int]], prefix: int) -> float:
+    """exp(mean NLL) of every row's tokens after position `prefix` (rows [R][N] of one length N), each predicted
+    by a decode step through `policy`; all rows step together after one dense prefill of their first `prefix`."""
+    n = len(rows[0])
+    if any(len(r) != n for r in rows) or not 0 < prefix < n - 1:
+        raise SparseSpecError(f"perplexity needs rows of one length, longer than prefix + 1 = {prefix + 1} tokens")
+    ids = torch.tensor(rows, device=engine.device)  # [R, N]
+    cache = KVCache(engine.config, len(rows), n, engine.dtype, engine.device)
+    prefill(engine.model, cache, [r[:prefix] for r in rows], 1024)
     if policy is not None:
         build_policy(policy, engine.model, cache)
-    nll, count = 0.0, 0
-    for t in range(prefix, len(ids) - 1):
-        logits = decode_step(engine.model, cache, torch.tensor([ids[t]], device=engine.device), policy=policy)
-        nll -= torch.log_softmax(logits[0], -1)[ids[t + 1]].item()
-        count += 1
-    return math.exp(nll / count)
+    nll = torch.zeros((), device=engine.device)
+    step = _stepper(engine, cache, policy)
+    for t in range(prefix, n - 1):
+        logits = step(ids[:, t])  # [R, V]
+        nll -= torch.log_softmax(logits, -1).gather(-1, ids[:, t + 1, None]).sum()
+    return math.exp(float(nll) / (len(rows) * (n - 1 - prefix)))
 
 
 def run_perplexity(engine: Engine, cfg: EvalConfig, out: Path, corpus: str = "wiki",
                    progress: bool = False) -> list[dict]:
-    """Perplexity of `perplexity_tokens` real tokens after a (length − those) token dense prefix, per policy."""
+    """Perplexity of `perplexity_tokens` real tokens after a (length − those) token dense prefix, per policy,
+    over `perplexity_rows` windows (window r: the corpus in the order of seed + 1 + r)."""
     path = out / "perplexity.jsonl"
     done = {(r["length"], r["policy"]) for r in map(json.loads, path.read_text().splitlines())} \
         if path.is_file() else set()
     with open(path, "a") as sink, progress_bar() as bar:
         task_id = bar.add_task("perplexity", total=len(cfg.lengths) * len(cfg.policies), visible=progress)
         for length in cfg.lengths:
-            ids = engine.tokenizer(corpora.text(corpus, 2 * length, cfg.seed + 1))["input_ids"][:length]
             prefix = length - cfg.perplexity_tokens
             if prefix < 1:
                 raise SparseSpecError(f"perplexity tokens must be below the length {length}")
+            rows = [engine.tokenizer(corpora.text(corpus, 2 * length, cfg.seed + 1 + r))["input_ids"][:length]
+                    for r in range(cfg.perplexity_rows)]
             for spec in cfg.policies:
                 if (length, spec) not in done:
-                    row = {"length": length, "policy": spec, "tokens": cfg.perplexity_tokens, "corpus": corpus,
-                           "perplexity": perplexity(engine, cfg.policy(spec), ids, prefix)}
+                    row = {"length": length, "policy": spec, "tokens": cfg.perplexity_tokens,
+                           "rows": cfg.perplexity_rows, "corpus": corpus,
+                           "perplexity": perplexity(engine, cfg.policy(spec), rows, prefix)}
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                 bar.advance(task_id)
@@ -204,7 +267,8 @@ def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str
         lines += ["", "| perplexity | length | " + " | ".join(policies) + " |", "|---|---:|" + "---:|" * len(policies)]
         for length in sorted({r["length"] for r in ppl_rows}):
             vals = {r["policy"]: r["perplexity"] for r in ppl_rows if r["length"] == length}
-            lines.append(f"| {ppl_rows[0]['corpus']}, last {ppl_rows[0]['tokens']} tokens | {length} | " +
+            lines.append(f"| {ppl_rows[0]['corpus']}, last {ppl_rows[0]['tokens']} tokens x "
+                         f"{ppl_rows[0].get('rows', 1)} | {length} | " +
                          " | ".join(f"{vals[p]:.2f}" if p in vals else "-" for p in policies) + " |")
     table = "\n".join(lines)
     (out / "accuracy.md").write_text(table + "\n")
