@@ -108,3 +108,27 @@ def test_graphed_speculation_on_cuda_is_identical_to_plain_greedy(drafter):
         assert out.token_ids == target.generate([prompt], gen).token_ids[0]
         if drafter == "model":
             assert max(out.committed) == 6
+
+
+@cuda
+def test_many_graph_captures_in_a_row_survive_garbage_collection():
+    # a dead graph freed by the cyclic GC during a later capture used to invalidate that capture
+    import gc
+
+    from sparsespec.spec.decode import speculative_generate
+    from sparsespec.spec.drafters import NgramDrafter
+
+    from .test_spec import tiny_engine
+
+    target = tiny_engine(0)
+    target.model.cuda()
+    target.device = torch.device("cuda")
+    gen = GenerationConfig(max_new_tokens=8)
+    old = gc.get_threshold()
+    gc.set_threshold(50)  # collect often, as a long benchmark loop does
+    try:
+        for i in range(30):
+            ref = target.generate([[1, 2, 3 + i % 5]], gen).token_ids[0]
+            assert speculative_generate(target, [1, 2, 3 + i % 5], NgramDrafter(), gen, 4).token_ids == ref
+    finally:
+        gc.set_threshold(*old)
