@@ -65,3 +65,23 @@ def test_labels_shifted_by_one_train_a_useless_drafter(setup, monkeypatch):
     shifted = lambda tokens, anchors, lengths, B: block_labels(tokens, anchors + 1, lengths, B)  # noqa: E731
     _, _, bad = _train(setup, monkeypatch, labels=shifted)
     assert bad < good - 1.0, (good, bad)
+
+
+def test_fit_resumes_and_always_ends_with_an_evaluation(setup, tmp_path):
+    target, data, held, taps = setup
+    cfg = TrainConfig(steps=12, batch=2, anchors=4, block_size=4, eval_every=5)
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    tau, history = fit(drafter, target.model, data, held, cfg, tmp_path / "ckpt.pt", log=lambda *_: None)
+    assert [h["step"] for h in history] == [5, 10, 12] and tau == history[-1]["heldout_tau"]
+    again = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    tau2, history2 = fit(again, target.model, data, held, cfg, tmp_path / "ckpt.pt", log=lambda *_: None)
+    assert [h["step"] for h in history2] == [12] and tau2 == pytest.approx(tau)  # nothing left to do: same weights
+
+
+def test_a_run_folder_refuses_other_settings(tmp_path):
+    from sparsespec.errors import SparseSpecError
+
+    train._check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 1}})
+    train._check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 1}})
+    with pytest.raises(SparseSpecError, match="other drafter settings"):
+        train._check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 2}})

@@ -224,3 +224,22 @@ def test_greedy_speculation_on_the_real_model_is_identical(smollm2_engine):
             assert out.token_ids == ref
             accepted += sum(out.committed) - out.steps
     assert accepted > 0
+
+
+@pytest.mark.parametrize("prompt_len", [10, 470])
+def test_a_drafter_block_larger_than_the_loop_block_and_a_prompt_near_the_context_end(prompt_len):
+    target = tiny_engine(0)  # context 512: 470 + 40 new tokens + a block of 3 is clamped to it
+    gen = GenerationConfig(max_new_tokens=40)
+    prompt = [(7 * i) % 64 for i in range(prompt_len)]
+    ref = target.generate([prompt], gen).token_ids[0]
+    out = speculative_generate(target, prompt, DFlashDrafter(tiny_dflash(target, block=6), target.model), gen, 3)
+    assert out.token_ids == ref
+
+
+def test_a_garbage_drafter_file_is_a_one_line_error(tmp_path):
+    from sparsespec.errors import SparseSpecError
+
+    tiny_dflash(tiny_engine(0)).save(tmp_path / "d")
+    (tmp_path / "d.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(SparseSpecError, match="corrupt"):
+        DFlash.load(tmp_path / "d")

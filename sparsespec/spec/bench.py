@@ -81,10 +81,11 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                 for name, drafter in drafters.items():
                     s = speculative_generate(engine, ids, drafter, gen, cfg.block_size)
                     tps = (len(s.token_ids) - 1) / s.decode_s if s.decode_s > 0 else float("nan")
+                    speedup = tps / plain_tps if plain_tps > 0 else float("nan")
                     rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,
                                  "tokens": len(s.token_ids), "steps": s.steps, "tau": s.tau,
                                  "committed": s.committed, "tokens_per_s": tps, "plain_tokens_per_s": plain_tps,
-                                 "speedup": tps / plain_tps, "identical": s.token_ids == plain.token_ids[0]
+                                 "speedup": speedup, "identical": s.token_ids == plain.token_ids[0]
                                  if T == 0 else None})
                     bar.advance(task)
     if out is not None:
@@ -108,8 +109,8 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
         ptps = sum(r["plain_tokens_per_s"] for r in g) / len(g)
         same = [r["identical"] for r in g if r["identical"] is not None]
         ident = f"{sum(same)}/{len(same)}" if same else "-"
-        lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | "
-                     f"{tps / ptps:.2f}x | {ident} |")
+        speedup = f"{tps / ptps:.2f}x" if ptps > 0 else "-"
+        lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | {speedup} | {ident} |")
     table = "\n".join(lines)
     if out is not None:
         (out / "spec.md").write_text(table + "\n")

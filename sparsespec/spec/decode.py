@@ -87,7 +87,8 @@ def speculative_generate(engine: Engine, prompt: list[int], drafter: Drafter, ge
     ttft = time.perf_counter() - start
 
     graph = None
-    if engine.device.type == "cuda" and gen.cuda_graph and capacity >= block_size:
+    # the graph writes B slots per step: only when the cache has B slots of room past the last new token
+    if engine.device.type == "cuda" and gen.cuda_graph and capacity == L + gen.max_new_tokens + block_size:
         graph = CudaGraphStep(engine.model, cache, block_size, taps, gen.compile)
     history = list(prompt) + [first]
     out = [first]

@@ -56,6 +56,8 @@ class DFlashConfig:
             object.__setattr__(self, "taps", default_taps(self.target.num_layers, 3))
         if any(not 0 <= t < self.target.num_layers for t in self.taps):
             raise SparseSpecError(f"tapped layers {self.taps} outside the target's {self.target.num_layers}")
+        if self.intermediate_size < 0:
+            raise SparseSpecError(f"intermediate size must be >= 0 (0: the target's), got {self.intermediate_size}")
         if self.intermediate_size == 0:
             object.__setattr__(self, "intermediate_size", self.target.intermediate_size)
 
@@ -167,10 +169,12 @@ class DFlash(nn.Module):
         weights, meta = drafter_files(path)
         if not weights.is_file() or not meta.is_file():
             raise SparseSpecError(f"DFlash drafter not found: need {weights} and {meta}")
+        from safetensors import SafetensorError
+
         try:
             cfg = DFlashConfig.from_json(json.loads(meta.read_text())["config"])
             state = load_file(str(weights))
-        except (KeyError, TypeError, ValueError, OSError) as e:
+        except (KeyError, TypeError, ValueError, OSError, SafetensorError) as e:
             raise SparseSpecError(f"corrupt DFlash drafter {path}: {e}") from None
         model = cls(cfg)
         try:
@@ -228,7 +232,11 @@ class DFlashDrafter(Drafter):
 
     def start(self, prompt, features, capacity):
         device = self.model.fc.weight.device
-        self.cache = KVCache(self.model.cfg.layer_config, 1, capacity, self.model.fc.weight.dtype, device)
+        # a whole block is written past the context even when fewer proposals are wanted: room for B more slots
+        # (never committed, so they may lie past the model's context)
+        B = self.model.cfg.block_size
+        cfg = dataclasses.replace(self.model.cfg.layer_config, max_position=capacity + B)
+        self.cache = KVCache(cfg, 1, capacity + B, self.model.fc.weight.dtype, device)
         self.model.ingest(features[None], torch.arange(len(prompt), device=device)[None], self.cache)
         self.cache.truncate([len(prompt)])
 

@@ -2,8 +2,9 @@
 
 The speculative loop (decode.py) drives a drafter through three calls:
 
-    start(prompt, features)          after the target's prefill; features [L, taps * hidden] of the prompt
-                                     positions when the drafter asked for target layers (`taps`), else None
+    start(prompt, features, capacity)  after the target's prefill; features [L, taps * hidden] of the prompt
+                                     positions when the drafter asked for target layers (`taps`), else None;
+                                     capacity = the most positions the generation can reach
     propose(history, k, cfg, rng)    history = every committed token, the last one not yet seen by the target;
                                      -> up to k proposed continuations, and the distributions they were drawn
                                      from ([k, V]) or None for point-mass proposals (argmax drafts, copies)

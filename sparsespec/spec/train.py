@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -164,6 +165,9 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     torch.manual_seed(cfg.seed)
     dcfg = DFlashConfig(engine.config, cfg.layers, cfg.block_size,
                         default_taps(engine.config.num_layers, cfg.taps), cfg.intermediate_size)
+    _check_settings(out / "settings.json", {
+        "target": dcfg.target.__dict__ | {"rope_scaling": dcfg.target.rope_scaling.__dict__}, "drafter": dcfg.to_json(),
+        "data": {k: getattr(cfg, k) for k in ("prompts", "heldout", "max_new_tokens", "seed")}})
     data_path, held_path = out / "data.safetensors", out / "heldout.safetensors"
     t0 = time.perf_counter()
     if data_path.is_file() and held_path.is_file():
@@ -194,6 +198,19 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     return summary
 
 
+def _check_settings(path: Path, settings: dict) -> None:
+    """A run folder resumes only with the target, drafter shape and data settings it was started with."""
+    settings = json.loads(json.dumps(settings))
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in settings if before.get(k) != settings[k])
+        if changed:
+            raise SparseSpecError(f"{path.parent} holds a run with other {' / '.join(changed)} settings: resume it "
+                                  f"with the same ones or use a new --out folder")
+    else:
+        path.write_text(json.dumps(settings, indent=1))
+
+
 def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig, ckpt: Path | None = None,
         progress: bool = False, log=print) -> tuple[float, list[dict]]:
     """Optimise `drafter` on `data` for cfg.steps (resuming from `ckpt` if present, saving it at every
@@ -216,8 +233,22 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
                                                                                                     enabled=False)
     history: list[dict] = []
-    tau = float("nan")
     first, t0 = step, time.perf_counter()
+
+    def evaluate(loss: float) -> float:
+        drafter.eval()
+        with autocast:
+            tau = acceptance(drafter, target, held)
+        history.append({"step": step, "loss": loss, "heldout_tau": tau})
+        if ckpt is not None:  # written whole, then renamed: an interrupted save never leaves a corrupt checkpoint
+            tmp = ckpt.with_name(ckpt.name + ".tmp")
+            torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step}, tmp)
+            os.replace(tmp, ckpt)
+        log(f"step {step}: loss {loss:.3f}, held-out tau {tau:.2f}")
+        return tau
+
+    tau, loss_value = float("nan"), float("nan")
     with progress_bar() as bar:
         task = bar.add_task("train dflash", total=cfg.steps, completed=step, visible=progress)
         while step < total:
@@ -232,21 +263,19 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
             opt.step()
             sched.step()
             step += 1
+            loss_value = loss.item()
             if cfg.time_limit and step == first + 10:
                 t10 = time.perf_counter()  # the first steps pay for warm-up: time the next 20
             if cfg.time_limit and step == first + 30:
                 per_step = (time.perf_counter() - t10) / 20
-                total = min(cfg.steps, step + int((cfg.time_limit - (time.perf_counter() - t0)) / per_step))
+                fits = int((cfg.time_limit - (time.perf_counter() - t0)) / per_step)
+                total = max(step, min(cfg.steps, step + fits))
+                if first == 0:
+                    warm = max(1, int(cfg.warmup * total))
                 bar.update(task, total=total)
                 log(f"{per_step * 1e3:.0f} ms per step: {total} steps fit in {cfg.time_limit:.0f} s")
-            if step % cfg.eval_every == 0 or step == total:
-                drafter.eval()
-                with autocast:
-                    tau = acceptance(drafter, target, held)
-                history.append({"step": step, "loss": loss.item(), "heldout_tau": tau})
-                if ckpt is not None:
-                    torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(),
-                                "sched": sched.state_dict(), "step": step}, ckpt)
-                log(f"step {step}: loss {loss.item():.3f}, held-out tau {tau:.2f}")
-            bar.update(task, completed=step, description=f"train dflash (loss {loss.item():.2f}, tau {tau:.2f})")
-    return tau, history
+            if step % cfg.eval_every == 0 and step < total:
+                tau = evaluate(loss_value)
+            bar.update(task, completed=step, description=f"train dflash (loss {loss_value:.2f}, tau {tau:.2f})")
+    return evaluate(loss_value), history
+
