@@ -274,7 +274,8 @@ def cmd_bench(args) -> None:
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     name = args.target_name or args.target
-    drafters = {d: make_drafter(d, engine, name, args.device, dtype, progress) for d in cfg.drafters}
+    drafters = {d: make_drafter(d, engine, name, args.device, dtype, progress, not args.no_cuda_graph)
+                for d in cfg.drafters}
     rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph)
     device = torch_device_name(args.device)
     print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, real weights) on {device}, block "

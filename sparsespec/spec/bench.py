@@ -23,7 +23,7 @@ from .prompts import KINDS, make_prompts
 
 
 def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu", dtype: str = "float32",
-                 progress: bool = False) -> Drafter | None:
+                 progress: bool = False, cuda_graph: bool = True) -> Drafter | None:
     """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME"."""
     from ..models.loading import DTYPES
     from .dflash import DFlash, DFlashDrafter
@@ -41,7 +41,7 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
         return DFlashDrafter(model, engine.model)
     if kind == "model" and arg:
         draft = Engine.from_name(arg, device=device, dtype=dtype, progress=progress)
-        return ModelDrafter(draft, f"model:{arg}", target_vocab=engine.config.vocab_size)
+        return ModelDrafter(draft, f"model:{arg}", target_vocab=engine.config.vocab_size, cuda_graph=cuda_graph)
     raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME)")
 
 

@@ -117,11 +117,13 @@ def speculative_generate(engine: Engine, prompt: list[int], drafter: Drafter, ge
         cache.truncate([n + accepted + 1])
         history += new
         drafter.commit(history, accepted, None if feats is None else feats[0, : accepted + 1])
-        committed_per_step.append(len(new))
+        used = 0  # tokens of this step that reach the output (a stop may cut the step short)
         for t in new:
             out.append(t)
+            used += 1
             if engine._stopped(out, gen):
                 break
+        committed_per_step.append(used)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     decode_s = time.perf_counter() - start

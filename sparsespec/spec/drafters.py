@@ -82,12 +82,13 @@ class ModelDrafter(Drafter):
     cache; rejected drafts are rolled back by truncating that cache. At T > 0 it samples from, and reports, the
     same filtered distribution that verification applies to the target."""
 
-    def __init__(self, engine, name: str = "model", target_vocab: int | None = None):
+    def __init__(self, engine, name: str = "model", target_vocab: int | None = None, cuda_graph: bool = True):
         if target_vocab is not None and engine.config.vocab_size != target_vocab:
             raise SparseSpecError(f"draft model vocabulary ({engine.config.vocab_size}) differs from the target's "
                                   f"({target_vocab}): a draft model must share the target's tokenizer")
         self.engine = engine
         self.name = name
+        self.cuda_graph = cuda_graph  # on CUDA, replay its decode step as a CUDA graph
         self.cache: KVCache | None = None
         self.drafted = 0  # proposals of the last propose() call whose K/V are in the draft cache
 
@@ -95,8 +96,8 @@ class ModelDrafter(Drafter):
 
         self.cache = KVCache(self.engine.config, 1, capacity, self.engine.dtype, self.engine.device)
         prefill(self.engine.model, self.cache, [prompt], 1024)
-        cuda = self.cache.device.type == "cuda"
-        self.graph = CudaGraphDecodeStep(self.engine.model, self.cache) if cuda else None
+        graphed = self.cuda_graph and self.cache.device.type == "cuda"
+        self.graph = CudaGraphDecodeStep(self.engine.model, self.cache) if graphed else None
 
     @torch.inference_mode()
     def propose(self, history, k, cfg, rng):
