@@ -79,6 +79,20 @@ def test_batched_eval_equals_one_by_one_resumes_and_full_budget_matches_dense(sm
     assert "niah_single" in table and (out / "accuracy.png").is_file()
 
 
+def test_report_means_only_cells_every_policy_finished(tmp_path):
+    def row(task, policy, sample, score):
+        return {"task": task, "length": 4096, "policy": policy, "sample": sample, "score": score,
+                "tokens_attended": 10}
+
+    rows = [row("niah_single", p, i, s) for p, s in (("dense", 1.0), ("topk:budget=0.5", 0.5)) for i in range(2)]
+    rows += [row("vt", "dense", 0, 0.0)]  # vt lacks topk: left out of both policies' means
+    table = report(rows, [], tmp_path, "t")
+    assert "| **mean** (1 complete tasks) | 4096 | 1.00 / 10 (n=2) | 0.50 / 10 (n=2) |" in table
+    assert "| vt | 4096 | 0.00 / 10 (n=1) | - |" in table and (tmp_path / "accuracy.png").is_file()
+    rows += [row("vt", "topk:budget=0.5", 0, 1.0)]
+    assert "| **mean** | 4096 | 0.67 / 10 (n=3) | 0.67 / 10 (n=3) |" in report(rows, [], tmp_path, "t")
+
+
 def test_batch_options_are_validated():
     for bad in ({"batch": 0}, {"perplexity_rows": 0}, {"perplexity_tokens": -1}):
         with pytest.raises(SparseSpecError, match=next(iter(bad)).replace("_", " ")):

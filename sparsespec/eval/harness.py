@@ -260,9 +260,16 @@ def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str
         for length in lengths:
             lines.append(f"| {task} | {length} | " + " | ".join(cell(cells[(task, length, p)]) for p in policies)
                          + " |")
+    # means only over the (task, length) cells that every policy has finished, so that policies stay comparable
+    full = {n: [t for t in tasks if len({len(cells[(t, n, p)]) for p in policies}) == 1 and cells[(t, n, policies[0])]]
+            for n in lengths}
+
+    def finished(length: int, policy: str) -> list[dict]:
+        return [r for t in full[length] for r in cells[(t, length, policy)]]
+
     for length in lengths:
-        lines.append(f"| **mean** | {length} | " + " | ".join(
-            cell([r for r in rows if r["length"] == length and r["policy"] == p]) for p in policies) + " |")
+        label = "**mean**" if len(full[length]) == len(tasks) else f"**mean** ({len(full[length])} complete tasks)"
+        lines.append(f"| {label} | {length} | " + " | ".join(cell(finished(length, p)) for p in policies) + " |")
     if ppl_rows:
         lines += ["", "| perplexity | length | " + " | ".join(policies) + " |", "|---|---:|" + "---:|" * len(policies)]
         for length in sorted({r["length"] for r in ppl_rows}):
@@ -275,8 +282,7 @@ def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for p in policies:
-        pts = [(n, sum(r["score"] for r in rows if r["length"] == n and r["policy"] == p) /
-                max(1, sum(1 for r in rows if r["length"] == n and r["policy"] == p))) for n in lengths]
+        pts = [(n, sum(r["score"] for r in finished(n, p)) / len(finished(n, p))) for n in lengths if full[n]]
         axes[0].plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
     axes[0].set(xlabel="context length (tokens)", ylabel="mean score over tasks", xscale="log", ylim=(0, 1.02),
                 title="accuracy vs length")
@@ -289,8 +295,13 @@ def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str
         if name == "dense" or hasattr(policy, "target_mass"):
             continue  # no budget to plot against
         family = ":".join([name] + [x for x in inline if not x.startswith("budget=")])
-        group = [r["score"] for r in rows if r["policy"] == p]
+        group = [r["score"] for n in lengths for r in finished(n, p)]
+        if not group:
+            continue
         by_family[family].append((policy.options.budget, sum(group) / len(group)))
+    if "dense" in policies and any(full.values()):
+        dense = [r["score"] for n in lengths for r in finished(n, "dense")]
+        axes[1].axhline(sum(dense) / len(dense), color="black", linestyle="--", label="dense")
     for family, pts in by_family.items():
         pts.sort()
         axes[1].plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=family)
