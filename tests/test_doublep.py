@@ -44,7 +44,8 @@ def grow(policy, cache, lengths, steps):
 
 
 def clone_state(st):
-    return {name: getattr(st, name).clone() for name in ("centroids", "key_sum", "value_sum", "size", "assign")} | {
+    return {name: getattr(st, name).clone() for name in ("centroids", "key_sum", "key_sq_sum", "value_sum", "size",
+                                                             "assign")} | {
         "clustered_end": list(st.clustered_end)}
 
 
@@ -264,8 +265,9 @@ def test_top_p_prefix_is_the_smallest_set_reaching_p(seed):
         assert set(torch.nonzero(got[r]).flatten().tolist()) == expected
 
 
-def reference_masses(q, cache, st, positions, sinks):
-    """float64 per query head softmax over kept tokens' logits and cluster log-weights, averaged over the group."""
+def reference_masses(q, cache, st, positions, sinks, spread=False):
+    """float64 per query head softmax over kept tokens' logits and cluster log-weights, averaged over the group;
+    spread: each cluster's log-weight gains ½ Σ_d q_d² var_d / D, var from its members' keys read from the cache."""
     B, Hq, _, D = q.shape
     Hkv = cache.k[0].shape[1]
     G = Hq // Hkv
@@ -280,17 +282,25 @@ def reference_masses(q, cache, st, positions, sinks):
             lk = cache.k[0][b, kv, kept].double() @ qh / D**0.5
             size = st.size[b, kv].double()
             lc = st.centroids[b, kv].double() @ qh / D**0.5 + size.log()
+            if spread:
+                for c in range(len(size)):
+                    members = (st.assign[b, kv] == c).nonzero().flatten()
+                    if len(members):
+                        var = cache.k[0][b, kv, members].double().var(0, unbiased=False)
+                        lc[c] += 0.5 * (qh.square() * var).sum() / D
             w = torch.cat([lk, lc]).softmax(0)
             kept_mass[b, kv] += w[:len(kept)].sum() / G
             mass[b, kv] += w[len(kept):] / G
     return kept_mass, mass
 
 
-@pytest.mark.parametrize("p2_of,tail", [("total", "approx"), ("selected", "approx"), ("total", "drop")])
-def test_stages_select_the_brute_force_sets(p2_of, tail):
+@pytest.mark.parametrize("p2_of,tail,estimate", [("total", "approx", "centroid"), ("selected", "approx", "centroid"),
+                                                  ("total", "drop", "centroid"), ("total", "approx", "spread")])
+def test_stages_select_the_brute_force_sets(p2_of, tail, estimate):
     B, Hq, Hkv, D, S = 2, 6, 2, 24, 140
     cache = make_cache(B, Hkv, S, D, seed=11, offset=1.0)
-    opts = DoublePOptions(p1=0.8, p2=0.5, sinks=3, window=9, cluster_size=6, p2_of=p2_of, tail=tail, dense_layers=0)
+    opts = DoublePOptions(p1=0.8, p2=0.5, sinks=3, window=9, cluster_size=6, p2_of=p2_of, tail=tail, dense_layers=0,
+                          estimate=estimate)
     policy = DoubleP(opts)
     lengths = [97, 123]
     policy.build(0, cache, lengths)
@@ -301,7 +311,7 @@ def test_stages_select_the_brute_force_sets(p2_of, tail):
     for _ in range(3):
         q = torch.randn(B, Hq, 1, D, generator=g) * 3
         plan = policy.plan(0, q, cache, positions)
-        kept_mass, mass = reference_masses(q, cache, st, positions, sinks=3)
+        kept_mass, mass = reference_masses(q, cache, st, positions, sinks=3, spread=estimate == "spread")
         assert torch.allclose(plan.kept_mass.double(), kept_mass, atol=1e-5)
         assert torch.allclose(plan.mass.double(), mass, atol=1e-5)
         for b, h in itertools.product(range(B), range(Hkv)):
@@ -361,6 +371,8 @@ def assert_matches_recomputation(st, cache, sinks):
         value_sum = torch.zeros(C, k.shape[-1]).index_add_(0, idx, v[b, h, sinks:end])
         assert torch.equal(st.size[b, h], size)
         assert torch.allclose(st.key_sum[b, h], key_sum, atol=1e-4)
+        key_sq_sum = torch.zeros(C, k.shape[-1]).index_add_(0, idx, k[b, h, sinks:end].square())
+        assert torch.allclose(st.key_sq_sum[b, h], key_sq_sum, atol=1e-3, rtol=1e-5)
         assert torch.allclose(st.value_sum[b, h], value_sum, atol=1e-4)
         nonempty = size > 0
         assert torch.allclose(st.centroids[b, h][nonempty], (key_sum / size.clamp_min(1)[:, None])[nonempty],
@@ -504,3 +516,30 @@ def test_rollback_below_prefill_then_regrowth_keeps_each_token_in_one_place(seed
                                                                                   dtype=torch.bool))
     out = policy.decode(0, q, cache, torch.tensor([70]))
     assert torch.isfinite(out).all()
+
+
+def test_spread_estimate_finds_a_needle_the_centroid_estimate_misses():
+    """Four well-separated clusters of 16 keys; one of them holds a single key aligned with the query (the needle)
+    among keys pointing away from it. The size-weighted centroid ranks that cluster below the others and leaves
+    the needle out of the exact set; the spread estimate sees the cluster's variance along q and attends it."""
+    D, n, S = 16, 16, 2 + 4 * 16 + 2
+    g = torch.Generator().manual_seed(0)
+    e = torch.eye(D)
+    clusters = [10 * e[c] + 0.05 * torch.randn(n, D, generator=g) for c in (1, 2, 3)]
+    hidden = 10 * e[4] - 0.5 * e[0] + 0.05 * torch.randn(n, D, generator=g)
+    hidden[5] += 4 * e[0]  # the needle: q·k/√D = 8 · 3.5 / 4 = 7, the others -1
+    cache = make_cache(1, 1, S, D)
+    cache.k[0][0, 0] = torch.cat([torch.zeros(2, D), *clusters, hidden, torch.zeros(2, D)])
+    q = (8 * e[0]).reshape(1, 1, 1, D)
+    needle = 2 + 3 * n + 5
+    found = {}
+    for estimate in ("centroid", "spread"):
+        policy = DoubleP(DoublePOptions(p1=0.9, p2=0.5, sinks=2, window=2, cluster_size=n, estimate=estimate,
+                                        dense_layers=0))
+        policy.build(0, cache, [S])
+        st = cache.policy_state[0]
+        assert (st.assign[0, 0, 2 + 3 * n:2 + 4 * n] == st.assign[0, 0, needle]).all()  # k-means found the layout
+        assert int(st.size[0, 0, st.assign[0, 0, needle]]) == n
+        exact, _ = policy.selected_slots(0, q, cache, torch.tensor([S - 1]))
+        found[estimate] = bool(exact[0, 0, needle])
+    assert found == {"centroid": False, "spread": True}

@@ -17,6 +17,12 @@ Decode, one query per row:
            (tail="approx"), or are dropped (tail="drop"). Clusters outside the p1 set are dropped.
   merged_attention computes both parts in one numerically stable softmax.
 
+estimate="spread": the size-weighted centroid under-estimates a cluster whose keys spread along q (Jensen:
+log Σ_j e^{q·k_j/√D} ≥ x_i + log s_i), which is where a lone needle key hides. With a Gaussian model of the
+cluster's keys (mean C_i, per-dimension variance var_i, kept from the members' sum of squares) the log-mass is
+x_i + log s_i + ½ Σ_d q_d² var_{i,d} / D; stage 1 and 2 rank and count clusters by that. Only the selection changes:
+the centroid terms of the merged softmax stay s_i e^{x_i}.
+
 GQA: the estimated masses of a KV head's G query heads are averaged (the group's mean mass, i.e. the sum over
 heads / G); each KV head selects one cluster set, shared by its query heads. p = 1 keeps every cluster whatever
 the rounding of the prefix sums, so p1 = p2 = 1 is dense attention.
@@ -43,7 +49,8 @@ from ..errors import SparseSpecError
 from .policy import Policy, PolicyOptions, device_ints
 
 _CHUNK = 1 << 24  # elements of one [G, n, k] distance block in `nearest`
-_CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster")}
+_CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster"),
+            "estimate": ("centroid", "spread")}
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class DoublePOptions(PolicyOptions):
     # or "recluster": join the nearest cluster, and k-means is run again over everything outside the sinks and the
     # window once `recluster_every` tokens have joined since the last clustering
     recluster_every: int = 256
+    estimate: str = "centroid"  # cluster log-mass for the selection: x_i + log s_i, or "spread": plus the cluster's
+    # second-order term ½ Σ_d q_d² var_{i,d} / D (Jensen's gap of a Gaussian cluster with diagonal covariance)
 
     def __post_init__(self):
         super().__post_init__()
@@ -211,6 +220,7 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 class DoublePState:
     centroids: torch.Tensor  # [B, Hkv, C, D] fp32: each cluster's mean key (the last one when it empties)
     key_sum: torch.Tensor  # [B, Hkv, C, D] fp32
+    key_sq_sum: torch.Tensor  # [B, Hkv, C, D] fp32: Σ k² per dimension (the spread estimate's variances)
     value_sum: torch.Tensor  # [B, Hkv, C, D] fp32
     size: torch.Tensor  # [B, Hkv, C] int64; 0: empty, or padding past the row's cluster count
     perm: torch.Tensor  # [B, Hkv, N] int64: the prefill members' slots grouped by cluster
@@ -261,6 +271,7 @@ class DoubleP(Policy):
         dev, long = k.device, torch.long
         st = DoublePState(centroids=torch.zeros(B, Hkv, C, D, device=dev),
                           key_sum=torch.zeros(B, Hkv, C, D, device=dev),
+                          key_sq_sum=torch.zeros(B, Hkv, C, D, device=dev),
                           value_sum=torch.zeros(B, Hkv, C, D, device=dev),
                           size=torch.zeros(B, Hkv, C, dtype=long, device=dev),
                           perm=torch.zeros(B, Hkv, N, dtype=long, device=dev),
@@ -277,6 +288,7 @@ class DoubleP(Policy):
             key_sum, size = cluster_sums(keys, assign, kc)
             st.value_sum[b, :, :kc] = cluster_sums(v[b, :, o.sinks:end], assign, kc)[0]
             st.key_sum[b, :, :kc], st.size[b, :, :kc] = key_sum, size
+            st.key_sq_sum[b, :, :kc] = cluster_sums(keys.float().square(), assign, kc)[0]
             mean = key_sum / size.clamp_min(1)[..., None]
             st.centroids[b, :, :kc] = torch.where(size[..., None] > 0, mean, centroids)
             st.assign[b, :, o.sinks:end] = assign
@@ -319,6 +331,7 @@ class DoubleP(Policy):
         their clusters' centroids become the new means."""
         at = idx[..., None].expand(-1, -1, keys.shape[-1])
         st.key_sum[row].scatter_add_(1, at, sign * keys)
+        st.key_sq_sum[row].scatter_add_(1, at, sign * keys.square())
         st.value_sum[row].scatter_add_(1, at, sign * values)
         st.size[row].scatter_add_(1, idx, torch.full_like(idx, sign))
         size = st.size[row].gather(1, idx)[..., None]  # [Hkv, n, 1]
@@ -350,7 +363,12 @@ class DoubleP(Policy):
         # Stage 1 and stage 2 on cluster masses.
         logits = (qg @ st.centroids.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, C]
         cvalid = st.size > 0
-        kept_mass, mass = estimate_masses(kept_logits, kept_valid, logits, st.size.float().log(), cvalid)
+        ranked = logits
+        if o.estimate == "spread":
+            n = st.size.clamp_min(1)[..., None].float()
+            var = (st.key_sq_sum / n - (st.key_sum / n).square()).clamp_min(0)  # [B, Hkv, C, D]
+            ranked = logits + 0.5 * (qg.square() @ var.transpose(-1, -2)) / D
+        kept_mass, mass = estimate_masses(kept_logits, kept_valid, ranked, st.size.float().log(), cvalid)
         in_p1 = top_p_prefix(mass, cvalid, kept_mass, o.p1)
         total = kept_mass + (mass * in_p1).sum(-1) if o.p2_of == "selected" else None
         exact = top_p_prefix(mass, in_p1, kept_mass, o.p2, total)
