@@ -17,8 +17,9 @@ Decode, one query per row:
            (tail="approx"), or are dropped (tail="drop"). Clusters outside the p1 set are dropped.
   merged_attention computes both parts in one numerically stable softmax.
 
-estimate="spread": the size-weighted centroid under-estimates a cluster whose keys spread along q (Jensen:
-log Σ_j e^{q·k_j/√D} ≥ x_i + log s_i), which is where a lone needle key hides. With a Gaussian model of the
+estimate="spread" (the default; "centroid" keeps the paper's estimate alone): the size-weighted centroid
+under-estimates a cluster whose keys spread along q (Jensen: log Σ_j e^{q·k_j/√D} ≥ x_i + log s_i), which is where
+a lone needle key hides. With a Gaussian model of the
 cluster's keys (mean C_i, per-dimension variance var_i, kept from the members' sum of squares) the log-mass is
 x_i + log s_i + ½ Σ_d q_d² var_{i,d} / D; stage 1 and 2 rank and count clusters by that. Only the selection changes:
 the centroid terms of the merged softmax stay s_i e^{x_i}.
@@ -50,7 +51,7 @@ from .policy import Policy, PolicyOptions, device_ints
 
 _CHUNK = 1 << 24  # elements of one [G, n, k] distance block in `nearest`
 _CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster"),
-            "estimate": ("centroid", "spread")}
+            "estimate": ("spread", "centroid")}
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,9 @@ class DoublePOptions(PolicyOptions):
     # or "recluster": join the nearest cluster, and k-means is run again over everything outside the sinks and the
     # window once `recluster_every` tokens have joined since the last clustering
     recluster_every: int = 256
-    estimate: str = "centroid"  # cluster log-mass for the selection: x_i + log s_i, or "spread": plus the cluster's
-    # second-order term ½ Σ_d q_d² var_{i,d} / D (Jensen's gap of a Gaussian cluster with diagonal covariance)
+    estimate: str = "spread"  # cluster log-mass for the selection: x_i + log s_i plus the cluster's second-order
+    # term ½ Σ_d q_d² var_{i,d} / D (Jensen's gap of a Gaussian cluster with diagonal covariance), or "centroid":
+    # x_i + log s_i alone (the paper's size-weighted centroid, which loses needles: docs/results/doublep.md)
 
     def __post_init__(self):
         super().__post_init__()
