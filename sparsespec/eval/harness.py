@@ -309,7 +309,8 @@ def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str
                 ylim=(0, 1.02), title="accuracy vs budget (fixed-budget policies)")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "accuracy.png", dpi=120)
