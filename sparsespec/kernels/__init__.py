@@ -1,0 +1,29 @@
+"""Triton kernels of the graph-captured sparse decode step, each beside the torch reference it is tested against.
+
+    binarypc.py  probe (quantised bit-planes), popcount scoring with the group max fused in, residual encoding
+    select.py    fixed-width top-k by radix select over integer keys, forced slots first
+    attend.py    split-K flash-decoding over the selected slots (GQA: each K/V row read once per KV head)
+
+The kernels run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (the tests, at small sizes). The
+torch references are the CPU path of the engine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1): no libdevice calls there."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_ready(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on tensors of `device`."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.device(device).type == "cuda" or interpreting()

@@ -1,0 +1,139 @@
+"""The BinaryPC and selection kernels against their torch references: on CPU through Triton's interpreter at small,
+odd sizes (make test), on the GPU at full sizes when CUDA is there. Inputs are fresh random draws per case; where a
+float sum's order could flip a sign, the inputs are small dyadic numbers whose sums are exact in any order."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from sparsespec.attention.binarypc import packed_scores, quantize_probe  # noqa: E402
+from sparsespec.kernels.binarypc import (encode_slots, encode_slots_ref, key_range, probe_planes,  # noqa: E402
+                                         probe_planes_ref, score_keys, score_keys_ref)
+from sparsespec.kernels.select import ordered_keys, select_topk, select_topk_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def dyadic(g: torch.Generator, *shape, scale=8) -> torch.Tensor:
+    return (torch.randint(-scale, scale + 1, shape, generator=g) / scale).to(DEVICE)
+
+
+@pytest.mark.parametrize("G,D,bits,m", [(1, 64, 64, 7), (4, 128, 64, 7), (7, 64, 100, 3), (3, 16, 7, 5)])
+def test_probe_planes_equal_reference(G, D, bits, m):
+    g = torch.Generator().manual_seed(G * 1000 + bits)
+    B, Hkv = 2, 3
+    q = dyadic(g, B, Hkv * G, D)
+    basis = dyadic(g, B, Hkv, bits, D)
+    planes, l1 = probe_planes(q, basis, m)
+    ref_planes, ref_l1 = probe_planes_ref(q, basis, m)
+    assert torch.equal(planes, ref_planes) and torch.equal(l1, ref_l1)
+
+
+@pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 300), (7, 128, 7, 129), (2, 40, 4, 70),
+                                        (3, 64, 12, 50)])
+def test_score_keys_equal_popcount_reference_and_packed_scores(G, bits, m, S):
+    g = torch.Generator().manual_seed(S * 7 + G)
+    B, Hkv, D = 3, 2, 16
+    W = -(-bits // 64)
+    codes = torch.randint(-(1 << 62), 1 << 62, (B, Hkv, S, W), generator=g).to(DEVICE)
+    if bits % 64:
+        codes &= (1 << (bits % 64)) - 1 if W == 1 else -1
+    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
+    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
+    positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
+    planes, l1 = probe_planes_ref(q, basis, m)
+    keys = score_keys(codes, planes, l1, positions, m, bits)
+    ref = score_keys_ref(codes, planes, l1, positions, m, bits)
+    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
+    assert torch.equal(keys[live], ref[live])
+    # the same numbers as the policy's own packed scoring (integer scores, group max, shifted by the offset)
+    probe = quantize_probe(q.view(B, Hkv, G, D) @ basis.transpose(-1, -2), m)
+    offset, key_bits = key_range(bits, m)
+    assert key_bits == (16 if ref.dtype == torch.int16 else 32)
+    direct = packed_scores(codes, probe, m).amax(2).flatten(0, 1) + offset
+    assert torch.equal(ref[live].long(), direct[live]) and int(ref[live].min()) >= 1
+
+
+@pytest.mark.parametrize("D,bits,S,max_slots", [(16, 64, 37, 37), (64, 64, 20, 5), (32, 100, 45, 45), (16, 7, 9, 9)])
+def test_encode_slots_equal_reference(D, bits, S, max_slots):
+    g = torch.Generator().manual_seed(D + bits + S)
+    B, Hkv = 2, 3
+    W = -(-bits // 64)
+    k = torch.randint(-4, 5, (B, Hkv, S, D), generator=g).float().to(DEVICE)
+    basis = dyadic(g, B, Hkv, bits, D)
+    start = torch.tensor([0, S // 3], dtype=torch.int32, device=DEVICE)
+    end = torch.tensor([S, S - 2], dtype=torch.int32, device=DEVICE)
+    poison = torch.randint(-(1 << 62), 1 << 62, (B, Hkv, S, W), generator=g).to(DEVICE)
+    codes, ref_codes = poison.clone(), poison.clone()
+    error, ref_error = torch.full((B, Hkv, S), -1.0, device=DEVICE), torch.full((B, Hkv, S), -1.0, device=DEVICE)
+    encode_slots(k, basis, codes, error, start, end, max_slots)
+    encode_slots_ref(k, basis, ref_codes, ref_error, start, end, max_slots)
+    assert torch.equal(codes, ref_codes)  # slots outside each row's range untouched
+    assert torch.allclose(error, ref_error, rtol=1e-5, atol=1e-5)
+
+
+def test_encode_slots_in_bf16_keep_the_codes():
+    g = torch.Generator().manual_seed(5)
+    k = torch.randint(-4, 5, (1, 2, 33, 64), generator=g).to(DEVICE, torch.bfloat16)
+    basis = dyadic(g, 1, 2, 64, 64)
+    start, end = torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.full((1,), 33, dtype=torch.int32,
+                                                                               device=DEVICE)
+    out = [torch.zeros(1, 2, 33, 1, dtype=torch.int64, device=DEVICE), torch.zeros(1, 2, 33, device=DEVICE)]
+    ref = [t.clone() for t in out]
+    encode_slots(k, basis, *out, start, end, 33)
+    encode_slots_ref(k.float(), basis, *ref, start, end, 33)
+    assert torch.equal(out[0], ref[0])
+
+
+def _check_selection(keys, positions, tokens, forced_from, k, key_bits, **kw):
+    ref_idx, ref_count = select_topk_ref(keys, positions, tokens, forced_from, k, key_bits, **kw)
+    idx = torch.full_like(ref_idx, -7)
+    count = torch.full_like(ref_count, -7)
+    select_topk(keys.clone(), positions, tokens, forced_from, k, key_bits, out=(idx, count), **kw)
+    assert torch.equal(count, ref_count)
+    for r in range(keys.shape[0]):
+        n = int(count[r])
+        assert idx[r, :n].tolist() == ref_idx[r, :n].tolist(), r
+    return idx, count
+
+
+@pytest.mark.parametrize("S,Hkv,key_bits,spread", [(37, 1, 16, 3), (300, 2, 16, 16000), (129, 3, 32, 0),
+                                                     (1000, 2, 16, 40), (77, 2, 32, 2)])
+def test_select_topk_equals_reference(S, Hkv, key_bits, spread):
+    g = torch.Generator().manual_seed(S + Hkv + key_bits)
+    B = 3
+    positions = torch.tensor([S - 1, S // 2, 3], dtype=torch.int32, device=DEVICE)
+    if key_bits == 16:  # few distinct values: many ties at the threshold
+        keys = torch.randint(1, max(2, spread), (B * Hkv, S), generator=g).to(DEVICE, torch.int16)
+        keys[0, 5:9] = 0  # never attended
+    else:  # fp32 scores with ties and infinities, through the order-preserving map
+        scores = torch.randn(B * Hkv, S, generator=g).round(decimals=spread).to(DEVICE)
+        scores[0, 3] = float("-inf")
+        scores[-1, 1] = float("inf")
+        keys = ordered_keys(scores)
+    for tokens, k in ([(5, 9, 2), 12], [(S, S, S), S], [(1, 1, 1), 8], [(60, 2, 4), 64]):
+        tokens = torch.tensor(tokens, dtype=torch.int32, device=DEVICE)
+        for sinks, window in ((0, 0), (2, 3), (4, 40)):
+            forced_from = positions + 1
+            _check_selection(keys, positions, tokens, forced_from, k, key_bits, sinks=sinks, window=window)
+    # slots from forced_from on (BinaryPC: not yet encoded) and a policy's forced list
+    forced_from = torch.tensor([S - 3, S // 2 - 1, 0], dtype=torch.int32, device=DEVICE)
+    extra = torch.randint(0, S, (B * Hkv, 6), generator=g).int().to(DEVICE)
+    extra_n = torch.tensor([6, 2, 0], dtype=torch.int32, device=DEVICE)
+    tokens = torch.tensor([7, 3, 2], dtype=torch.int32, device=DEVICE)
+    idx, count = _check_selection(keys, positions, tokens, forced_from, 20, key_bits, sinks=1, window=2,
+                                  extra=extra, extra_n=extra_n)
+    chosen = set(idx[0, :count[0]].tolist())
+    assert {S - 3, S - 2, S - 1, 0} <= chosen and set(extra[0].tolist()) <= chosen
+
+
+def test_ordered_keys_keep_the_order_of_scores():
+    scores = torch.tensor([[float("-inf"), -3.5, -0.0, 0.0, 1e-30, 2.0, 3e38, float("inf")]])
+    keys = ordered_keys(scores).long() & 0xFFFFFFFF
+    assert keys[0, 0] == 0 and keys[0, -1] == 0xFFFFFFFF
+    assert keys[0, 2] == keys[0, 3] and bool((keys[0, 3:].diff() > 0).all()) and keys[0, 1] < keys[0, 2]
