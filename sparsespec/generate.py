@@ -19,6 +19,7 @@ from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
 from .models.transformer import Transformer
 from .progress import track
+from .runner import Runner
 from .sampling import SamplingConfig, make_generator, sample
 
 
@@ -165,14 +166,11 @@ class Engine:
         if policy is not None and self.config.sliding_window is not None:
             raise SparseSpecError("sparse attention policies do not support sliding-window models yet; use dense")
         B = len(prompts)
-        graphed = gen.cuda_graph and self.device.type == "cuda" and policy is None
-        cache = KVCache(self.config, B, max(lens) + gen.max_new_tokens, self.dtype, self.device)
+        runner = Runner(self.model, B, max(lens) + gen.max_new_tokens, policy, gen.cuda_graph, gen.compile)
         rng = make_generator(gen.sampling, self.device)
 
         start = time.perf_counter()
-        hidden = prefill(self.model, cache, prompts, gen.prefill_chunk, progress)
-        if policy is not None:
-            build_policy(policy, self.model, cache)
+        hidden = runner.prefill(prompts, gen.prefill_chunk, progress)
         tokens = sample(self.model.logits(hidden), gen.sampling, rng)  # [B]
         _sync(self.device)
         ttft = time.perf_counter() - start
@@ -180,8 +178,8 @@ class Engine:
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         steps = 0
-        # graph capture (and compilation) is set-up, timed neither as first token nor as decoding
-        graph = CudaGraphDecodeStep(self.model, cache, gen.compile) if graphed and gen.max_new_tokens > 1 else None
+        if gen.max_new_tokens > 1:
+            runner.capture()  # graph capture (and compilation) is set-up, timed neither as first token nor decoding
         start = time.perf_counter()
         while True:
             for b, t in enumerate(tokens.tolist()):
@@ -190,7 +188,7 @@ class Engine:
                     done[b] = self._stopped(out[b], gen)
             if all(done):
                 break
-            tokens = sample(decode_step(self.model, cache, tokens, graph, policy), gen.sampling, rng)
+            tokens = sample(runner.decode(tokens), gen.sampling, rng)
             steps += 1
         _sync(self.device)
         decode_s = time.perf_counter() - start

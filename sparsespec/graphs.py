@@ -13,16 +13,18 @@ from collections.abc import Sequence
 
 import torch
 
+from .attention.policy import Policy
 from .cache import KVCache
 from .models.transformer import Transformer
 
 
 class CudaGraphStep:
     def __init__(self, model: Transformer, cache: KVCache, width: int = 1, taps: Sequence[int] = (),
-                 compile: bool = False, warmup: int = 3):
+                 compile: bool = False, warmup: int = 3, policy: Policy | None = None):
         """`taps`: also return the outputs of these decoder layers (drafter context features). `compile`: run the
         step through torch.compile first, which fuses the small element-wise kernels (norms, rotary, SwiGLU,
-        residuals) that otherwise dominate a batch-1 step; costs a compilation per shape."""
+        residuals) that otherwise dominate a batch-1 step; costs a compilation per shape. `policy`: the sparse
+        decode attention, in its fixed-width mode (`plan_fixed` done), captured with the step."""
         device = cache.device
         self.taps = tuple(taps)
         # a plain function, not a bound method: a graph object must not sit in a reference cycle, or the cyclic
@@ -34,7 +36,7 @@ class CudaGraphStep:
         self.positions = last.expand(cache.batch, -1).clone()  # [B, W]
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        args = (model, cache, self.tokens, self.positions, self.taps)
+        args = (model, cache, self.tokens, self.positions, self.taps, policy)
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(warmup):
                 self.step(*args)
@@ -57,16 +59,18 @@ class CudaGraphStep:
         return self.logits, self.features
 
 
-def _step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, taps: tuple[int, ...]):
-    hidden, features = model.forward_tapped(tokens, positions, cache, None, taps)
+def _step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, taps: tuple[int, ...],
+          policy: Policy | None):
+    hidden, features = model.forward_tapped(tokens, positions, cache, None, taps, policy)
     return model.logits(hidden), features
 
 
 class CudaGraphDecodeStep(CudaGraphStep):
     """One decode step: tokens, positions [B] -> next-token logits [B, V]."""
 
-    def __init__(self, model: Transformer, cache: KVCache, compile: bool = False, warmup: int = 3):
-        super().__init__(model, cache, 1, (), compile, warmup)
+    def __init__(self, model: Transformer, cache: KVCache, compile: bool = False, warmup: int = 3,
+                 policy: Policy | None = None):
+        super().__init__(model, cache, 1, (), compile, warmup, policy)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return super().__call__(tokens[:, None], positions[:, None])[0][:, -1]

@@ -71,16 +71,23 @@ def test_encoding_matches_residual_definition():
             assert abs(r.norm().item() - err[g, n].item()) < 1e-4
 
 
-def test_safeguard_selects_exactly_the_largest_errors():
+def test_safeguard_selects_exactly_the_largest_errors_encoded_at_build():
     g = torch.Generator().manual_seed(4)
-    error = torch.rand(2, 3, 50, generator=g)
-    excluded = torch.zeros(2, 3, 50, dtype=torch.bool)
-    excluded[:, :, 45:] = True
-    mask = safeguard_mask(error, excluded, [5, 2])
-    for b, n in enumerate([5, 2]):
+    keys = anisotropic_keys(6, 50, 16, seed=4).view(2, 3, 50, 16)
+    cache = cache_with_keys(keys)
+    policy = BinaryPC(BinaryPCOptions(budget=0.5, dense_layers=0, safeguard=0.3, bits=8))
+    policy.build(0, cache, [45, 40])
+    state = cache.policy_state[0]
+    counts = [5, 2]
+    mask = safeguard_mask(state.safe, counts, 50, 50)
+    for b, (n, length) in enumerate(zip(counts, [45, 40])):
         for h in range(3):
-            expected = set(error[b, h, :45].topk(n).indices.tolist())
-            assert set(torch.nonzero(mask[b, h]).flatten().tolist()) == expected
+            error = state.error[b, h, :length]
+            chosen = torch.nonzero(mask[b, h]).flatten()
+            assert len(chosen) == n and bool((chosen < length).all())
+            # the chosen errors are the n largest (whichever way equal errors are ordered)
+            assert torch.equal(error[chosen].sort(descending=True).values, error.topk(n).values)
+    del g
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -178,25 +178,70 @@ def test_kmeans_is_seeded_assigns_every_point_and_never_worsens():
     assert costs[-1] < costs[0]
 
 
+def assert_nearest(got, points, centroids, valid=None, min_clear=0.9):
+    """got [G, N] is a nearest centroid of each point: its float64 squared distance is the minimum up to fp32
+    rounding (which way a near-tie goes depends on the BLAS), and where the nearest is clear it is that one.
+    min_clear: the least share of points whose nearest is clear (so that the index check bites)."""
+    d = torch.cdist(points.double(), centroids.double()).square()  # [G, N, k]
+    if valid is not None:
+        d = d.masked_fill(~valid[:, None], float("inf"))
+    norms = points.double().square().sum(-1).amax(-1) + 2 * centroids.double().square().sum(-1).amax(-1)  # [G]
+    tol = 1e-4 * norms[:, None]  # above any fp32 rounding of the distances (≲ D·eps of the norms), below real gaps
+    two = d.topk(2, -1, largest=False).values
+    chosen = d.gather(-1, got[..., None])[..., 0]
+    assert torch.isfinite(chosen).all()  # never an invalid centroid
+    assert (chosen <= two[..., 0] + tol).all(), (chosen - two[..., 0]).max()
+    clear = two[..., 1] - two[..., 0] > 2 * tol
+    assert clear.float().mean() >= min_clear
+    assert torch.equal(got[clear], d.argmin(-1)[clear])
+
+
 def test_kmeans_empty_clusters_and_nearest_matches_cdist():
     g = torch.Generator().manual_seed(1)
-    # two distinct points repeated: k = 4 distinct initial points are impossible to keep apart, clusters empty out
+    # two distinct points repeated: k = 4 distinct initial slots hold duplicate keys, so some initial centroids
+    # coincide (exact ties, broken to the lowest index whatever the BLAS) and clusters empty out
     x = torch.randn(2, 2, 7, generator=g).repeat_interleave(15, dim=1)  # [2, 30, 7]
     centroids, assign = kmeans(x, 4, 5, torch.Generator().manual_seed(0))
     assert torch.isfinite(centroids).all() and ((assign >= 0) & (assign < 4)).all()
     assert objective(x, centroids, assign) < 1e-8
     _, sizes = cluster_sums(x, assign, 4)
-    assert ((sizes > 0).sum(-1) == 2).all()
+    assert ((sizes > 0).sum(-1) == 2).all()  # each point's 15 copies in one cluster
     # k = N: every point is its own cluster
     y = torch.randn(2, 9, 7, generator=g)
     centroids, assign = kmeans(y, 9, 3, torch.Generator().manual_seed(0))
     assert objective(y, centroids, assign) < 1e-8 and all(len(set(a.tolist())) == 9 for a in assign)
     x = torch.randn(2, 90, 7, generator=g) * 3
     cents = torch.randn(2, 6, 7, generator=g)
-    assert torch.equal(nearest(x, cents), torch.cdist(x, cents).argmin(-1))
+    assert_nearest(nearest(x, cents), x, cents)
     valid = torch.tensor([[True, False, True, False, True, True]] * 2)
-    masked = torch.cdist(x, cents).masked_fill(~valid[:, None], float("inf")).argmin(-1)
-    assert torch.equal(nearest(x, cents, valid), masked)
+    assert_nearest(nearest(x, cents, valid), x, cents, valid)
+    # a wrong choice is caught: the farthest valid centroid
+    far = torch.cdist(x, cents).masked_fill(~valid[:, None], -1.0).argmax(-1)
+    with pytest.raises(AssertionError):
+        assert_nearest(far, x, cents, valid)
+    with pytest.raises(AssertionError):  # and an invalid one, however near
+        assert_nearest(nearest(x, cents), x, cents, valid)
+
+
+def test_nearest_breaks_ties_to_the_lowest_index():
+    """Duplicate centroids and centroids one ulp apart are ties: the lowest index wins, for every point (rows of
+    the matmul round differently per BLAS and per position, so a plain argmax splits identical points)."""
+    g = torch.Generator().manual_seed(3)
+    G, k, D, n = 2, 12, 24, 20
+    cents = torch.randn(G, k, D, generator=g) * 2 + 5
+    groups = [[1, 6, 10], [3, 4], [0, 11]]
+    for grp in groups:
+        cents[:, grp[1:]] = cents[:, grp[:1]]
+    cents[:, 7] = torch.nextafter(cents[:, 8], torch.full_like(cents[:, 8], float("inf")))  # 8 is the point itself
+    groups.append([7, 8])
+    points = torch.cat([cents[:, grp[-1:]].expand(-1, n, -1) for grp in groups], 1)  # each = the last of its group
+    got = nearest(points, cents)
+    assert torch.equal(got, torch.tensor([min(grp) for grp in groups]).repeat_interleave(n).expand(G, -1))
+    # masked: the lowest valid index of the group
+    valid = torch.ones(G, k, dtype=torch.bool)
+    valid[:, [1, 3, 7]] = False
+    got = nearest(points, cents, valid)
+    assert torch.equal(got, torch.tensor([6, 4, 0, 8]).repeat_interleave(n).expand(G, -1))
 
 
 def test_cluster_layout_groups_each_clusters_members():
@@ -389,12 +434,12 @@ def test_decoded_tokens_join_the_nearest_cluster_and_rollback_restores_the_state
     before = st.centroids.clone()
     valid = st.size > 0
     lengths = grow(policy, cache, lengths, 1)  # one token per row leaves the window
-    for b, n in enumerate(lengths):
-        slot = n - window - 1
-        assert st.clustered_end[b] == n - window
-        for h in range(2):
-            dist = (before[b, h] - cache.k[0][b, h, slot]).norm(dim=-1).masked_fill(~valid[b, h], float("inf"))
-            assert st.assign[b, h, slot] == dist.argmin()
+    slots = [n - window - 1 for n in lengths]
+    assert st.clustered_end == [n - window for n in lengths]
+    keys = torch.stack([cache.k[0][b, :, s] for b, s in enumerate(slots)])  # [B, Hkv, D]
+    got = torch.stack([st.assign[b, :, s] for b, s in enumerate(slots)])  # [B, Hkv]
+    assert_nearest(got.view(-1, 1), keys.flatten(0, 1)[:, None], before.flatten(0, 1), valid.flatten(0, 1),
+                   min_clear=0)
     assert_matches_recomputation(st, cache, sinks)
     lengths = grow(policy, cache, lengths, 7)
     assert_matches_recomputation(st, cache, sinks)

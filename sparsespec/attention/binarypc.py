@@ -33,6 +33,7 @@ class BinaryPCOptions(PolicyOptions):
     probe_bits: int = 7  # magnitude bits of the quantised probe
     encode_decoded: bool = False  # hash decoded tokens once they leave the recent window (bounded budget)
     basis: str = ""  # a calibrated basis file (`sparsespec calibrate binarypc`); empty: fit on each prompt
+    fit_tokens: int = 8192  # fit the basis on at most this many keys per head, evenly spaced (0: every key)
 
     def __post_init__(self):
         super().__post_init__()
@@ -44,6 +45,8 @@ class BinaryPCOptions(PolicyOptions):
             raise SparseSpecError(f"safeguard must be in [0, 1), got {self.safeguard}")
         if not 1 <= self.probe_bits <= 30:
             raise SparseSpecError(f"probe_bits must be in [1, 30], got {self.probe_bits}")
+        if self.fit_tokens < 0:
+            raise SparseSpecError(f"fit_tokens must be >= 0, got {self.fit_tokens}")
         if self.basis and not Path(self.basis).is_file():
             raise SparseSpecError(f"basis file {self.basis} not found")
 
@@ -150,12 +153,17 @@ def packed_scores(codes: torch.Tensor, probe: torch.Tensor, magnitude_bits: int)
 
 # ---------------------------------------------------------------------------------------------- the policy
 
+PENDING = 16  # slots a fixed-width step encodes at most (one a plain decode step; a speculative commit more)
+
+
 @dataclass
 class BinaryPCState:
     basis: torch.Tensor  # [B, Hkv, b, D] fp32
     codes: torch.Tensor  # [B, Hkv, capacity, W] int64
     error: torch.Tensor  # [B, Hkv, capacity] fp32
-    encoded: list[int]  # slots [0, encoded[b]) of row b hold valid codes
+    encoded: list[int]  # slots [0, encoded[b]) of row b hold valid codes (eager steps)
+    encoded_dev: torch.Tensor  # [B] int32: the same on the device (fixed-width steps keep it there)
+    safe: torch.Tensor  # [B, Hkv, n] int32: the slots encoded at build by decreasing reconstruction error
 
 
 class BinaryPC(SelectionPolicy):
@@ -176,19 +184,24 @@ class BinaryPC(SelectionPolicy):
             basis=torch.empty(B, Hkv, opts.bits, D, device=k.device),
             codes=torch.zeros(B, Hkv, S, -(-opts.bits // WORD), dtype=torch.int64, device=k.device),
             error=torch.zeros(B, Hkv, S, device=k.device),
-            encoded=[0] * B,
+            encoded=list(lengths),
+            encoded_dev=torch.tensor(lengths, dtype=torch.int32, device=k.device),
+            safe=torch.zeros(B, Hkv, 0, dtype=torch.int32, device=k.device),
         )
         n = max(lengths)
         if self.calibrated is not None:
             state.basis[:] = self._calibrated_basis(layer, Hkv, D).to(k.device)
         elif n > 0:  # every row at once, each from the same random starts (as alone), shorter rows padded
             gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)
-            state.basis[:] = fit_basis(k[:, :, :n], opts.bits, opts.iters, gen, list(lengths))
+            sample, counts = fit_sample(k, lengths, opts.fit_tokens)
+            state.basis[:] = fit_basis(sample, opts.bits, opts.iters, gen, counts)
         if n > 0:
-            signs, err = encode(k[:, :, :n], state.basis)  # [B, Hkv, n, b]: codes past a row's length are unused
-            state.codes[:, :, :n] = pack_bits(signs)
-            state.error[:, :, :n] = err
-        state.encoded = list(lengths)
+            encode_range(k, state, torch.zeros_like(state.encoded_dev), state.encoded_dev, n)
+            # the safeguard's candidates: the keys encoded now, worst described first (ties: lower slot)
+            slots = torch.arange(S, device=k.device)
+            error = state.error.masked_fill(slots >= state.encoded_dev.view(B, 1, 1), float("-inf"))
+            order = torch.sort(error, dim=-1, descending=True, stable=True).indices
+            state.safe = order[..., :min(S, self._safeguarded([S - 1])[0])].int()
         cache.policy_state[layer] = state
 
     def _calibrated_basis(self, layer: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -198,28 +211,29 @@ class BinaryPC(SelectionPolicy):
                                   f"(want [{num_kv_heads}, {self.options.bits}, {head_dim}])")
         return basis
 
-    @staticmethod
-    def _encode(state: BinaryPCState, k: torch.Tensor, row: int, start: int, end: int) -> None:
-        if end <= start:
-            return
-        signs, err = encode(k[row, :, start:end], state.basis[row])
-        state.codes[row, :, start:end] = pack_bits(signs)
-        state.error[row, :, start:end] = err
-        state.encoded[row] = end
-
     def append(self, layer, cache, lengths):
         state: BinaryPCState | None = cache.policy_state[layer]
         if state is None:
             return
-        for b, n in enumerate(lengths):
-            state.encoded[b] = min(state.encoded[b], n)  # a rollback forgets codes past the committed length
-            if self.options.encode_decoded:
-                # the next query sits at position n and forces the window (n - w, n]: hash everything before it
-                self._encode(state, cache.k[layer], b, state.encoded[b], n - max(self.options.window, 1) + 1)
+        n = torch.tensor(lengths, dtype=torch.int32, device=state.encoded_dev.device)
+        torch.minimum(state.encoded_dev, n, out=state.encoded_dev)  # a rollback forgets codes past the length
+        state.encoded = [min(e, m) for e, m in zip(state.encoded, lengths)]
+        if self.options.encode_decoded and self.fixed is None:
+            # the next query sits at position n and forces the window (n - w, n]: hash everything before it
+            end = [max(e, m - max(self.options.window, 1) + 1) for e, m in zip(state.encoded, lengths)]
+            most = max(e - s for s, e in zip(state.encoded, end))
+            if most > 0:
+                end_dev = torch.tensor(end, dtype=torch.int32, device=n.device)
+                encode_range(cache.k[layer], state, state.encoded_dev, end_dev, most)
+                state.encoded = end
+                state.encoded_dev.copy_(end_dev)
 
     def _safeguarded(self, positions: list[int]) -> list[int]:
         """Per row, how many of the budget go to the worst-described keys."""
         return [int(self.options.safeguard * self.options.tokens(p + 1)) for p in positions]
+
+    def extra_forced(self, capacity, lengths):
+        return self._safeguarded([capacity - 1])[0] + capacity - min(lengths)  # the safeguard, the unhashed tail
 
     def scored_in(self, layer, cache, positions):
         # decoded tokens not hashed yet, and the safeguarded keys
@@ -241,25 +255,61 @@ class BinaryPC(SelectionPolicy):
         unencoded = slots >= encoded  # decoded tokens not hashed (yet): always attended
         if opts.safeguard > 0:
             n_safe = self._safeguarded(self.host_positions(positions))
-            scores = scores.masked_fill(safeguard_mask(state.error[:, :, :kv_len], unencoded, n_safe), float("inf"))
+            scores = scores.masked_fill(safeguard_mask(state.safe, n_safe, kv_len, cache.capacity), float("inf"))
         return scores.masked_fill(unencoded, float("inf"))
 
+    def fixed_keys(self, layer, q, cache):
+        from ..kernels import triton_ready
+        from ..kernels import binarypc as kernels
 
-def safeguard_mask(error: torch.Tensor, excluded: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """error [B, Hkv, S] -> bool [B, Hkv, S]: per (row, KV head), the counts[b] encoded slots with the largest
-    reconstruction error (slots in `excluded` are not candidates)."""
-    B, _, S = error.shape
-    mask = torch.zeros(error.shape, dtype=torch.bool, device=error.device)
-    n = min(max(counts), S)
-    if n == 0:
-        return mask
-    top = error.masked_fill(excluded, float("-inf")).topk(n, dim=-1)
-    in_count = torch.arange(n, device=error.device) < device_ints(counts, error.device).view(B, 1, 1)
-    keep = in_count & (top.values > float("-inf"))
-    return mask.scatter(-1, top.indices, keep)
+        state: BinaryPCState = cache.policy_state[layer]
+        opts, plan = self.options, self.fixed
+        fast = triton_ready(q.device)
+        if opts.encode_decoded:  # hash what left the window since the last step (at most PENDING slots)
+            end = torch.maximum(state.encoded_dev, plan.positions - max(opts.window, 1) + 1)
+            encode_range(cache.k[layer], state, state.encoded_dev, end, PENDING)
+            state.encoded_dev.copy_(torch.minimum(end, state.encoded_dev + PENDING))
+        B, Hq, _, D = q.shape
+        probe, score = ((kernels.probe_planes, kernels.score_keys) if fast else
+                        (kernels.probe_planes_ref, kernels.score_keys_ref))
+        planes, l1 = probe(q.view(B, Hq, D), state.basis, opts.probe_bits)
+        keys = score(state.codes, planes, l1, plan.positions, opts.probe_bits, opts.bits)
+        n_safe = (opts.safeguard * plan.tokens.double()).floor().int() if opts.safeguard > 0 else None
+        return (keys, kernels.key_range(opts.bits, opts.probe_bits)[1], state.encoded_dev,
+                state.safe.flatten(0, 1) if n_safe is not None else None, n_safe)
 
 
-# ---------------------------------------------------------------------------------------------- calibration
+def fit_sample(k: torch.Tensor, lengths: list[int], most: int) -> tuple[torch.Tensor, list[int]]:
+    """k [B, Hkv, S, D] -> (at most `most` keys per row, evenly spaced over its first lengths[b] slots
+    [B, Hkv, T, D], the count per row). most = 0: every key."""
+    n = max(lengths)
+    if most == 0 or n <= most:
+        return k[:, :, :n], list(lengths)
+    i = torch.arange(most, device=k.device)
+    lens = torch.tensor(lengths, device=k.device)[:, None]  # [B, 1]
+    slots = torch.where(lens > most, i * lens // most, i).clamp_max(k.shape[2] - 1)  # [B, T]
+    sample = k.gather(2, slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3]))
+    return sample, [min(m, most) for m in lengths]
+
+
+def encode_range(k: torch.Tensor, state: BinaryPCState, start: torch.Tensor, end: torch.Tensor, most: int) -> None:
+    """Encode the slots [start[b], end[b]) (at most `most` per row) into the state's codes and errors: the
+    Triton kernel on CUDA, the reference on CPU."""
+    from ..kernels import triton_ready
+    from ..kernels.binarypc import encode_slots, encode_slots_ref
+
+    (encode_slots if triton_ready(k.device) else encode_slots_ref)(k, state.basis, state.codes, state.error,
+                                                                     start, end, most)
+
+
+def safeguard_mask(safe: torch.Tensor, counts: list[int], kv_len: int, capacity: int) -> torch.Tensor:
+    """safe [B, Hkv, n] (slots < capacity by decreasing error) -> bool [B, Hkv, kv_len]: the first counts[b]
+    slots of row b's list."""
+    B, Hkv, n = safe.shape
+    listed = torch.arange(n, device=safe.device) < device_ints(counts, safe.device).view(B, 1, 1)
+    spill = torch.zeros(B, Hkv, capacity + 1, dtype=torch.bool, device=safe.device)  # column S: the unlisted
+    return spill.scatter(-1, torch.where(listed, safe.long(), capacity), True)[..., :kv_len]
+
 
 def fit_calibrated_basis(keys_per_layer: dict[int, torch.Tensor], bits: int, iters: int = 8,
                          seed: int = 0) -> dict[str, torch.Tensor]:

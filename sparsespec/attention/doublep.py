@@ -29,7 +29,8 @@ heads / G); each KV head selects one cluster set, shared by its query heads. p =
 the rounding of the prefix sums, so p1 = p2 = 1 is dense attention.
 
 Decoded tokens (decoded="assign"): a token leaving the recent window joins the nearest non-empty centroid of its
-KV head (the centroids as they were before that append); the cluster's key sum, size and value sum grow and its
+KV head (the centroids as they were before that append; centroids equidistant up to rounding, duplicates included,
+tie to the lowest index whatever the BLAS); the cluster's key sum, size and value sum grow and its
 centroid becomes the new mean. Every clustered slot remembers its cluster, so a rollback subtracts the tokens past
 the new boundary again (their keys are read back from the cache: call append on a rollback before the rolled-back
 slots are overwritten, or roll back at most `window` tokens). A row whose prefill left no candidates keeps its
@@ -95,18 +96,38 @@ class DoublePOptions(PolicyOptions):
 
 def nearest(points: torch.Tensor, centroids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """points [G, N, D], centroids [G, k, D] (fp32) -> index of the nearest centroid [G, N] int64 (squared
-    Euclidean distance; a centroid with valid [G, k] False is never chosen unless none is valid)."""
-    G, N, _ = points.shape
+    Euclidean distance; a centroid with valid [G, k] False is never chosen unless none is valid).
+
+    Ties go to the lowest index: centroids whose distance differs from the nearest one's by less than a bound on
+    the rounding error of the distance computation (a matmul expansion, whose rounding depends on the BLAS and on
+    where a point and a centroid sit in the matrices) count as tied. So duplicate centroids (k-means starts from k
+    distinct slots, not k distinct keys) and centroids a few ulps apart get the same index on every machine; only a
+    pair whose true gap lies within rounding of that bound (about 4 (D + 1) u of the squared norms) can still go
+    either way."""
+    G, N, D = points.shape
     k = centroids.shape[1]
-    bias = -centroids.pow(2).sum(-1)  # [G, k]
+    # distances are shift-invariant: centring on the points' mean keeps the expansion (and its error bound) small
+    offset = points.mean(1, keepdim=True)
+    points, centroids = points - offset, centroids - offset
+    c2 = centroids.pow(2).sum(-1)  # [G, k]
+    bias = -c2
     if valid is not None:
         bias = bias.masked_fill(~valid, float("-inf"))
+        c2 = c2.masked_fill(~valid, 0.0)
+    # |rounding error| of one score 2 p·c − ‖c‖² in fp32, in any summation order, with or without FMA:
+    # ≲ (D + 1) u (‖p‖² + 2‖c‖²), u = eps / 2. Two tied scores come out at most twice that apart; the tolerance is
+    # twice that again (the norms it is computed from are rounded too).
+    rel = 2 * (D + 1) * torch.finfo(torch.float32).eps
+    reach = 2 * c2.amax(-1, keepdim=True)  # [G, 1]
     step = max(1, _CHUNK // max(1, G * k))
     out = torch.empty(G, N, dtype=torch.long, device=points.device)
     for s in range(0, N, step):
+        p = points[:, s:s + step]
         # [G, n, k]: ‖p‖² − ‖p − c‖², larger = nearer
-        score = 2 * points[:, s:s + step] @ centroids.transpose(1, 2) + bias[:, None]
-        out[:, s:s + step] = score.argmax(-1)
+        score = 2 * p @ centroids.transpose(1, 2) + bias[:, None]
+        tol = rel * (p.pow(2).sum(-1) + reach)  # [G, n]
+        tied = score >= score.amax(-1, keepdim=True) - tol[..., None]
+        out[:, s:s + step] = tied.to(torch.uint8).argmax(-1)  # the first of the tied centroids
     return out
 
 
@@ -156,11 +177,12 @@ def top_p_prefix(mass: torch.Tensor, valid: torch.Tensor, base: torch.Tensor, p:
                  total: torch.Tensor | None = None) -> torch.Tensor:
     """The smallest set of valid clusters, taken in decreasing mass, with base + Σ mass ≥ p · total.
     mass [..., C], valid [..., C] bool, base [...] (mass already counted), total [...] (1 if None)
-    -> bool [..., C]. p ≥ 1 takes every valid cluster; a base already reaching the target takes none."""
+    -> bool [..., C]. p ≥ 1 takes every valid cluster; a base already reaching the target takes none. Equal
+    masses rank the lower index first."""
     if p >= 1:
         return valid.clone()
     target = p if total is None else p * total.unsqueeze(-1)
-    order = mass.masked_fill(~valid, -1.0).argsort(-1, descending=True)
+    order = mass.masked_fill(~valid, -1.0).argsort(dim=-1, descending=True, stable=True)
     ok = valid.gather(-1, order)
     ranked = mass.gather(-1, order).masked_fill(~ok, 0.0)
     before = ranked.cumsum(-1) - ranked  # mass of the higher-ranked clusters

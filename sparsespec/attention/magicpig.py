@@ -75,6 +75,7 @@ class MagicPIGState:
 
 class MagicPIG(SelectionPolicy):
     name = "magicpig"
+    graphable = False  # its index keeps per-row Python counters (eager steps only)
     Options = MagicPIGOptions
 
     def build(self, layer, cache, lengths):

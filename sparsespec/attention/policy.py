@@ -96,15 +96,30 @@ def _split_pair(pair: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+@dataclass
+class FixedPlan:
+    """Per-step metadata of fixed-width sparse steps, built once per step (inside a captured graph) and read by
+    every sparse layer: the selection width is static, everything that changes lives on the device."""
+
+    width: int  # K: selected slots per (row, KV head), the most any step up to the cache's capacity needs
+    positions: torch.Tensor  # [B] int32: each row's query position
+    tokens: torch.Tensor  # [B] int32: each row's budget (forced slots may take more, up to `width`)
+    attended: torch.Tensor  # [B] fp32: keys attended per KV head, summed over the sparse layers of every step
+    idx: torch.Tensor  # [B * Hkv, width] int32: the selection of the layer being run (reused by every layer)
+    count: torch.Tensor  # [B * Hkv] int32
+
+
 class Policy(ABC):
     """A decode-attention method. Layers below `dense_layers` (and every prefill) stay dense."""
 
     name: ClassVar[str]
     Options: ClassVar[type[PolicyOptions]] = PolicyOptions
+    graphable: ClassVar[bool] = False  # fixed-width steps without host synchronisation (a CUDA graph can hold them)
 
     def __init__(self, options: PolicyOptions | None = None):
         self.options = options if options is not None else self.Options()
         self.step_positions: list[int] | None = None
+        self.fixed: FixedPlan | None = None
         self.reset_attended()
 
     @contextmanager
@@ -124,6 +139,12 @@ class Policy(ABC):
     def reset_attended(self) -> None:
         self._attended_sum: torch.Tensor | float = 0.0  # [B] once a sparse step ran
         self._attended_steps = 0
+        if self.fixed is not None:
+            self.fixed.attended.zero_()
+
+    def stepped(self, layers: int) -> None:
+        """A fixed-width step ran `layers` sparse layers (a graph replay runs no Python to count them)."""
+        self._attended_steps += layers
 
     def count_attended(self, keys: torch.Tensor) -> None:
         """Record keys attended [B, Hkv] by one sparse decode step (summed per row on device: no synchronisation)."""
@@ -134,6 +155,8 @@ class Policy(ABC):
     def attended(self) -> tuple[torch.Tensor | float, int]:
         """(keys attended per KV head summed over the sparse steps since the last reset, per row [B]; those
         steps). Every step makes a new sum tensor, so a kept pair is a snapshot (no synchronisation)."""
+        if self.fixed is not None:
+            return self.fixed.attended.clone(), self._attended_steps
         return self._attended_sum, self._attended_steps
 
     @property
@@ -178,9 +201,78 @@ class SelectionPolicy(Policy):
         return select_top(scores, positions, self.options, host, forced)
 
     def decode(self, layer, q, cache, positions):
+        if self.fixed is not None:
+            return self.decode_fixed(layer, q, cache)
         idx, valid = self.select(layer, q, cache, positions)
         self.count_attended(valid.sum(-1))
         return attend_selected(q, cache.k[layer], cache.v[layer], idx, valid)
+
+    # ------------------------------------------------------------------------------------ fixed-width steps
+    graphable = True
+
+    def plan_fixed(self, cache: KVCache, lengths: list[int]) -> None:
+        """After `build`: allocate the static buffers of fixed-width steps for this cache (their width covers every
+        step up to the capacity); `decode` then takes the fixed-width path until `end_fixed`."""
+        B, Hkv, S = cache.batch, cache.k[0].shape[1], cache.capacity
+        width = min(S, max(self.options.tokens(S), self.options.forced(S - 1) + self.extra_forced(S, lengths)))
+        zeros = lambda *shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=cache.device)  # noqa: E731
+        self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
+                               zeros(B * Hkv))
+
+    def end_fixed(self) -> None:
+        self.fixed = None
+
+    def extra_forced(self, capacity: int, lengths: list[int]) -> int:
+        """At most how many slots besides sinks and window the policy forces in at one step (bounds the width)."""
+        return 0
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """positions [B] of this step's queries -> the plan's device metadata (graph-capturable)."""
+        plan = self.fixed
+        plan.positions.copy_(positions)
+        plan.tokens.copy_(self.options.tokens_on_device(positions.long() + 1))
+
+    def fixed_keys(self, layer: int, q: torch.Tensor, cache: KVCache):
+        """q [B, Hq, 1, D] -> (keys [B * Hkv, S] int16/int32 for `select_topk`, key bits, forced_from [B] or None,
+        extra forced slots [B * Hkv, E] or None, how many of them count [B] or None). Default: the policy's
+        scores over the whole capacity, in IEEE order."""
+        from ..kernels.select import ordered_keys
+
+        S = cache.capacity
+        with self.stepping([S - 1] * cache.batch):
+            scores = self.scores(layer, q, cache, self.fixed.positions.long())  # [B, Hkv, S]
+        return ordered_keys(scores).flatten(0, 1), 32, None, None, None
+
+    def decode_fixed(self, layer: int, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One sparse layer of a fixed-width step: keys -> radix top-k -> split-K attention over the selection.
+        Triton kernels on CUDA (or under TRITON_INTERPRET=1), their torch references otherwise."""
+        from ..kernels import triton_ready
+
+        plan = self.fixed
+        B, Hq, _, D = q.shape
+        Hkv = cache.k[layer].shape[1]
+        keys, key_bits, forced_from, extra, extra_n = self.fixed_keys(layer, q, cache)
+        forced_from = plan.positions + 1 if forced_from is None else forced_from
+        args = (keys, plan.positions, plan.tokens, forced_from, plan.width, key_bits)
+        opts = dict(sinks=self.options.sinks, window=self.options.window, extra=extra, extra_n=extra_n)
+        if triton_ready(q.device):
+            from ..kernels.attend import sparse_decode_attention
+            from ..kernels.select import select_topk
+
+            idx, count = select_topk(*args, out=(plan.idx, plan.count), **opts)
+            attend = sparse_decode_attention
+        else:
+            from ..kernels.attend import sparse_decode_attention_ref
+            from ..kernels.select import select_topk_ref
+
+            idx, count = select_topk_ref(*args, **opts)
+            plan.idx.copy_(idx)
+            plan.count.copy_(count)
+            attend = sparse_decode_attention_ref
+        plan.attended.add_(count.view(B, Hkv).float().mean(-1))
+        out = attend(q.view(B, Hq, D).contiguous(), cache.k[layer], cache.v[layer], idx.view(B, Hkv, -1),
+                     count.view(B, Hkv))
+        return out.view(B, Hq, 1, D)
 
 
 def forced_slots(opts: PolicyOptions, positions: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -63,6 +63,7 @@ class QuestState:
 
 class Quest(SelectionPolicy):
     name = "quest"
+    graphable = False  # its index keeps per-row Python counters (eager steps only)
     Options = QuestOptions
 
     def build(self, layer, cache, lengths):

@@ -201,11 +201,12 @@ def encode_slots(k: torch.Tensor, basis: torch.Tensor, codes: torch.Tensor, erro
 
 def encode_slots_ref(k: torch.Tensor, basis: torch.Tensor, codes: torch.Tensor, error: torch.Tensor,
                      start: torch.Tensor, end: torch.Tensor, max_slots: int) -> None:
-    """The torch reference of `encode_slots`: the policy's residual `encode` of every slot, kept where in range."""
-    S = k.shape[2]
-    slots = torch.arange(S, device=k.device)
-    live = (slots >= start.long()[:, None]) & (slots < end.long()[:, None]) & (slots < start.long()[:, None]
-                                                                                 + max_slots)  # [B, S]
-    signs, err = encode(k, basis)
-    codes.copy_(torch.where(live[:, None, :, None], pack_bits(signs), codes))
-    error.copy_(torch.where(live[:, None], err, error))
+    """The torch reference of `encode_slots`: the policy's residual `encode` of the slots in range, in place."""
+    B, Hkv, S, D = k.shape
+    slots = start.long()[:, None] + torch.arange(max(max_slots, 0), device=k.device)  # [B, n]
+    live = (slots < end.long()[:, None]) & (slots < S)
+    slots = torch.where(live, slots, 0)
+    signs, err = encode(k.gather(2, slots[:, None, :, None].expand(-1, Hkv, -1, D)), basis)  # [B, Hkv, n, b]
+    rows, cols = live.nonzero(as_tuple=True)  # the reference may wait for the device
+    codes[rows, :, slots[rows, cols]] = pack_bits(signs)[rows, :, cols]
+    error[rows, :, slots[rows, cols]] = err[rows, :, cols]

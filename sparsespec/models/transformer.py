@@ -125,6 +125,8 @@ class Transformer(nn.Module):
     def plan(self, positions: torch.Tensor, kv_len: int, policy: Policy | None = None,
              observer: Callable | None = None) -> StepPlan:
         dtype = self.embed_tokens.weight.dtype
+        if policy is not None and policy.fixed is not None and positions.shape[1] == 1:
+            policy.begin_step(positions[:, 0])  # the sparse layers' per-step metadata, built once on the device
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
         mask = causal_mask(positions, kv_len, self.cfg.sliding_window)
         return StepPlan(positions, kv_len, cos, sin, mask, policy, observer)

@@ -1,0 +1,175 @@
+"""Sparse flash-decoding: one decode query per row attends to selected KV-cache slots (GQA, split-K).
+
+    _partial_kernel   grid (B * Hkv, splits): one KV head's query group over a chunk of its selected slots
+                      -> per-split running max m, sum l and unnormalised output acc (fp32, log2 domain)
+    _merge_kernel     grid (B * Hq,): log-sum-exp merge of the splits -> out
+
+Every launch parameter is a function of shapes alone (no read-back), so a caller can capture it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_BLOCKS_PER_SPLIT = 2  # a split streams at least this many BLOCK_N index blocks
+PROGRAMS_PER_SM = 3  # aim for 2-4 partial programs per multiprocessor
+MERGE_BLOCK_S = 64  # splits merged per step
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chunk,
+                    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                    stride_ib, stride_ih, stride_cb, stride_ch,
+                    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // HKV).to(tl.int64)
+    h = pid % HKV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    in_group = offs_g < G
+    heads = h * G + offs_g  # query heads of KV head h (rows >= G are padding)
+
+    q_ptrs = q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=in_group[:, None], other=0.0).to(DOT)  # [BLOCK_G, D]
+    k_base = k + b * stride_kb + h * stride_kh
+    v_base = v + b * stride_vb + h * stride_vh
+    idx_base = idx + b * stride_ib + h * stride_ih
+    n = tl.load(count + b * stride_cb + h * stride_ch)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n)  # columns [lo, hi) are this program's valid selection
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        valid = cols < hi
+        slots = tl.load(idx_base + cols, mask=valid, other=0)  # [BLOCK_N]
+        k_ptrs = k_base + slots[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = v_base + slots[:, None] * stride_vs + offs_d[None, :]
+        k_tile = tl.load(k_ptrs, mask=valid[:, None], other=0.0).to(DOT)  # [BLOCK_N, D]
+        v_tile = tl.load(v_ptrs, mask=valid[:, None], other=0.0).to(DOT)  # [BLOCK_N, D]
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block holds a valid column
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype.element_ty).to(DOT)  # rounded to v's dtype (the interpreter then widens it again)
+        acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")  # [BLOCK_G, D]
+        m_i = m_new
+
+    part = (b * (HKV * G) + heads) * tl.num_programs(1) + split  # [BLOCK_G] rows of m_part / l_part
+    tl.store(m_part + part, m_i, mask=in_group)
+    tl.store(l_part + part, l_i, mask=in_group)
+    tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=in_group[:, None])
+
+
+@triton.jit
+def _merge_kernel(m_part, l_part, acc_part, out, splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * Hq + query head
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    base = row * splits
+
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        cur = base + s0 + offs_s
+        live = s0 + offs_s < splits
+        m = tl.load(m_part + cur, mask=live, other=float("-inf"))  # [BLOCK_S]
+        l = tl.load(l_part + cur, mask=live, other=0.0)
+        acc_tile = tl.load(acc_part + cur[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: every weight is 0, not NaN
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m - m_ref)  # [BLOCK_S]
+        l_run = l_run * alpha + tl.sum(w * l, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * acc_tile, 0)  # [D]
+        m_run = m_new
+    o = acc / tl.where(l_run > 0, l_run, 1.0)  # count 0 everywhere -> zeros
+    tl.store(out + row * D + offs_d, o.to(out.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _block_n(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def num_splits(k_cols: int, groups: int, head_dim: int, device: torch.device) -> int:
+    """Splits of the K selection columns for `groups` = B * Hkv partial programs: about PROGRAMS_PER_SM programs
+    per multiprocessor, each streaming at least MIN_BLOCKS_PER_SPLIT index blocks. Shapes only (graph-safe)."""
+    blocks = triton.cdiv(max(k_cols, 1), _block_n(head_dim))
+    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(torch.device(device)), groups)
+    splits = max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT))
+    return triton.cdiv(blocks, triton.cdiv(blocks, splits))  # no trailing split left without columns
+
+
+def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                            count: torch.Tensor, scale: float | None = None, splits: int | None = None
+                            ) -> torch.Tensor:
+    """Attention of one decode query per row over selected KV slots (GQA), split-K flash-decoding in Triton.
+
+    q      [B, Hq, D]       bf16/fp16/fp32, contiguous; query head h uses KV head h // (Hq // Hkv)
+    k, v   [B, Hkv, S, D]   q's dtype; read only at the selected slots
+    idx    [B, Hkv, K]      int32 slots; only the first count[b, h] columns are read (the rest may be garbage)
+    count  [B, Hkv]         int32 in [0, K]; 0 gives a zero output for the head group
+    scale  softmax scale (default D ** -0.5); splits: split-K factor (default `num_splits`, from shapes only)
+    -> out [B, Hq, D]       q's dtype; softmax(q k_j * scale) v_j over the valid slots j, fp32 accumulation
+    """
+    B, Hq, D = q.shape
+    Hkv, K = idx.shape[1], idx.shape[2]
+    G = Hq // Hkv
+    assert Hq == G * Hkv and k.shape[:2] == v.shape[:2] == (B, Hkv) and k.shape[-1] == v.shape[-1] == D
+    assert q.is_contiguous() and k.stride(-1) == v.stride(-1) == idx.stride(-1) == 1
+    assert idx.dtype == count.dtype == torch.int32 and k.dtype == v.dtype == q.dtype
+    scale = D**-0.5 if scale is None else scale
+    block_n = _block_n(D)
+    splits = num_splits(K, B * Hkv, D, q.device) if splits is None else splits
+    chunk = triton.cdiv(triton.cdiv(max(K, 1), block_n), splits) * block_n  # columns per split
+
+    m_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+    acc_part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
+    _partial_kernel[(B * Hkv, splits)](
+        q, k, v, idx, count, m_part, l_part, acc_part, scale * LOG2E, chunk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        idx.stride(0), idx.stride(1), count.stride(0), count.stride(1),
+        HKV=Hkv, G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
+        # the interpreter (CPU tensors) multiplies bf16 as raw integers in tl.dot: do its dots in fp32
+        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=3)
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, splits, D=D,
+                             BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(splits)), num_warps=4)
+    return out
+
+
+def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                                count: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Torch reference of `sparse_decode_attention` (gather, fp32 math, masked softmax).
+
+    q [B, Hq, D], k/v [B, Hkv, S, D], idx [B, Hkv, K] (valid below count), count [B, Hkv] -> [B, Hq, D] q's dtype
+    """
+    B, Hq, D = q.shape
+    Hkv, K = idx.shape[1], idx.shape[2]
+    valid = torch.arange(K, device=idx.device) < count[..., None]  # [B, Hkv, K]
+    gather = torch.where(valid, idx, 0).long()[..., None].expand(-1, -1, -1, D)
+    ks, vs = k.gather(2, gather).float(), v.gather(2, gather).float()  # [B, Hkv, K, D]
+    qg = q.view(B, Hkv, Hq // Hkv, D).float()  # [B, Hkv, G, D]
+    logits = qg @ ks.transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G, K]
+    probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1).nan_to_num(0.0)  # count 0 -> 0
+    return (probs @ vs).view(B, Hq, D).to(q.dtype)

@@ -1,0 +1,108 @@
+"""The decode runner: the static KV cache, the captured decode graph and the sparse policy's lifecycle in one place.
+
+    runner = Runner(model, batch, capacity, policy)
+    hidden = runner.prefill(prompts)          # dense chunked prefill -> policy.build for every layer
+    logits = runner.decode(tokens)            # one token per row at its length; graph replay on CUDA
+    runner.truncate(lengths)                  # rollback: the cache and the policy's index both follow
+
+On CUDA a graphable policy runs fixed-width sparse steps (`Policy.plan_fixed`): the whole step, every sparse layer's
+scoring, selection and attention included, is one CUDA graph replay with no host synchronisation. Other policies
+step eagerly. Dense decoding replays the dense graph as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention.policy import Policy
+from .cache import KVCache
+from .graphs import CudaGraphDecodeStep
+from .models.transformer import Transformer
+
+
+class Runner:
+    def __init__(self, model: Transformer, batch: int, capacity: int, policy: Policy | None = None,
+                 cuda_graph: bool = True, compile: bool = False, fixed: bool | None = None):
+        """`fixed`: step a graphable policy in fixed-width mode (default: on CUDA; on CPU the kernels' torch
+        references run, which tests use to check the path)."""
+        weight = model.embed_tokens.weight
+        self.model = model
+        self.cache = KVCache(model.cfg, batch, capacity, weight.dtype, weight.device)
+        self.policy = policy
+        self.device = weight.device
+        self.graphed = cuda_graph and self.device.type == "cuda" and (policy is None or policy.graphable)
+        self.compile = compile
+        self.graph: CudaGraphDecodeStep | None = None
+        self.fixed = policy is not None and policy.graphable and (self.device.type == "cuda" if fixed is None
+                                                                   else fixed)
+        self.graphed = self.graphed and (policy is None or self.fixed)
+        self.sparse_layers = 0 if policy is None else sum(policy.is_sparse(i) for i in range(model.cfg.num_layers))
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.cache.lengths
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], chunk: int = 1024, progress: bool = False) -> torch.Tensor:
+        """Prompts (one per row) -> the last prompt token's hidden state per row [B, H]; the policy indexes them."""
+        from .generate import prefill
+
+        hidden = prefill(self.model, self.cache, prompts, chunk, progress)
+        self.build()
+        return hidden
+
+    def build(self) -> None:
+        """(Re)build the policy's index from the cache's committed tokens, in fixed-width mode where it can."""
+        policy = self.policy
+        if policy is None:
+            return
+        policy.end_fixed()
+        policy.reset_attended()
+        for layer in range(self.model.cfg.num_layers):
+            policy.build(layer, self.cache, self.cache.lengths)
+        if self.fixed:
+            policy.plan_fixed(self.cache, self.cache.lengths)
+            self.graph = None  # the plan's buffers are new: capture again
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture the decode step as a CUDA graph now (else at the first graphed `decode`); once per runner and
+        policy build (batch size and capacity are fixed)."""
+        if self.graphed and self.graph is None:
+            self.graph = CudaGraphDecodeStep(self.model, self.cache, self.compile, policy=self.policy)
+            self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
+            if self.policy is not None:
+                self.policy.reset_attended()
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] -> next-token logits [B, V] fp32; each row's token is appended at its length."""
+        cache, policy = self.cache, self.policy
+        positions = torch.tensor(cache.lengths, device=self.device)  # [B]
+        if self.graphed:
+            self.capture()
+            logits = self.graph(tokens, positions)
+        else:
+            if policy is not None and policy.fixed is None:
+                with policy.stepping(cache.lengths):
+                    hidden = self.model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1,
+                                        policy=policy)
+            else:
+                hidden = self.model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1,
+                                    policy=policy)
+            logits = self.model.logits(hidden[:, -1])
+        cache.truncate([n + 1 for n in cache.lengths])
+        if policy is not None:
+            if policy.fixed is not None:
+                policy.stepped(self.sparse_layers)
+            else:
+                for layer in range(self.model.cfg.num_layers):
+                    policy.append(layer, cache, cache.lengths)
+        return logits
+
+    def truncate(self, lengths: list[int]) -> None:
+        """Roll rows back (or forward after a multi-token commit) to `lengths`; the policy's index follows."""
+        self.cache.truncate(lengths)
+        if self.policy is not None:
+            for layer in range(self.model.cfg.num_layers):
+                self.policy.append(layer, self.cache, self.cache.lengths)

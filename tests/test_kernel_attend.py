@@ -1,0 +1,141 @@
+"""The Triton sparse flash-decoding kernel against its torch reference and SDPA (interpreted on CPU, native on CUDA)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from sparsespec.kernels.attend import (  # noqa: E402
+    MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, _block_n, num_splits, sparse_decode_attention, sparse_decode_attention_ref,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+cuda_only = pytest.mark.skipif(not CUDA, reason="larger sizes run on CUDA only")
+
+
+def make_case(B, Hkv, G, S, D, K, dtype, seed, device=DEVICE):
+    """Random q/k/v, a distinct slot selection per (row, KV head) with garbage past count, and counts: row 0 all
+    0, row 1 all K, later rows random in [0, K]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, D, generator=gen).to(device, dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
+    count = torch.randint(0, K + 1, (B, Hkv), generator=gen, dtype=torch.int32)
+    count[0], count[1] = 0, K
+    slots = torch.rand(B, Hkv, S, generator=gen).argsort(-1)[..., :K].int()  # [B, Hkv, K]
+    garbage = torch.randint(-2**31, 2**31 - 1, (B, Hkv, K), generator=gen, dtype=torch.int32)
+    idx = torch.where(torch.arange(K) < count[..., None], slots, garbage)
+    return q, k, v, idx.to(device), count.to(device)
+
+
+def poisoned(monkeypatch):
+    """Make every float torch.empty NaN-filled, so output or partial buffers the kernels fail to write show up."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()  # 0 when both 0
+
+
+def check(monkeypatch, B, Hkv, G, S, D, K, dtype, splits, seed, scale=None):
+    q, k, v, idx, count = make_case(B, Hkv, G, S, D, K, dtype, seed)
+    with monkeypatch.context() as mp:
+        poisoned(mp)
+        out = sparse_decode_attention(q, k, v, idx, count, scale=scale, splits=splits)
+    ref = sparse_decode_attention_ref(q, k, v, idx, count, scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not out.isnan().any()
+    assert (out[0] == 0).all()  # count 0 -> zeros
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+#  B, Hkv, G,  S,   D,   K,   dtype,          splits
+CASES = [
+    (2, 1, 1, 37, 64, 1, torch.float32, 1),
+    (3, 2, 4, 37, 64, 37, torch.float32, None),  # K = S: every slot selectable
+    (3, 2, 7, 37, 128, 20, torch.bfloat16, 1),
+    (3, 1, 4, 37, 64, 37, torch.bfloat16, 8),  # more splits than index blocks: empty splits
+    (3, 2, 1, 300, 64, 300, torch.float32, 3),
+    (2, 2, 7, 300, 64, 129, torch.float32, 2),
+    (3, 1, 7, 300, 128, 300, torch.bfloat16, None),
+    (3, 2, 4, 300, 128, 250, torch.bfloat16, 4),
+    (2, 1, 4, 300, 64, 65, torch.float16, 1),
+    (3, 2, 1, 300, 128, 191, torch.float16, 3),
+    (2, 2, 4, 300, 128, 77, torch.float32, 2),
+    (3, 1, 1, 300, 64, 300, torch.bfloat16, 5),
+    (2, 2, 3, 37, 16, 37, torch.float32, 2),
+    (3, 1, 2, 300, 256, 150, torch.bfloat16, 3),
+    (2, 1, 4, 37, 64, 0, torch.float32, None),  # nothing selected anywhere
+    (2, 1, 4, 300, 64, 300, torch.float32, 70),  # more splits than one merge step takes
+]
+
+
+@pytest.mark.parametrize("B,Hkv,G,S,D,K,dtype,splits", CASES)
+def test_matches_reference(monkeypatch, B, Hkv, G, S, D, K, dtype, splits):
+    check(monkeypatch, B, Hkv, G, S, D, K, dtype, splits, seed=1000 * K + S + D + G)
+
+
+def test_custom_scale(monkeypatch):
+    check(monkeypatch, 3, 1, 4, 37, 64, 30, torch.float32, 2, seed=1, scale=0.37)
+
+
+@pytest.mark.parametrize("G,D,dtype", [(1, 64, torch.float32), (4, 128, torch.float32), (7, 64, torch.bfloat16)])
+def test_all_slots_equal_sdpa(G, D, dtype):
+    """idx = arange(S), count = S: dense attention over the whole cache."""
+    B, Hkv, S = 2, 2, 150
+    q, k, v, _, _ = make_case(B, Hkv, G, S, D, 1, dtype, seed=7)
+    idx = torch.arange(S, dtype=torch.int32, device=DEVICE).expand(B, Hkv, S).contiguous()
+    count = torch.full((B, Hkv), S, dtype=torch.int32, device=DEVICE)
+    out = sparse_decode_attention(q, k, v, idx, count)
+    kr, vr = (t.float().repeat_interleave(G, dim=1) for t in (k, v))  # [B, Hq, S, D]
+    dense = F.scaled_dot_product_attention(q.float()[:, :, None], kr, vr)[:, :, 0]
+    assert rel_err(out, dense) < TOL[dtype]
+
+
+@pytest.mark.parametrize("K,groups,D", [(1, 1, 64), (4096, 1, 128), (32768, 8, 128), (65536, 512, 128),
+                                       (1000, 3, 256), (37, 4, 64)])
+def test_split_heuristic(K, groups, D):
+    """A plain int from shapes: enough programs to fill the SMs when K allows, each split at least two index
+    blocks, and no split left without columns."""
+    splits = num_splits(K, groups, D, torch.device("cpu"))
+    blocks = -(-K // _block_n(D))
+    chunk = -(-blocks // splits)
+    assert type(splits) is int and 1 <= splits and (splits - 1) * chunk < blocks
+    assert splits == 1 or chunk >= MIN_BLOCKS_PER_SPLIT
+    assert splits * groups >= min(132 * PROGRAMS_PER_SM * 0.9, groups * blocks // MIN_BLOCKS_PER_SPLIT)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,splits", [(torch.bfloat16, None), (torch.float16, 70), (torch.float32, None)])
+@pytest.mark.parametrize("G,D", [(4, 128), (8, 64), (5, 256)])
+def test_cuda_large(monkeypatch, dtype, splits, G, D):
+    check(monkeypatch, 5, 8, G, 20_000 + 37, D, 4_099, dtype, splits, seed=G * D)
+
+
+@cuda_only
+def test_cuda_graph_replay_follows_new_selection():
+    """Captured once, replayed after idx/count change in place: no host read of tensor values in the call."""
+    q, k, v, idx, count = make_case(4, 8, 4, 5_000, 128, 1_024, torch.bfloat16, seed=3)
+    sparse_decode_attention(q, k, v, idx, count)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_decode_attention(q, k, v, idx, count)
+    for seed in (4, 5):
+        _, _, _, new_idx, new_count = make_case(4, 8, 4, 5_000, 128, 1_024, torch.bfloat16, seed=seed)
+        idx.copy_(new_idx)
+        count.copy_(new_count)
+        graph.replay()
+        assert rel_err(out, sparse_decode_attention_ref(q, k, v, idx, count)) < 1e-2

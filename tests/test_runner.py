@@ -1,0 +1,81 @@
+"""The decode runner's fixed-width sparse path (the one CUDA graphs capture) against the eager reference path:
+the same selections and outputs on random caches, dense greedy tokens at a full budget on the real model, and the
+index following rollbacks."""
+
+import pytest
+import torch
+
+from sparsespec import corpora
+from sparsespec.attention import POLICIES, make_policy
+from sparsespec.generate import GenerationConfig, sample
+from sparsespec.runner import Runner
+from sparsespec.sampling import SamplingConfig
+
+from .conftest import cache_with_keys
+from .test_binarypc import anisotropic_keys
+
+GRAPHABLE = [name for name, cls in POLICIES.items() if cls.graphable and name != "doublesparse"]
+
+
+def test_graphable_policies_are_declared():
+    assert {"binarypc", "topk", "streaming"} <= set(GRAPHABLE)
+    assert not POLICIES["quest"].graphable and not POLICIES["doublep"].graphable
+
+
+@pytest.mark.parametrize("name,options", [
+    ("binarypc", {"budget": 0.05, "sinks": 2, "window": 3}), ("binarypc", {"budget": 7, "safeguard": 0.3}),
+    ("binarypc", {"budget": 0.2, "bits": 100, "probe_bits": 4}), ("topk", {"budget": 0.1, "window": 5}),
+    ("streaming", {"budget": 0.1}), ("topk", {"budget": 1.0})])
+def test_fixed_width_step_equals_eager_step(name, options):
+    B, Hkv, S, D = 2, 2, 150, 16
+    keys = anisotropic_keys(B * Hkv, S, D, seed=len(options)).view(B, Hkv, S, D)
+    cache = cache_with_keys(keys)
+    lengths = [S - 10, 97]
+    policy = make_policy(name, {**options, "dense_layers": 0})
+    policy.build(0, cache, lengths)
+    q = torch.randn(B, 2 * Hkv, 1, D, generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor(lengths)
+    with policy.stepping(lengths):
+        idx, valid = policy.select(0, q, cache, positions)
+        eager = policy.decode(0, q, cache, positions)
+    policy.plan_fixed(cache, lengths)
+    policy.begin_step(positions)
+    fixed = policy.decode(0, q, cache, positions)
+    plan = policy.fixed
+    for r in range(B * Hkv):
+        b, h = divmod(r, Hkv)
+        assert sorted(idx[b, h][valid[b, h]].tolist()) == plan.idx[r, :plan.count[r]].tolist()
+    assert torch.allclose(fixed, eager, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GRAPHABLE)
+def test_full_budget_fixed_width_reproduces_dense_greedy(smollm2_engine, name):
+    eng = smollm2_engine
+    prompt = eng.tokenizer(corpora.text("wiki", 260, seed=5))["input_ids"]
+    dense = eng.generate([prompt], GenerationConfig(max_new_tokens=16, stop_on_eos=False)).token_ids[0]
+    runner = Runner(eng.model, 1, len(prompt) + 16, make_policy(name, {"budget": "1.0", "dense_layers": "0"}),
+                    fixed=True)
+    token = sample(eng.model.logits(runner.prefill([prompt])), SamplingConfig())
+    out = [int(token)]
+    for _ in range(15):
+        token = sample(runner.decode(token), SamplingConfig())
+        out.append(int(token))
+    assert out == dense
+    assert runner.policy.mean_attended == pytest.approx(len(prompt) + 8, abs=1)  # every token, every step
+
+
+def test_rollback_moves_the_index_back_in_fixed_mode():
+    keys = anisotropic_keys(2, 120, 16, seed=0).view(1, 2, 120, 16)
+    cache = cache_with_keys(keys)
+    policy = make_policy("binarypc", {"budget": 0.1, "dense_layers": 0, "encode_decoded": "true", "window": 4})
+    policy.build(0, cache, [60])
+    policy.plan_fixed(cache, [60])
+    q = torch.randn(1, 4, 1, 16)
+    for n in range(60, 80):  # fixed-width steps hash what leaves the window as they go
+        policy.begin_step(torch.tensor([n]))
+        policy.decode(0, q, cache, torch.tensor([n]))
+    state = cache.policy_state[0]
+    assert int(state.encoded_dev) == 79 - 4 + 1
+    policy.append(0, cache, [65])  # rollback
+    assert int(state.encoded_dev) == 65
