@@ -56,10 +56,10 @@ def test_full_budget_fixed_width_reproduces_dense_greedy(smollm2_engine, name):
     dense = eng.generate([prompt], GenerationConfig(max_new_tokens=16, stop_on_eos=False)).token_ids[0]
     runner = Runner(eng.model, 1, len(prompt) + 16, make_policy(name, {"budget": "1.0", "dense_layers": "0"}),
                     fixed=True)
-    token = sample(eng.model.logits(runner.prefill([prompt])), SamplingConfig())
+    token = sample(eng.model.logits(runner.prefill([prompt])), SamplingConfig(), None)
     out = [int(token)]
     for _ in range(15):
-        token = sample(runner.decode(token), SamplingConfig())
+        token = sample(runner.decode(token), SamplingConfig(), None)
         out.append(int(token))
     assert out == dense
     assert runner.policy.mean_attended == pytest.approx(len(prompt) + 8, abs=1)  # every token, every step
