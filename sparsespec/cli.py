@@ -100,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-cuda-graph", action="store_true", help="cuda: run plain and verify steps eagerly")
     sp.add_argument("--out", default=None, help="folder for spec.jsonl, spec.md and spec_histogram.png")
 
+    for what, text in (("attention", "one sparse attention layer vs SDPA (flash), random keys in real shapes"),
+                       ("decode", "the whole decode step: dense CUDA graph vs the graph-captured sparse step")):
+        ba = bs.add_parser(what, help=f"GPU: {text}")
+        ba.add_argument("--attention", nargs="+", default=["binarypc:budget=0.02", "topk:budget=0.02",
+                                                           "streaming:budget=0.02"],
+                        help="graphable policies with options, e.g. binarypc:budget=0.02,sinks=4")
+        if what == "attention":
+            ba.add_argument("--contexts", default="32768,131072")
+            ba.add_argument("--batches", default="1,4,16")
+        else:
+            ba.add_argument("--shapes", default="1x131072,4x131072,16x32768", help="BATCHxCONTEXT,...")
+            ba.add_argument("--no-compile", action="store_true", help="skip the compiled dense graph")
+        ba.add_argument("--out", default=None, help="folder for the table (.md) and the numbers (.json)")
+
     m = sub.add_parser("models", help="list the packaged models")
     m.add_argument("--json", action="store_true")
 
@@ -259,6 +273,8 @@ def cmd_train(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    if args.what in ("attention", "decode"):
+        return cmd_bench_sparse(args)
     from .generate import Engine
     from .spec.bench import BenchConfig, make_drafter, report, run_bench
 
@@ -280,6 +296,41 @@ def cmd_bench(args) -> None:
     device = torch_device_name(args.device)
     print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, real weights) on {device}, block "
                             f"{cfg.block_size}, {cfg.max_new_tokens} new tokens, held-out prompts"))
+
+
+def cmd_bench_sparse(args) -> None:
+    import torch
+
+    from . import sparse_bench
+    from .attention import POLICIES, make_policy, parse_spec
+
+    if not torch.cuda.is_available():
+        raise SparseSpecError(f"bench {args.what} measures the GPU path: no CUDA device is available")
+    for spec in args.attention:
+        name, opts = parse_spec(spec)
+        if not make_policy(name, opts).graphable:
+            raise SparseSpecError(f"{name} has no graph-captured sparse step yet (graphable: "
+                                  f"{', '.join(n for n, c in POLICIES.items() if c.graphable)})")
+    out = _writable_folder(args.out) if args.out else None
+    try:
+        if args.what == "attention":
+            contexts = [_ints(c) for c in args.contexts.split(",")]
+            batches = [_ints(b) for b in args.batches.split(",")]
+            sparse_bench.bench_attention(args.attention, contexts, batches, out=out)
+        else:
+            shapes = [tuple(_ints(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
+            if any(len(s) != 2 for s in shapes):
+                raise ValueError
+            sparse_bench.bench_decode(args.attention, shapes, compile=not args.no_compile, out=out)
+    except ValueError:
+        raise SparseSpecError("invalid sizes: --contexts / --batches take integers, --shapes BATCHxCONTEXT") from None
+
+
+def _ints(text: str) -> int:
+    value = int(text.strip().lower().replace("k", "")) * (1024 if text.strip().lower().endswith("k") else 1)
+    if value < 1:
+        raise ValueError
+    return value
 
 
 def torch_device_name(device: str) -> str:

@@ -1,0 +1,247 @@
+"""GPU benchmarks of sparse decode: one attention layer (`sparsespec bench attention`) and the whole decode step
+(`sparsespec bench decode`), against SDPA (flash) and the dense CUDA-graph step measured in the same run, with the
+bytes-read floor beside each. Random weights and random keys in real shapes (Llama-3.1-8B by default): what is
+timed does not depend on the values.
+
+    attention: per (context, batch): SDPA over the whole context; each policy's fixed-width decode of one layer
+               (scoring + selection + attention) replayed as a CUDA graph, and BinaryPC's three stages alone
+    decode:    per (batch, context): dense graph, dense compiled graph, sparse graph per policy; the policy's build
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .attention import make_policy, parse_spec
+from .cache import KVCache
+from .config import ModelConfig, RopeScaling
+from .graphs import CudaGraphDecodeStep
+from .models.rope import inverse_frequencies
+from .models.transformer import Transformer
+
+LLAMA31_8B = ModelConfig(
+    arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, max_position=131072 + 1024, rms_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+)
+
+
+def time_ms(fn, iters: int = 20, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean of `iters` back-to-back calls, CUDA events, after a warm-up."""
+    for _ in range(3):
+        fn()
+    results = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        results.append(start.elapsed_time(end) / iters)
+    return statistics.median(results)
+
+
+def graphed(fn):
+    """fn() captured as a CUDA graph -> a replay callable (its outputs are overwritten by each replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (time_ms(lambda: dst.copy_(src), iters=10) / 1e3)
+
+
+def random_cache(cfg: ModelConfig, batch: int, capacity: int, layers: int | None = None) -> KVCache:
+    layer_cfg = cfg if layers is None else dataclasses.replace(cfg, num_layers=layers)
+    cache = KVCache(layer_cfg, batch, capacity, torch.bfloat16, "cuda")
+    for t in cache.k + cache.v:
+        t.normal_()
+    return cache
+
+
+def policy_bytes(policy, batch: int, context: int, cfg: ModelConfig, attended: float) -> float:
+    """The fewest bytes one sparse layer must read: the policy's index per token, plus K and V of the attended."""
+    kv_row = 2 * cfg.head_dim * 2
+    index = {"binarypc": 8 * -(-getattr(policy.options, "bits", 64) // 64), "topk": cfg.head_dim * 2,
+             "streaming": 0}.get(policy.name, 0)
+    return batch * cfg.num_kv_heads * (context * index + attended * kv_row)
+
+
+def bench_attention(specs: list[str], contexts: list[int], batches: list[int], cfg: ModelConfig = LLAMA31_8B,
+                    out: Path | None = None) -> list[dict]:
+    bw = copy_bandwidth()
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            cache = random_cache(cfg, batch, context, layers=1)
+            q = torch.randn(batch, cfg.num_heads, 1, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+            k, v = cache.k[0], cache.v[0]
+            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+            dense_bytes = batch * cfg.num_kv_heads * context * cfg.head_dim * 4
+            row = {"context": context, "batch": batch, "sdpa_ms": time_ms(sdpa),
+                   "sdpa_floor_ms": dense_bytes / bw * 1e3}
+            positions = torch.full((batch,), context - 1, device="cuda")
+            for spec in specs:
+                name, opts = parse_spec(spec)
+                policy = make_policy(name, [*opts, "dense_layers=0"])
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                policy.build(0, cache, [context] * batch)
+                torch.cuda.synchronize()
+                build_s = time.perf_counter() - start
+                policy.plan_fixed(cache, [context] * batch)
+                policy.begin_step(positions)
+                ms = time_ms(graphed(lambda: policy.decode(0, q, cache, positions)))
+                attended = float(policy.fixed.count.float().mean())
+                floor = policy_bytes(policy, batch, context, cfg, attended) / bw * 1e3
+                entry = {"ms": ms, "speedup": row["sdpa_ms"] / ms, "floor_ms": floor, "attended": attended,
+                         "build_s": build_s}
+                if name == "binarypc":
+                    entry["stages_ms"] = binarypc_stages(policy, q, cache)
+                row[spec] = entry
+                policy.end_fixed()
+                cache.policy_state[0] = None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    lines = [f"One attention layer, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}, bf16, "
+             f"random keys; {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s. Each cell: ms "
+             "(speedup over SDPA; floor ms).", "",
+             "| context | batch | SDPA | " + " | ".join(specs) + " |", "|---:|---:|---:|" + "---:|" * len(specs)]
+    for r in rows:
+        cells = [f"{r[s]['ms']:.3f} ({r[s]['speedup']:.1f}x; {r[s]['floor_ms']:.3f})" for s in specs]
+        lines.append(f"| {r['context']} | {r['batch']} | {r['sdpa_ms']:.3f} ({r['sdpa_floor_ms']:.3f}) | "
+                     + " | ".join(cells) + " |")
+    stage_specs = [s for s in specs if s.startswith("binarypc")]
+    if stage_specs:
+        lines += ["", f"{stage_specs[0]} by stage (ms, each replayed alone): probe + score | select | attend", ""]
+        for r in rows:
+            st = r[stage_specs[0]]["stages_ms"]
+            lines.append(f"- {r['context']} x {r['batch']}: {st['score']:.3f} | {st['select']:.3f} | "
+                         f"{st['attend']:.3f}")
+    table = "\n".join(lines)
+    print(table)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_attention.json").write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
+        (out / "bench_attention.md").write_text(table + "\n")
+    return rows
+
+
+def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]:
+    """Scoring (probe + popcount keys), selection and attention of BinaryPC's fixed-width step, timed apart."""
+    from .kernels.attend import sparse_decode_attention
+    from .kernels.select import select_topk
+
+    plan, opts = policy.fixed, policy.options
+    B, Hq, _, D = q.shape
+    Hkv = cache.k[0].shape[1]
+    keys = policy.fixed_keys(0, q, cache)
+    select = lambda: select_topk(keys[0], plan.positions, plan.tokens, keys[2], plan.width, keys[1],  # noqa: E731
+                                 sinks=opts.sinks, window=opts.window, extra=keys[3], extra_n=keys[4],
+                                 out=(plan.idx, plan.count))
+    select()
+    attend = lambda: sparse_decode_attention(q.view(B, Hq, D), cache.k[0], cache.v[0],  # noqa: E731
+                                             plan.idx.view(B, Hkv, -1), plan.count.view(B, Hkv))
+    return {"score": time_ms(graphed(lambda: policy.fixed_keys(0, q, cache))),
+            "select": time_ms(graphed(select)), "attend": time_ms(graphed(attend))}
+
+
+def random_model(cfg: ModelConfig) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg).to(torch.bfloat16)
+    model = model.to_empty(device="cuda")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    model.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).cuda()
+    return model.eval()
+
+
+def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConfig = LLAMA31_8B,
+                 compile: bool = True, out: Path | None = None) -> list[dict]:
+    bw = copy_bandwidth()
+    model = random_model(cfg)
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    rows = []
+    for batch, context in shapes:
+        cache = random_cache(cfg, batch, context + 1)
+        cache.truncate([context] * batch)
+        tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
+        positions = torch.full((batch,), context, device="cuda")
+        kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * (context + 1) * cfg.head_dim * 2
+        row = {"batch": batch, "context": context, "dense_floor_ms": (weights + kv) / bw * 1e3,
+               "weights_floor_ms": weights / bw * 1e3}
+        dense = CudaGraphDecodeStep(model, cache)
+        row["dense_ms"] = time_ms(lambda: dense(tokens, positions))
+        reference = dense(tokens, positions).clone()
+        del dense
+        if compile:
+            dense_c = CudaGraphDecodeStep(model, cache, compile=True)
+            row["dense_compiled_ms"] = time_ms(lambda: dense_c(tokens, positions))
+            del dense_c
+        for spec in specs:
+            name, opts = parse_spec(spec)
+            policy = make_policy(name, opts)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for layer in range(cfg.num_layers):
+                policy.build(layer, cache, cache.lengths)
+            torch.cuda.synchronize()
+            build_s = time.perf_counter() - start
+            policy.plan_fixed(cache, cache.lengths)
+            sparse = CudaGraphDecodeStep(model, cache, policy=policy)
+            for layer in range(cfg.num_layers):
+                policy.append(layer, cache, cache.lengths)  # the warm-up steps ran at the last slot
+            ms = time_ms(lambda: sparse(tokens, positions))
+            logits = sparse(tokens, positions)
+            best_dense = min(row["dense_ms"], row.get("dense_compiled_ms", float("inf")))
+            row[spec] = {"ms": ms, "speedup_vs_graph": row["dense_ms"] / ms, "speedup_vs_best": best_dense / ms,
+                         "build_s": build_s, "logits_finite": bool(torch.isfinite(logits).all()),
+                         "top1_agree_random": float((logits.argmax(-1) == reference.argmax(-1)).float().mean())}
+            del sparse
+            policy.end_fixed()
+            cache.policy_state = [None] * cfg.num_layers
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    lines = [f"Whole decode step, Llama-3.1-8B shape, random bf16 weights and keys; {torch.cuda.get_device_name()}, "
+             f"copy bandwidth {bw / 1e12:.2f} TB/s. Each cell: ms per step (speedup over the dense graph / over the "
+             "best dense); build: the policy's index over every layer after prefill.", "",
+             "| batch | context | floor (weights) | dense graph | dense compiled | " + " | ".join(specs) + " |",
+             "|---:|---:|---:|---:|---:|" + "---:|" * len(specs)]
+    for r in rows:
+        cells = [f"{r[s]['ms']:.2f} ({r[s]['speedup_vs_graph']:.2f}x / {r[s]['speedup_vs_best']:.2f}x; build "
+                 f"{r[s]['build_s']:.2f} s)" for s in specs]
+        lines.append(f"| {r['batch']} | {r['context']} | {r['dense_floor_ms']:.2f} ({r['weights_floor_ms']:.2f}) | "
+                     f"{r['dense_ms']:.2f} | {r.get('dense_compiled_ms', float('nan')):.2f} | " + " | ".join(cells)
+                     + " |")
+    table = "\n".join(lines)
+    print(table)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_decode.json").write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
+        (out / "bench_decode.md").write_text(table + "\n")
+    return rows
