@@ -62,7 +62,7 @@ def _probe_kernel(q_ptr, basis_ptr, planes_ptr, l1_ptr, G: tl.constexpr, D: tl.c
             live = w * 64 + i < BITS
             basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[:, None] * D + d[None, :], mask=live[:, None],
                             other=0.0)
-            p = _round_half_even(tl.sum(basis * qg[None, :], 1) / scale * top).to(tl.int64)  # [64]
+            p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top).to(tl.int64)  # [64]
             mag = tl.abs(p)
             l1 += tl.sum(tl.where(live, mag, 0), 0)
             base = planes_ptr + ((r * G + g) * (1 + M)) * W + w

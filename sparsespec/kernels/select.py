@@ -86,7 +86,7 @@ def _select_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, extra_p
     prefix, k = _crossing(hist, tl.maximum(want, 1))
 
     for d in tl.static_range(1, DIGITS):  # the lower digits, among the keys that match the prefix so far
-        shift: tl.constexpr = KEY_BITS - 8 * (d + 1)
+        shift = KEY_BITS - 8 * (d + 1)
         hist = tl.zeros([256], dtype=tl.int32)
         skipped = 0
         for start in range(0, n, BLOCK):
