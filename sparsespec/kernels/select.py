@@ -11,10 +11,12 @@ own slot), slots >= forced_from[b], and the first extra_n[b] slots listed in ext
 e.g. BinaryPC's safeguard). The row attends to count = min(max(tokens[b], forced), candidates, K) slots: the
 forced ones, then the highest keys, ties to the lower slot — the same set `select_top` picks.
 
-One program per row: one pass per 8-bit digit builds the digit's histogram among the keys that match the digits
-chosen so far and finds the digit where the running count from the top crosses the budget; a last pass writes the
-keys above the threshold, and the first keys equal to it in slot order, compacted with a prefix sum. Every pass
-reads the keys once (2 or 4 bytes a slot).
+Radix select, every pass spread over (row, block of slots) programs: one pass per 8-bit digit adds the block's
+histogram of that digit (among the keys matching the digits chosen so far) to the row's; every program finds the
+chosen digits itself from the row's histograms (where the count from the top crosses the budget). Then one pass
+counts each block's keys above the threshold and equal to it, and a last one writes them compacted in slot order
+(offsets from the earlier blocks' counts; the keys equal to the threshold taken in slot order until the row has
+its count). Every pass reads the keys once (2 or 4 bytes a slot).
 """
 
 from __future__ import annotations
@@ -47,70 +49,90 @@ def _crossing(hist, k):
 
 
 @triton.jit
-def _select_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, extra_ptr, extra_n_ptr, idx_ptr, count_ptr,
-                   S, K, E, SINKS, WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                   BLOCK: tl.constexpr, EBLOCK: tl.constexpr):
+def _force_kernel(keys_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, E, HKV: tl.constexpr, EBLOCK: tl.constexpr):
+    """The policy's forced list written into each row as maximal keys (all bits set)."""
     r = tl.program_id(0)
     b = r // HKV
+    pos = tl.load(positions_ptr + b)
+    n_extra = tl.load(extra_n_ptr + b)
+    for j0 in range(0, E, EBLOCK):
+        j = j0 + tl.arange(0, EBLOCK)
+        slot = tl.load(extra_ptr + r.to(tl.int64) * E + j, mask=j < n_extra, other=0)
+        tl.store(keys_ptr + r.to(tl.int64) * S + slot, tl.full([EBLOCK], -1, tl.int32).to(
+            keys_ptr.dtype.element_ty), mask=(j < n_extra) & (slot <= pos))
+
+
+@triton.jit
+def _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS: tl.constexpr, UPTO: tl.constexpr):
+    """From the histograms of digits 0..UPTO-1 (top first) -> (key prefix of those digits, how many keys wanted
+    among those matching it, how many wanted in all)."""
+    hist = tl.load(hist_ptr + (r * DIGITS) * 256 + tl.arange(0, 256))
+    n_forced = tl.load(stats_ptr + r)
+    want = tl.minimum(tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), tl.sum(hist, 0)), K)
+    prefix, k = _crossing(hist, tl.maximum(want, 1))
+    for d in tl.static_range(1, UPTO):
+        t, k = _crossing(tl.load(hist_ptr + (r * DIGITS + d) * 256 + tl.arange(0, 256)), k)
+        prefix = prefix * 256 + t
+    return prefix, k, want
+
+
+@triton.jit
+def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, S, K, SINKS,
+                      WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Digit D's histogram over one block of slots, among the keys matching the digits above (atomically added)."""
+    r = tl.program_id(0)
+    b = r // HKV
+    start = tl.program_id(1) * BLOCK
     pos = tl.load(positions_ptr + b).to(tl.int32)
-    n = pos + 1
-    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
-    row = keys_ptr + r.to(tl.int64) * S
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     DIGITS: tl.constexpr = KEY_BITS // 8
-    bins = tl.arange(0, 256)
+    shift: tl.constexpr = KEY_BITS - 8 * (D + 1)
+    if start <= pos:
+        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos,
+                             tl.load(forced_from_ptr + b).to(tl.int32), SINKS, WINDOW, KEY_MASK, BLOCK)
+        match = key > 0
+        if D == 0:
+            tl.atomic_add(stats_ptr + r, tl.sum((key == KEY_MASK).to(tl.int32), 0))
+        else:
+            prefix, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, D)
+            match = match & ((key >> (shift + 8)) == prefix)
+        hist = tl.histogram(tl.where(match, (key >> shift) & 255, 0).to(tl.int32), 256)
+        hist -= tl.where(tl.arange(0, 256) == 0, tl.sum((~match).to(tl.int32), 0), 0)
+        tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, 256), hist)
 
-    if HAS_EXTRA:  # the policy's forced list: written into the row as maximal keys before the first pass
-        n_extra = tl.load(extra_n_ptr + b)
-        for j0 in range(0, E, EBLOCK):
-            j = j0 + tl.arange(0, EBLOCK)
-            slot = tl.load(extra_ptr + r.to(tl.int64) * E + j, mask=j < n_extra, other=0)
-            tl.store(row + slot, tl.full([EBLOCK], -1, tl.int32).to(keys_ptr.dtype.element_ty),
-                     mask=(j < n_extra) & (slot <= pos))
-        tl.debug_barrier()
 
-    # top digit: histogram of the candidates, forced and candidate counts
-    hist = tl.zeros([256], dtype=tl.int32)
-    skipped = 0
-    n_forced = 0
-    for start in range(0, n, BLOCK):
-        s, key = _keys_block(row, start, n, pos, forced_from, SINKS, WINDOW, KEY_MASK, BLOCK)
-        valid = key > 0
-        n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 0)
-        digit = tl.where(valid, (key >> (KEY_BITS - 8)) & 255, 0).to(tl.int32)
-        hist += tl.histogram(digit, 256)
-        skipped += tl.sum((~valid).to(tl.int32), 0)
-    hist -= tl.where(bins == 0, skipped, 0)
-    candidates = tl.sum(hist, 0)
-    want = tl.minimum(tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), candidates), K)
-    prefix, k = _crossing(hist, tl.maximum(want, 1))
-
-    for d in tl.static_range(1, DIGITS):  # the lower digits, among the keys that match the prefix so far
-        shift = KEY_BITS - 8 * (d + 1)
-        hist = tl.zeros([256], dtype=tl.int32)
-        skipped = 0
-        for start in range(0, n, BLOCK):
-            s, key = _keys_block(row, start, n, pos, forced_from, SINKS, WINDOW, KEY_MASK, BLOCK)
-            match = (key > 0) & ((key >> (shift + 8)) == prefix)
-            hist += tl.histogram(tl.where(match, (key >> shift) & 255, 0).to(tl.int32), 256)
-            skipped += tl.sum((~match).to(tl.int32), 0)
-        hist -= tl.where(bins == 0, skipped, 0)
-        t, k = _crossing(hist, k)
-        prefix = prefix * 256 + t
-
-    # compaction in slot order: every key above the threshold, the first k keys equal to it
-    out = 0
-    ties = 0
-    for start in range(0, n, BLOCK):
-        s, key = _keys_block(row, start, n, pos, forced_from, SINKS, WINDOW, KEY_MASK, BLOCK)
-        valid = key > 0
-        eq = valid & (key == prefix)
-        take = (valid & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) - 1 < k))
+@triton.jit
+def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, blocks_ptr, idx_ptr,
+                    count_ptr, S, K, NB, SINKS, WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
+                    WRITE: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr):
+    """Count (WRITE False) or write (WRITE True) one block's selected slots: every key above the threshold, and the
+    keys equal to it in slot order while the row still wants them; offsets from the earlier blocks' counts."""
+    r = tl.program_id(0)
+    b = r // HKV
+    blk = tl.program_id(1)
+    start = blk * BLOCK
+    pos = tl.load(positions_ptr + b).to(tl.int32)
+    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
+    DIGITS: tl.constexpr = KEY_BITS // 8
+    threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, DIGITS)
+    s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos, tl.load(forced_from_ptr + b).to(tl.int32),
+                         SINKS, WINDOW, KEY_MASK, BLOCK)
+    above = (key > 0) & (key > threshold)
+    eq = (key > 0) & (key == threshold)
+    counts = blocks_ptr + (r.to(tl.int64) * NB) * 2
+    if WRITE:
+        earlier = tl.arange(0, NBP) < blk
+        out = tl.sum(tl.load(counts + tl.arange(0, NBP) * 2, mask=earlier, other=0), 0)
+        ties = tl.sum(tl.load(counts + tl.arange(0, NBP) * 2 + 1, mask=earlier, other=0), 0)
+        take = above | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) - 1 < k))
+        out += tl.minimum(ties, k)
         dst = out + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(idx_ptr + r.to(tl.int64) * K + dst, s, mask=take & (dst < want))
-        out += tl.sum(take.to(tl.int32), 0)
-        ties += tl.sum(eq.to(tl.int32), 0)
-    tl.store(count_ptr + r, tl.minimum(out, want))
+        if blk == 0:
+            tl.store(count_ptr + r, want)
+    else:
+        tl.store(counts + blk * 2, tl.sum(above.to(tl.int32), 0))
+        tl.store(counts + blk * 2 + 1, tl.sum(eq.to(tl.int32), 0))
 
 
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
@@ -118,19 +140,30 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
-    (int16 keys: 16). Shapes alone fix the launch: capturable in a CUDA graph."""
+    (int16 keys: 16). Shapes alone fix the launches: capturable in a CUDA graph."""
     R, S = keys.shape
     assert key_bits in (16, 32) and keys.dtype == (torch.int16 if key_bits == 16 else torch.int32)
     B = positions.shape[0]
+    hkv, digits = R // B, key_bits // 8
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
                                               torch.empty(R, dtype=torch.int32, device=keys.device))
-    has_extra = extra is not None and extra.shape[1] > 0
-    E = extra.shape[1] if has_extra else 0
-    _select_kernel[(R,)](
-        keys, positions, tokens, forced_from, extra if has_extra else count, extra_n if has_extra else count,
-        idx, count, S, k, E, sinks, max(window, 1), HKV=R // B, KEY_BITS=key_bits, HAS_EXTRA=has_extra,
-        BLOCK=min(2048, triton.next_power_of_2(S)), EBLOCK=min(256, triton.next_power_of_2(max(E, 1))),
-        num_warps=8)
+    if extra is not None and extra.shape[1] > 0:
+        E = extra.shape[1]
+        _force_kernel[(R,)](keys, positions, extra, extra_n, S, E, HKV=hkv,
+                            EBLOCK=min(256, triton.next_power_of_2(E)), num_warps=4)
+    block = min(2048, triton.next_power_of_2(S))
+    nb = triton.cdiv(S, block)
+    hist = torch.zeros(R, digits, 256, dtype=torch.int32, device=keys.device)
+    stats = torch.zeros(R, dtype=torch.int32, device=keys.device)
+    blocks = torch.empty(R, nb, 2, dtype=torch.int32, device=keys.device)
+    common = (keys, positions, tokens, forced_from, hist, stats)
+    for d in range(digits):
+        _histogram_kernel[(R, nb)](*common, S, k, sinks, max(window, 1), HKV=hkv, KEY_BITS=key_bits, D=d,
+                                   BLOCK=block, num_warps=8)
+    for write in (False, True):
+        _compact_kernel[(R, nb)](*common, blocks, idx, count, S, k, nb, sinks, max(window, 1), HKV=hkv,
+                                 KEY_BITS=key_bits, WRITE=write, BLOCK=block, NBP=triton.next_power_of_2(nb),
+                                 num_warps=8)
     return idx, count
 
 
