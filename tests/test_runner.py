@@ -14,7 +14,7 @@ from sparsespec.sampling import SamplingConfig
 from .conftest import cache_with_keys
 from .test_binarypc import anisotropic_keys
 
-GRAPHABLE = [name for name, cls in POLICIES.items() if cls.graphable and name != "doublesparse"]
+GRAPHABLE = [name for name, cls in POLICIES.items() if cls.graphable]
 
 
 def test_graphable_policies_are_declared():
