@@ -21,9 +21,12 @@ def interpreting() -> bool:
 
 
 def triton_ready(device: torch.device | str) -> bool:
-    """Whether the Triton kernels can run on tensors of `device`."""
+    """Whether the engine runs the Triton kernels on tensors of `device`: on CUDA. On CPU it runs their torch
+    references (the interpreter is for the kernels' own tests, not for decoding)."""
+    if torch.device(device).type != "cuda":
+        return False
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return torch.device(device).type == "cuda" or interpreting()
+    return True
