@@ -142,6 +142,10 @@ class Policy(ABC):
         if self.fixed is not None:
             self.fixed.attended.zero_()
 
+    def end_fixed(self) -> None:
+        """Back to eager steps (fixed-width ones are planned by graphable policies' `plan_fixed`)."""
+        self.fixed = None
+
     def stepped(self, layers: int) -> None:
         """A fixed-width step ran `layers` sparse layers (a graph replay runs no Python to count them)."""
         self._attended_steps += layers
@@ -218,9 +222,6 @@ class SelectionPolicy(Policy):
         zeros = lambda *shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=cache.device)  # noqa: E731
         self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
                                zeros(B * Hkv))
-
-    def end_fixed(self) -> None:
-        self.fixed = None
 
     def extra_forced(self, capacity: int, lengths: list[int]) -> int:
         """At most how many slots besides sinks and window the policy forces in at one step (bounds the width)."""
