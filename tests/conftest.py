@@ -6,6 +6,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # the Triton kernels' tests run them in Triton's CPU interpreter; it must be chosen before any kernel module is
+    # imported (a kernel is made interpreted or compiled when its module is imported). The engine itself runs the
+    # kernels on CUDA only.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
 
