@@ -81,7 +81,6 @@ def load_labels(path: str | Path) -> dict[str, torch.Tensor]:
 
 class DoubleSparse(SelectionPolicy):
     name = "doublesparse"
-    graphable = False  # its fixed-width path is not tested yet: eager steps
     Options = DoubleSparseOptions
 
     def __init__(self, options: DoubleSparseOptions | None = None):

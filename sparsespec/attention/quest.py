@@ -63,7 +63,6 @@ class QuestState:
 
 class Quest(SelectionPolicy):
     name = "quest"
-    graphable = False  # its index keeps per-row Python counters (eager steps only)
     Options = QuestOptions
 
     def build(self, layer, cache, lengths):
@@ -112,3 +111,29 @@ class Quest(SelectionPolicy):
         slots = torch.arange(kv_len, device=q.device)
         committed = device_ints(state.committed, q.device).view(B, 1, 1)
         return scores.masked_fill(slots >= committed, float("-inf"))
+
+    def fixed_keys(self, layer, q, cache):
+        from ..kernels.select import ordered_keys
+
+        state: QuestState = cache.policy_state[layer]
+        positions = self.fixed.positions.long()  # [B]: slots [0, position) are committed
+        refresh_last_page(state, cache.k[layer], positions, self.options.page)
+        B, Hq, _, D = q.shape
+        Hkv, S = state.kmin.shape[1], cache.capacity
+        bounds = page_bounds(q.view(B, Hkv, Hq // Hkv, D).float(), state.kmin.float(), state.kmax.float())
+        scores = bounds.sum(2).repeat_interleave(self.options.page, dim=-1)[..., :S]  # [B, Hkv, S]
+        scores = scores.masked_fill(torch.arange(S, device=q.device) >= positions.view(B, 1, 1), float("-inf"))
+        return ordered_keys(scores).flatten(0, 1), 32, None, None, None
+
+
+def refresh_last_page(state: QuestState, k: torch.Tensor, positions: torch.Tensor, page: int) -> None:
+    """Recompute, for every row at once, the extrema of the page holding slot positions[b] - 1 (the token the last
+    step committed) from the cache k [B, Hkv, S, D]; device-side, so a captured step keeps the index current."""
+    B, Hkv, S, D = k.shape
+    last = (positions - 1).clamp_min(0)  # [B]
+    slots = (last // page * page)[:, None] + torch.arange(page, device=k.device)  # [B, page]
+    keep = (slots < positions[:, None])[:, None, :, None]  # [B, 1, page, 1]
+    keys = k.gather(2, slots.clamp_max(S - 1)[:, None, :, None].expand(B, Hkv, page, D))  # [B, Hkv, page, D]
+    at = (last // page)[:, None, None, None].expand(B, Hkv, 1, D)
+    state.kmin.scatter_(2, at, keys.masked_fill(~keep, float("inf")).amin(2, keepdim=True))
+    state.kmax.scatter_(2, at, keys.masked_fill(~keep, float("-inf")).amax(2, keepdim=True))
