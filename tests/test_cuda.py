@@ -135,8 +135,8 @@ def test_many_graph_captures_in_a_row_survive_garbage_collection():
 
 
 @cuda
-@pytest.mark.parametrize("name,budget", [("binarypc", "1.0"), ("topk", "1.0"), ("streaming", "1.0"),
-                                         ("binarypc", "0.05"), ("binarypc", "16")])
+@pytest.mark.parametrize("name,budget", [("binarypc", "1.0"), ("topk", "1.0"), ("streaming", "1.0"), ("quest", "1.0"),
+                                         ("binarypc", "0.05"), ("binarypc", "16"), ("quest", "0.1")])
 @torch.inference_mode()
 def test_graphed_sparse_runner_matches_the_eager_fixed_path(name, budget, tmp_path):
     """The whole sparse step replayed as one CUDA graph: at a full budget it gives the dense greedy tokens; at a

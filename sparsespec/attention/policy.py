@@ -18,7 +18,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -27,16 +27,21 @@ from ..cache import KVCache
 from ..errors import SparseSpecError
 
 
+def option(default: Any, help: str) -> Any:
+    """An options field with its one-line description (`sparsespec policies` prints it)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class PolicyOptions:
     """Options every policy shares. `budget` ≤ 1 is a fraction of the context (0.02 = 2%); a larger value is a
     token count. The budget counts every attended token: sinks, window and the current token included."""
 
-    budget: float = 0.02
-    min_tokens: int = 0
-    dense_layers: int = 2
-    sinks: int = 0
-    window: int = 0
+    budget: float = option(0.02, "keys attended per step: a share of the context if <= 1 (0.02 = 2%), else a count")
+    min_tokens: int = option(0, "attend at least this many keys whatever the budget")
+    dense_layers: int = option(2, "the first N layers decode with dense attention")
+    sinks: int = option(0, "the first N tokens (attention sinks) are always attended")
+    window: int = option(0, "the N most recent tokens are always attended")
 
     def __post_init__(self):
         if not 0 < self.budget < float("inf"):

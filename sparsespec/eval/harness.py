@@ -4,7 +4,7 @@ The samples of one (length, task) go through in batches of up to `batch` rows (r
 position). A batch's prompts are prefilled once, densely; each policy then builds its index from that cache and
 decodes all rows greedily, and the cache is rolled back to the prompts (`cache.truncate`) before the next policy:
 adding a policy costs only its decode. Rows go to `results.jsonl` as they come; a rerun skips the rows already
-there. Perplexity: `perplexity_rows` windows of real text, each one's first `prefix` tokens prefilled densely, every
+there (`sparsespec eval` records the settings they were made with, see results.py). Perplexity: `perplexity_rows` windows of real text, each one's first `prefix` tokens prefilled densely, every
 later token predicted by a teacher-forced decode step through the policy (so every prediction uses its sparse
 attention), all windows stepping together.
 """
@@ -17,7 +17,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine, build_policy, decode_step, prefill
 from ..graphs import CudaGraphDecodeStep
 from ..progress import progress_bar
+from ..results import read_rows
 from .tasks import TASKS, TaskBuilder, score
 
 
@@ -63,8 +64,11 @@ class EvalConfig:
             raise SparseSpecError(f"unknown task {sorted(unknown)[0]!r} (choose from {', '.join(TASKS)})")
         if self.samples < 1:
             raise SparseSpecError(f"samples must be >= 1, got {self.samples}")
-        if self.perplexity_tokens < 0:
-            raise SparseSpecError(f"perplexity tokens must be >= 0, got {self.perplexity_tokens}")
+        if self.perplexity_tokens < 0 or self.perplexity_tokens == 1:
+            raise SparseSpecError(f"perplexity tokens must be 0 (none) or >= 2, got {self.perplexity_tokens}")
+        if self.perplexity_tokens >= min(self.lengths):
+            raise SparseSpecError(f"perplexity tokens ({self.perplexity_tokens}) must be below the shortest length "
+                                  f"({min(self.lengths)}): they are the last tokens of a window of that length")
         if self.perplexity_rows < 1:
             raise SparseSpecError(f"perplexity rows must be >= 1, got {self.perplexity_rows}")
         if self.batch < 1:
@@ -84,16 +88,18 @@ class EvalConfig:
         policy = make_policy(name, opts)
         return None if name == "dense" else policy
 
+    def settings(self) -> dict:
+        """What a results folder's rows depend on besides the model: the seed (sample i of a task and length is
+        made from seed + i), each sparse policy's options, the perplexity windows. Tasks, lengths, the sample
+        count and policies only select rows; the batch changes no result."""
+        policies = {f"policy {spec}": asdict(p.options) for spec in self.policies if (p := self.policy(spec))}
+        perplexity = {"perplexity": {"tokens": self.perplexity_tokens, "rows": self.perplexity_rows}}
+        return {"seed": self.seed, **policies, **(perplexity if self.perplexity_tokens else {})}
 
-def _done(path: Path) -> set[tuple]:
-    if not path.is_file():
-        return set()
-    keys = set()
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            keys.add((r["task"], r["length"], r["policy"], r["sample"]))
-    return keys
+    def asked(self, row: dict) -> bool:
+        """Whether an accuracy or perplexity row is one this configuration asks for."""
+        return row["length"] in self.lengths and row["policy"] in self.policies and (
+            "task" not in row or row["task"] in self.tasks and row["sample"] < self.samples)
 
 
 def _stepper(engine: Engine, cache: KVCache, policy: Policy | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -140,13 +146,14 @@ def _greedy(engine: Engine, cache: KVCache, first_logits: torch.Tensor, policy: 
 
 @torch.inference_mode()
 def run_eval(engine: Engine, cfg: EvalConfig, out: Path, progress: bool = False) -> list[dict]:
-    """Run every missing (task, length, sample, policy) row, appending to out/results.jsonl; return all rows.
+    """Run every missing (task, length, sample, policy) row, appending to out/results.jsonl; return the rows
+    `cfg` asks for (the folder may hold more).
 
     The samples some policy still lacks run in batches of up to `cfg.batch` (one prefill per batch); a policy
     decodes the whole batch but writes only its missing rows."""
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    done = _done(results)
+    done = {(r["task"], r["length"], r["policy"], r["sample"]) for r in read_rows(results)}
     builder = TaskBuilder(engine.tokenizer)
     todo = {(length, task): [i for i in range(cfg.samples) if any((task, length, p, i) not in done
                                                                    for p in cfg.policies)]
@@ -182,7 +189,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, out: Path, progress: bool = False)
                         sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     bar.advance(task_id, len(batch))
-    return [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    return [r for r in read_rows(results) if cfg.asked(r)]
 
 
 @torch.inference_mode()
@@ -208,16 +215,14 @@ def perplexity(engine: Engine, policy: Policy | None, rows: list[list[int]], pre
 def run_perplexity(engine: Engine, cfg: EvalConfig, out: Path, corpus: str = "wiki",
                    progress: bool = False) -> list[dict]:
     """Perplexity of `perplexity_tokens` real tokens after a (length − those) token dense prefix, per policy,
-    over `perplexity_rows` windows (window r: the corpus in the order of seed + 1 + r)."""
+    over `perplexity_rows` windows (window r: the corpus in the order of seed + 1 + r); returns the rows `cfg` asks
+    for."""
     path = out / "perplexity.jsonl"
-    done = {(r["length"], r["policy"]) for r in map(json.loads, path.read_text().splitlines())} \
-        if path.is_file() else set()
+    done = {(r["length"], r["policy"]) for r in read_rows(path)}
     with open(path, "a") as sink, progress_bar() as bar:
         task_id = bar.add_task("perplexity", total=len(cfg.lengths) * len(cfg.policies), visible=progress)
         for length in cfg.lengths:
             prefix = length - cfg.perplexity_tokens
-            if prefix < 1:
-                raise SparseSpecError(f"perplexity tokens must be below the length {length}")
             rows = [engine.tokenizer(corpora.text(corpus, 2 * length, cfg.seed + 1 + r))["input_ids"][:length]
                     for r in range(cfg.perplexity_rows)]
             for spec in cfg.policies:
@@ -228,7 +233,7 @@ def run_perplexity(engine: Engine, cfg: EvalConfig, out: Path, corpus: str = "wi
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                 bar.advance(task_id)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in read_rows(path) if cfg.asked(r)]
 
 
 def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str:

@@ -3,19 +3,23 @@
 For every held-out prompt (spec/prompts.py) and temperature, plain decoding runs first (the reference output and
 the speed baseline), then each drafter. Speed is decode tokens per second after the first token (prefill and
 first token excluded on both sides); speedup = speculative tokens/s over plain tokens/s on the same prompt. At
-T = 0 every speculative output is compared with the plain one token for token (`identical` in each row).
+T = 0 every speculative output is compared with the plain one token for token (`identical` in each row). Rows go
+to `spec.jsonl` as they are measured; a rerun skips the rows already there (`sparsespec bench spec` records the
+settings they were made with, see results.py).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
+from ..results import read_rows
 from ..sampling import SamplingConfig
 from .decode import speculative_generate
 from .drafters import Drafter, ModelDrafter, NgramDrafter
@@ -35,7 +39,7 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
     if kind == "ngram" and not arg:
         return NgramDrafter()
     if kind == "dflash":
-        model = DFlash.load(Path(arg) if arg else drafter_path(target_name), engine.device, DTYPES[dtype])
+        model = DFlash.load(Path(arg) if arg else drafter_path(target_name, progress), engine.device, DTYPES[dtype])
         if model.cfg.target != engine.config:
             raise SparseSpecError(f"the DFlash drafter {arg or target_name} was trained for another target model")
         return DFlashDrafter(model, engine.model)
@@ -60,25 +64,41 @@ class BenchConfig:
             raise SparseSpecError("bench needs prompts >= 1, max-new-tokens >= 2 and block-size >= 2")
         if any(t < 0 for t in self.temperatures):
             raise SparseSpecError("temperatures must be >= 0")
+        if not self.kinds or set(self.kinds) - set(KINDS):
+            raise SparseSpecError(f"unknown prompt kinds {','.join(self.kinds)!r} (choose from {', '.join(KINDS)})")
+
+    def settings(self) -> dict:
+        """What a results folder's rows depend on besides the target and device: everything but the drafters and
+        temperatures, which only select rows (the prompts and their sampling seeds depend on prompts and kinds)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("drafters", "temperatures")}
 
 
 def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, out: Path | None = None,
               progress: bool = False, cuda_graph: bool = True) -> list[dict]:
-    """One row per (prompt, temperature, drafter); written to out/spec.jsonl when `out` is given."""
+    """One row per (prompt, temperature, drafter); with `out`, each row is appended to out/spec.jsonl as it is
+    measured and the rows already there are skipped (plain decoding too where every drafter's row is there).
+    Returns the rows of `drafters` and `cfg.temperatures`."""
     prompts = [p for kind in cfg.kinds for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed)]
-    rows = []
-    with progress_bar() as bar:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    rows = read_rows(out / "spec.jsonl") if out is not None else []
+    done = {(r["prompt"], r["temperature"], r["drafter"]) for r in rows}
+    with progress_bar() as bar, open(out / "spec.jsonl", "a") if out is not None else nullcontext() as sink:
         task = bar.add_task("bench spec", total=len(prompts) * len(cfg.temperatures) * (1 + len(drafters)),
                             visible=progress)
         for i, p in enumerate(prompts):
             ids = engine.encode(p.text, chat=True)
             for T in cfg.temperatures:
+                todo = {name: d for name, d in drafters.items() if (i, T, name) not in done}
+                if not todo:
+                    bar.advance(task, 1 + len(drafters))
+                    continue
                 sampling = SamplingConfig(temperature=T, seed=cfg.seed + i)
                 gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, cuda_graph=cuda_graph)
                 plain = engine.generate([ids], gen)
                 plain_tps = plain.decode_tokens_per_s
-                bar.advance(task)
-                for name, drafter in drafters.items():
+                bar.advance(task, 1 + len(drafters) - len(todo))
+                for name, drafter in todo.items():
                     s = speculative_generate(engine, ids, drafter, gen, cfg.block_size)
                     tps = (len(s.token_ids) - 1) / s.decode_s if s.decode_s > 0 else float("nan")
                     speedup = tps / plain_tps if plain_tps > 0 else float("nan")
@@ -87,11 +107,11 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                                  "committed": s.committed, "tokens_per_s": tps, "plain_tokens_per_s": plain_tps,
                                  "speedup": speedup, "identical": s.token_ids == plain.token_ids[0]
                                  if T == 0 else None})
+                    if sink is not None:
+                        sink.write(json.dumps(rows[-1]) + "\n")
+                        sink.flush()
                     bar.advance(task)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "spec.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
+    return [r for r in rows if r["drafter"] in drafters and r["temperature"] in cfg.temperatures]
 
 
 def report(rows: list[dict], out: Path | None, title: str) -> str:
