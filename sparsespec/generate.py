@@ -2,11 +2,14 @@
 
     prompts --pad right--> prefill (chunks of `prefill_chunk` positions) --> logits of each row's last token
       --> sample --> decode loop: forward(token at position = row length) --> sample --> stop on EOS / string
+    each row's text grows as its tokens arrive (TextStream): `on_text` can show it while it is generated
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +31,8 @@ class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
-    stop_on_eos: bool = True
+    stop_token_ids: tuple[int, ...] = ()  # end a row like EOS (kept in its ids, left out of its text)
+    stop_on_eos: bool = True  # False: every row runs to max_new_tokens (benchmarks)
     prefill_chunk: int = 1024
     cuda_graph: bool = True  # on CUDA, replay the decode step as a CUDA graph
     compile: bool = False  # and run it through torch.compile first (slow start, faster steps)
@@ -139,12 +143,15 @@ class Engine:
         path = resolve(name_or_path, progress=progress)
         return cls(load(path, device=device, dtype=DTYPES[dtype], progress=progress))
 
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+    def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        """Prompt -> token ids; `chat`: as the user's message in the chat template, after `system` if given."""
         if chat:
             if not self.tokenizer.chat_template:
                 raise SparseSpecError("this model's tokenizer has no chat template: drop --chat")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=False)
+            messages = [{"role": "user", "content": prompt}]
+            if system is not None:
+                messages.insert(0, {"role": "system", "content": system})
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(prompt)["input_ids"]
 
@@ -158,11 +165,16 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, progress: bool = False,
-                 policy: Policy | None = None) -> Generation:
-        """Generate for each prompt (token ids); `policy` is the decode attention (None: dense everywhere)."""
+                 policy: Policy | None = None, on_text: Callable[[int, str], None] | None = None) -> Generation:
+        """Generate for each prompt (token ids); `policy` is the decode attention (None: dense everywhere).
+        `on_text(row, text)` receives each row's text in pieces as it is generated: together they are exactly
+        the row's final text. `progress`: bars on stderr for the prefill and, without `on_text`, the decoding."""
         lens = [len(p) for p in prompts]
         for n in lens:
             self.check_fits(n, gen.max_new_tokens)
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in gen.stop_token_ids):
+            raise SparseSpecError(f"stop token ids must be in [0, {vocab}), got {list(gen.stop_token_ids)}")
         if policy is not None and self.config.sliding_window is not None:
             raise SparseSpecError("sparse attention policies do not support sliding-window models yet; use dense")
         B = len(prompts)
@@ -176,27 +188,39 @@ class Engine:
         ttft = time.perf_counter() - start
 
         out: list[list[int]] = [[] for _ in range(B)]
+        streams = [TextStream(self.tokenizer, gen.stop_strings) for _ in range(B)]
         done = [False] * B
-        steps = 0
         if gen.max_new_tokens > 1:
             runner.capture()  # graph capture (and compilation) is set-up, timed neither as first token nor decoding
         start = time.perf_counter()
-        while True:
+        # each pass takes the tokens of the last decode step (the first: the prefill's); `steps` ran so far
+        for steps in track(itertools.count(), "decode", progress and on_text is None, gen.max_new_tokens):
             for b, t in enumerate(tokens.tolist()):
                 if not done[b]:
                     out[b].append(t)
-                    done[b] = self._stopped(out[b], gen)
+                    stop = self._stop_token(t, gen)
+                    if not stop:
+                        streams[b].add(t)
+                    done[b] = stop or streams[b].cut is not None or len(out[b]) >= gen.max_new_tokens
+                    if on_text is not None and (text := streams[b].take()):
+                        on_text(b, text)
             if all(done):
                 break
             tokens = sample(runner.decode(tokens), gen.sampling, rng)
-            steps += 1
         _sync(self.device)
         decode_s = time.perf_counter() - start
         texts = [self._text(ids, gen) for ids in out]
+        if on_text is not None:
+            for b, text in enumerate(texts):
+                if rest := streams[b].take(final=text):
+                    on_text(b, rest)
         return Generation(out, texts, lens, ttft, decode_s, steps)
 
+    def _stop_token(self, token: int, gen: GenerationConfig) -> bool:
+        return gen.stop_on_eos and token in self.eos_ids or token in gen.stop_token_ids
+
     def _stopped(self, ids: list[int], gen: GenerationConfig) -> bool:
-        if gen.stop_on_eos and ids[-1] in self.eos_ids:
+        if self._stop_token(ids[-1], gen):
             return True
         if gen.stop_strings and any(s in self._decode(ids) for s in gen.stop_strings):
             return True
@@ -206,6 +230,42 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _text(self, ids: list[int], gen: GenerationConfig) -> str:
-        text = self._decode(ids)
+        text = self._decode(ids[:-1] if ids and self._stop_token(ids[-1], gen) else ids)
         cuts = [text.index(s) for s in gen.stop_strings if s in text]
         return text[: min(cuts)] if cuts else text
+
+
+class TextStream:
+    """One row's text as its tokens arrive, decoding only the last few each step: ids[prefix:read] decode to the
+    end of `text`; ids[prefix:] decode to that plus the new text, kept once it is stable (a character split
+    across tokens decodes to U+FFFD until its last byte arrives). `take` hands out the text not shown yet, never
+    a stop string or a tail that may begin one."""
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.text = ""
+        self.cut: int | None = None  # where the first stop string begins, once one appeared
+        self.shown = 0  # characters handed out by `take`
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        now = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+            hits = [i for s in self.stop_strings if (i := self.text.find(s, max(0, start - len(s) + 1))) >= 0]
+            self.cut = min(hits, default=None)
+
+    def take(self, final: str | None = None) -> str:
+        """The text that may be shown now and was not yet; `final`: the row's whole text, once it is done."""
+        if final is None:
+            held = max((k for s in self.stop_strings for k in range(1, len(s)) if self.text.endswith(s[:k])),
+                       default=0)
+            final = self.text[: len(self.text) - held if self.cut is None else self.cut]
+        text, self.shown = final[self.shown:], len(final)
+        return text

@@ -7,8 +7,10 @@ from hypothesis import strategies as st
 
 from sparsespec import corpora
 from sparsespec.errors import SparseSpecError
-from sparsespec.generate import GenerationConfig
+from sparsespec.generate import GenerationConfig, TextStream
 from sparsespec.sampling import SamplingConfig, filter_logits, sample
+
+from .conftest import byte_engine
 
 
 @pytest.mark.slow
@@ -51,6 +53,60 @@ def test_stop_string_cuts_text(smollm2_engine):
     stopped = eng.generate([prompt], GenerationConfig(max_new_tokens=16, stop_on_eos=False, stop_strings=(stop,)))
     assert stop not in stopped.texts[0]
     assert len(stopped.token_ids[0]) < len(free.token_ids[0])
+
+
+@pytest.mark.parametrize("stops", [(), ("日本",), ("Köln!",), ("ça va?", "🎉 日")])
+def test_text_stream_shows_stable_text_up_to_a_stop_string(smollm2_engine, stops):
+    """Token by token (characters split across tokens): the pieces never hold a partial character, a stop string
+    or anything past it, and join to the text the whole ids decode to, cut before the first stop string (the first
+    "Köln" is held back while it may begin "Köln!", then shown)."""
+    tok = smollm2_engine.tokenizer
+    ids = tok("Grüße aus Köln 🎉 日本語, ça va? Köln! Tschüss")["input_ids"]
+    whole = tok.decode(ids, skip_special_tokens=True)
+    final = whole[: min([whole.index(s) for s in stops], default=len(whole))]
+    stream, pieces = TextStream(tok, stops), []
+    for t in ids:
+        stream.add(t)
+        pieces.append(stream.take())
+        if stream.cut is not None:
+            break
+    assert not any("\ufffd" in p for p in pieces) and sum(map(bool, pieces)) > 5
+    assert "".join(pieces) == final[: len("".join(pieces))]
+    assert "".join(pieces) + stream.take(final=final) == final
+    if stops:
+        assert "".join(pieces) == final  # stopped: nothing was held back
+
+
+@pytest.mark.slow
+def test_streamed_text_equals_final_text(smollm2_engine):
+    """`on_text` pieces, handed out while a batch generates (non-ASCII output, characters split across tokens),
+    join to exactly each row's final text."""
+    eng = smollm2_engine
+    prompts = [eng.encode(p) for p in ("日本の首都は", "Emoji story: 🎉🎈", "Grüße aus Köln! Die Stadt")]
+    pieces: list[list[str]] = [[] for _ in prompts]
+    result = eng.generate(prompts, GenerationConfig(max_new_tokens=8, stop_on_eos=False, stop_strings=("ll",)),
+                          on_text=lambda b, text: pieces[b].append(text))
+    for b, text in enumerate(result.texts):
+        assert "".join(pieces[b]) == text and "ll" not in text
+    assert any(len(p) > 2 for p in pieces)  # shown as generated, not at the end
+
+
+def test_streamed_text_equals_final_text_on_broken_utf8(one_thread):
+    """A random model on a byte tokenizer: split and invalid UTF-8 everywhere, rows ending mid-character."""
+    eng = byte_engine()
+    prompts = [list("Grüße aus Köln 🎉".encode()), list("日本の首都は".encode()), [200]]
+    for stops in ((), ("e", "\ufffd\ufffd")):
+        pieces: list[list[str]] = [[] for _ in prompts]
+        gen = GenerationConfig(max_new_tokens=64, sampling=SamplingConfig(temperature=1.0, seed=0), stop_strings=stops)
+        result = eng.generate(prompts, gen, on_text=lambda b, text: pieces[b].append(text))
+        assert ["".join(p) for p in pieces] == result.texts
+
+
+def test_chat_system_message(smollm2_engine):
+    eng = smollm2_engine
+    with_system = eng.tokenizer.decode(eng.encode("Say hi.", chat=True, system="Answer in French."))
+    assert "Answer in French." in with_system and with_system.endswith("Say hi.<|im_end|>\n<|im_start|>assistant\n")
+    assert "Answer in French." not in eng.tokenizer.decode(eng.encode("Say hi.", chat=True))
 
 
 def test_prompt_longer_than_context_is_refused(smollm2_engine):

@@ -19,21 +19,22 @@ from pathlib import Path
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, device_ints, group_max
+from .policy import PolicyOptions, SelectionPolicy, device_ints, group_max, option
 
 WORD = 64
 
 
 @dataclass(frozen=True)
 class BinaryPCOptions(PolicyOptions):
-    bits: int = 64  # code width
-    iters: int = 4  # alternating steps per bit (the paper: 4 online, 8 offline)
-    seed: int = 0
-    safeguard: float = 0.1  # share of the budget kept for the keys with the largest reconstruction error
-    probe_bits: int = 7  # magnitude bits of the quantised probe
-    encode_decoded: bool = False  # hash decoded tokens once they leave the recent window (bounded budget)
-    basis: str = ""  # a calibrated basis file (`sparsespec calibrate binarypc`); empty: fit on each prompt
-    fit_tokens: int = 8192  # fit the basis on at most this many keys per head, evenly spaced (0: every key)
+    bits: int = option(64, "code width: bits of each key's binary code")
+    iters: int = option(4, "alternating fitting steps per bit (the paper: 4 online, 8 offline)")
+    seed: int = option(0, "seed of the basis fit's random starts")
+    safeguard: float = option(0.1, "share of the budget kept for the keys with the largest reconstruction error")
+    probe_bits: int = option(7, "magnitude bits of the quantised query probe")
+    encode_decoded: bool = option(False, "hash decoded tokens once they leave the recent window (bounded budget; "
+                                         "false: they are all attended)")
+    basis: str = option("", "a calibrated basis file (`sparsespec calibrate binarypc`); empty: fit on each prompt")
+    fit_tokens: int = option(8192, "fit the basis on at most this many keys per head, evenly spaced (0: every key)")
 
     def __post_init__(self):
         super().__post_init__()

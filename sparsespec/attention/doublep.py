@@ -48,7 +48,7 @@ import torch
 
 from ..cache import KVCache
 from ..errors import SparseSpecError
-from .policy import Policy, PolicyOptions, device_ints
+from .policy import Policy, PolicyOptions, device_ints, option
 
 _CHUNK = 1 << 24  # elements of one [G, n, k] distance block in `nearest`
 _CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster"),
@@ -59,20 +59,24 @@ _CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded
 class DoublePOptions(PolicyOptions):
     sinks: int = 4
     window: int = 64
-    p1: float = 0.95  # cluster-level top-p: the selected set (kept tokens + clusters) reaches this estimated mass
-    p2: float = 0.7  # the part of it attended exactly, token by token
-    cluster_size: int = 16  # target average tokens per cluster
-    kmeans_iters: int = 10
-    seed: int = 0
-    p2_of: str = "total"  # p2 against the total estimated mass, or "selected": against the p1 set's mass
-    tail: str = "approx"  # p1 clusters outside the p2 set: centroid terms, or "drop"
-    decoded: str = "assign"  # decoded tokens leaving the window join the nearest cluster, or "window": stay exact,
-    # or "recluster": join the nearest cluster, and k-means is run again over everything outside the sinks and the
-    # window once `recluster_every` tokens have joined since the last clustering
-    recluster_every: int = 256
-    estimate: str = "spread"  # cluster log-mass for the selection: x_i + log s_i plus the cluster's second-order
-    # term ½ Σ_d q_d² var_{i,d} / D (Jensen's gap of a Gaussian cluster with diagonal covariance), or "centroid":
-    # x_i + log s_i alone (the paper's size-weighted centroid, which loses needles: docs/results/doublep.md)
+    p1: float = option(0.95, "cluster-level top-p: the selected set (kept tokens + clusters) reaches this "
+                             "estimated mass")
+    p2: float = option(0.7, "the part of the mass attended exactly, token by token")
+    cluster_size: int = option(16, "target average tokens per cluster")
+    kmeans_iters: int = option(10, "k-means iterations per clustering")
+    seed: int = option(0, "seed of the k-means starts")
+    p2_of: str = option("total", "p2 against the total estimated mass, or selected: against the p1 set's mass")
+    tail: str = option("approx", "p1 clusters outside the p2 set: approx (centroid terms) or drop")
+    # "recluster": decoded tokens join the nearest cluster, and k-means is run again over everything outside the
+    # sinks and the window once `recluster_every` tokens have joined since the last clustering
+    decoded: str = option("assign", "decoded tokens leaving the window: assign (join the nearest cluster), "
+                                    "window (stay exact) or recluster (assign, and re-run k-means now and then)")
+    recluster_every: int = option(256, "decoded=recluster: re-run k-means once this many tokens have joined")
+    # "spread": x_i + log s_i plus the cluster's second-order term ½ Σ_d q_d² var_{i,d} / D (Jensen's gap of a
+    # Gaussian cluster with diagonal covariance); "centroid": x_i + log s_i alone (the paper's size-weighted
+    # centroid, which loses needles: docs/results/doublep.md)
+    estimate: str = option("spread", "cluster log-mass for the selection: spread (centroid + variance term) or "
+                                     "centroid")
 
     def __post_init__(self):
         super().__post_init__()

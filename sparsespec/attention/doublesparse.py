@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, group_max
+from .policy import PolicyOptions, SelectionPolicy, group_max, option
 
 
 @dataclass(frozen=True)
 class DoubleSparseOptions(PolicyOptions):
-    channels: int = 16  # label channels per KV head
-    labels: str = ""  # label-channel file from `sparsespec calibrate doublesparse`
+    channels: int = option(16, "label channels per KV head (the channels scored)")
+    labels: str = option("", "label-channel file from `sparsespec calibrate doublesparse`")
 
     def __post_init__(self):
         super().__post_init__()

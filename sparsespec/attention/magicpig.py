@@ -24,17 +24,17 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, device_ints
+from .policy import PolicyOptions, SelectionPolicy, device_ints, option
 
 
 @dataclass(frozen=True)
 class MagicPIGOptions(PolicyOptions):
     sinks: int = 4
     window: int = 64
-    hash_bits: int = 8  # K: bits per table
-    tables: int = 64  # L
-    min_collisions: int = 2  # tables a key must share with the query to be a candidate
-    seed: int = 0
+    hash_bits: int = option(8, "K: SimHash bits per table")
+    tables: int = option(64, "L: hash tables")
+    min_collisions: int = option(2, "tables a key must share with the query to be a candidate")
+    seed: int = option(0, "seed of the random hyperplanes")
 
     def __post_init__(self):
         super().__post_init__()

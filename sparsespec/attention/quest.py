@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, device_ints
+from .policy import PolicyOptions, SelectionPolicy, device_ints, option
 
 
 @dataclass(frozen=True)
 class QuestOptions(PolicyOptions):
-    page: int = 16  # slots per page
+    page: int = option(16, "tokens per page (pages are scored by their keys' min/max bounds)")
 
     def __post_init__(self):
         super().__post_init__()

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SparseSpecError
-from .policy import Policy, PolicyOptions, attend_selected, forced_slots
+from .policy import Policy, PolicyOptions, attend_selected, forced_slots, option
 
 
 @dataclass(frozen=True)
 class TopPOptions(PolicyOptions):
-    p: float = 0.95
+    p: float = option(0.95, "attend the smallest set of keys holding this share of the attention mass")
 
     def __post_init__(self):
         super().__post_init__()
@@ -32,9 +32,9 @@ class TopPOptions(PolicyOptions):
 
 @dataclass(frozen=True)
 class TwilightOptions(TopPOptions):
-    base: str = "quest"  # the candidate selector (a selection policy name)
-    candidates: float = 0.25  # the base selector's budget: a share of the context (<= 1) or a token count
-    bits: int = 4  # precision of the key estimate
+    base: str = option("quest", "the candidate selector (a selection policy name)")
+    candidates: float = option(0.25, "the candidate selector's budget: a share of the context (<= 1) or a count")
+    bits: int = option(4, "bits of the quantised keys that estimate the attention mass")
 
     def __post_init__(self):
         super().__post_init__()
