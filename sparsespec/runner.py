@@ -12,12 +12,18 @@ step eagerly. Dense decoding replays the dense graph as before.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention.policy import Policy
 from .cache import KVCache
 from .graphs import CudaGraphDecodeStep
 from .models.transformer import Transformer
+
+
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Runner:
@@ -28,15 +34,29 @@ class Runner:
         weight = model.embed_tokens.weight
         self.model = model
         self.cache = KVCache(model.cfg, batch, capacity, weight.dtype, weight.device)
-        self.policy = policy
         self.device = weight.device
-        self.graphed = cuda_graph and self.device.type == "cuda" and (policy is None or policy.graphable)
-        self.compile = compile
+        self.cuda_graph, self.compile, self.prefer_fixed = cuda_graph, compile, fixed
         self.graph: CudaGraphDecodeStep | None = None
-        self.fixed = policy is not None and policy.graphable and (self.device.type == "cuda" if fixed is None
-                                                                   else fixed)
-        self.graphed = self.graphed and (policy is None or self.fixed)
-        self.sparse_layers = 0 if policy is None else sum(policy.is_sparse(i) for i in range(model.cfg.num_layers))
+        self._set(policy)
+
+    def _set(self, policy: Policy | None) -> None:
+        self.policy = policy
+        cuda = self.device.type == "cuda"
+        self.fixed = policy is not None and policy.graphable and (cuda if self.prefer_fixed is None
+                                                                   else self.prefer_fixed)
+        self.graphed = self.cuda_graph and cuda and (policy is None or self.fixed)
+        self.graph = None  # a graph holds its policy's buffers: captured again for another one
+        self.sparse_layers = 0 if policy is None else sum(policy.is_sparse(i) for i in
+                                                          range(self.model.cfg.num_layers))
+
+    def use(self, policy: Policy | None) -> None:
+        """Decode from the committed tokens on with `policy` (its index built now); e.g. every policy of an
+        evaluation after one shared prefill (truncate to the prompt lengths first)."""
+        if policy is not self.policy or policy is None:
+            if self.policy is not None:
+                self.policy.end_fixed()
+            self._set(policy)
+        self.build()
 
     @property
     def lengths(self) -> list[int]:
@@ -83,11 +103,10 @@ class Runner:
             self.capture()
             logits = self.graph(tokens, positions)
         else:
-            if policy is not None and policy.fixed is None:
-                with policy.stepping(cache.lengths):
-                    hidden = self.model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1,
-                                        policy=policy)
-            else:
+            # eager CUDA steps keep cuDNN out of dense attention (it plans anew for every key count, ~40 ms a
+            # step); an eager policy is told the step's positions so it reads none back from the device
+            with sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext(), \
+                    policy.stepping(cache.lengths) if policy is not None and policy.fixed is None else nullcontext():
                 hidden = self.model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1,
                                     policy=policy)
             logits = self.model.logits(hidden[:, -1])
