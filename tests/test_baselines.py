@@ -109,7 +109,7 @@ def test_quest_scores_are_group_summed_page_bounds_and_skip_uncommitted_slots():
                 assert (scores[b, :, s] == float("-inf")).all()
     # Top slots are top pages: the budget of two pages picks exactly the two best committed pages' slots
     # (+ the current token), when its page is not among them.
-    policy = Quest(QuestOptions(dense_layers=0, page=page, budget=2 * page + 1))
+    policy = Quest(QuestOptions(dense_layers=0, page=page, budget=2 * page + 1, min_tokens=0))
     idx, valid = policy.select(0, q, cache, positions)
     b = 0
     for h in range(2):

@@ -115,9 +115,11 @@ def test_planted_needle_is_always_selected(seed):
 def test_budget_rules_and_forced_slots():
     scores = torch.zeros(1, 1, 100)
     scores[0, 0, 50] = 5.0
-    opts = BinaryPCOptions(budget=0.1, sinks=2, window=3)
+    opts = BinaryPCOptions(budget=0.1, sinks=2, window=3, min_tokens=0)
     idx, valid = select_top(scores, torch.tensor([99]), opts)
     chosen = set(idx[0, 0][valid[0, 0]].tolist())
     assert len(chosen) == 10 and {0, 1, 97, 98, 99, 50} <= chosen
     assert BinaryPCOptions(budget=2048).tokens(10_000) == 2048
+    assert BinaryPCOptions().tokens(1000) == 256 and BinaryPCOptions().tokens(100) == 100  # the default floor
+    assert BinaryPCOptions(min_tokens=0).tokens(1000) == 20
     assert BinaryPCOptions(budget=0.02, min_tokens=128).tokens(1000) == 128

@@ -129,7 +129,7 @@ def test_calibrated_basis_round_trip(tmp_path, capsys):
 @pytest.mark.slow
 def test_fidelity_is_exact_at_full_budget_and_orders_methods(smollm2_engine):
     cfg = FidelityConfig(length=256, contexts=("natural",), budgets=(1.0, 0.1), policies=("topk", "streaming"),
-                         steps=2)
+                         options=("min_tokens=0",), steps=2)
     rows = {(r["policy"], r["budget"]): r for r in run_fidelity(smollm2_engine.model, smollm2_engine.tokenizer, cfg)}
     for name in ("topk", "streaming"):
         assert rows[name, 1.0]["mass_recall"] > 0.9999 and rows[name, 1.0]["output_error"] < 1e-4

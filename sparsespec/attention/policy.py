@@ -38,7 +38,8 @@ class PolicyOptions:
     token count. The budget counts every attended token: sinks, window and the current token included."""
 
     budget: float = option(0.02, "keys attended per step: a share of the context if <= 1 (0.02 = 2%), else a count")
-    min_tokens: int = option(0, "attend at least this many keys whatever the budget")
+    min_tokens: int = option(256, "attend at least this many keys whatever the budget, so a short context is not "
+                                   "cut to a handful of keys (docs/results/token_floor.md)")
     dense_layers: int = option(2, "the first N layers decode with dense attention")
     sinks: int = option(0, "the first N tokens (attention sinks) are always attended")
     window: int = option(0, "the N most recent tokens are always attended")
