@@ -17,6 +17,23 @@ class _Parser(argparse.ArgumentParser):
         raise SparseSpecError(message)
 
 
+class _TopParser(_Parser):
+    def parse_args(self, args=None, namespace=None):
+        if not (sys.argv[1:] if args is None else args):  # `sparsespec` alone: the commands, not an error
+            self.print_help()
+            self.exit()
+        return super().parse_args(args, namespace)
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("sparsespec")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -34,25 +51,45 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if any(t < 0 for t in ids):
+        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {text!r}")
+    return ids
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models.loading import DTYPES
     from .models.registry import DEFAULT_MODEL
 
-    parser = _Parser(prog="sparsespec", description="Long-context decoding: sparse attention + lossless speculation.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _TopParser(prog="sparsespec", description="Long-context decoding: sparse attention + lossless "
+                        "speculation.", epilog="`sparsespec COMMAND --help` shows a command's options.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands",
+                                metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
+    src.add_argument("--prompts-file", help="several prompts generated as one batch: one per line, or JSON lines "
+                     "{\"prompt\": ...} in a .jsonl file ('-' for stdin)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=_float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=_token_ids, default=(), metavar="ID,ID,...",
+                   help="token ids that end the text like EOS")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS: always --max-new-tokens "
+                   "(benchmarks)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="--chat: a system message before the prompt")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     g.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     g.add_argument("--prefill-chunk", type=_positive_int, default=1024)
@@ -66,22 +103,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                    "shipped drafter; a packaged model's own file is recognised)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="speculation: tokens verified per step")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt (a line each) instead of "
+                   "text")
+    g.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal "
+                   "(plain lines)")
 
     tr = sub.add_parser("train", help="train a drafter")
     trs = tr.add_subparsers(dest="what", required=True, parser_class=_Parser)
     td = trs.add_parser("dflash", help="train a DFlash block-diffusion drafter on the target's own answers")
-    td.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder")
+    td.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder "
+                    "(default: %(default)s)")
     td.add_argument("--out", required=True, help="folder for data, checkpoints and the drafter (resumes from it)")
-    for name, default in (("prompts", 512), ("heldout", 32), ("max-new-tokens", 256), ("gen-batch", 32),
-                          ("layers", 1), ("block-size", 16), ("taps", 3), ("steps", 2000), ("batch", 8),
-                          ("anchors", 64), ("eval-every", 200)):
-        td.add_argument(f"--{name}", type=_positive_int, default=default)
-    td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (0: the target's)")
-    td.add_argument("--lr", type=_float, default=6e-4)
-    td.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation; 0 = none")
-    td.add_argument("--seed", type=int, default=0)
-    td.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    for name, default, text in (
+            ("prompts", 512, "training prompts (half code, half text) the target answers"),
+            ("heldout", 32, "held-out prompts for the acceptance (tau) estimate"),
+            ("max-new-tokens", 256, "answer length the target generates per prompt"),
+            ("gen-batch", 32, "prompts per target generation batch"),
+            ("layers", 1, "drafter decoder layers"),
+            ("block-size", 16, "tokens per drafted block (the anchor + the tokens drafted after it)"),
+            ("taps", 3, "target layers whose features condition the drafter (spread evenly)"),
+            ("steps", 2000, "optimisation steps"),
+            ("batch", 8, "sequences per step"),
+            ("anchors", 64, "blocks per sequence per step"),
+            ("eval-every", 200, "steps between held-out evaluations (and checkpoints)")):
+        td.add_argument(f"--{name}", type=_positive_int, default=default, help=f"{text} (default: %(default)s)")
+    td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: 0, the target's)")
+    td.add_argument("--lr", type=_float, default=6e-4, help="AdamW peak learning rate (default: %(default)s)")
+    td.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
+    td.add_argument("--seed", type=int, default=0, help="seed of the prompts and the training (default: %(default)s)")
+    td.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
     td.add_argument("--dtype", choices=list(DTYPES), default=None, help="target dtype; default: float32 on cpu, "
                     "bfloat16 on cuda (the drafter trains in fp32 with bf16 autocast on cuda)")
 
@@ -100,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     sp.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     sp.add_argument("--no-cuda-graph", action="store_true", help="cuda: run plain and verify steps eagerly")
-    sp.add_argument("--out", default=None, help="folder for spec.jsonl, spec.md and spec_histogram.png")
+    sp.add_argument("--out", default=None, help="folder for spec.jsonl, spec.md and spec_histogram.png (a rerun "
+                    "with the same settings resumes it)")
 
     for what, text in (("attention", "one sparse attention layer vs SDPA (flash), random keys in real shapes"),
                        ("decode", "the whole decode step: dense CUDA graph vs the graph-captured sparse step")):
@@ -161,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ev.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    ev.add_argument("--out", default="eval-results", help="folder for results.jsonl, accuracy.md / .png")
+    ev.add_argument("--out", default="eval-results", help="folder for results.jsonl, accuracy.md / .png (a rerun "
+                    "with the same model, seed and options resumes it)")
 
     pol = sub.add_parser("policies", help="list the attention policies and their options")
     pol.add_argument("--json", action="store_true")
@@ -188,56 +240,91 @@ def _writable_folder(path: str):
     return folder
 
 
+def _read_prompts(args) -> list[str]:
+    """--prompt, the text of --prompt-file, or the lines (JSON lines: their "prompt") of --prompts-file."""
+    if args.prompt is not None:
+        return [args.prompt]
+    path = args.prompt_file or args.prompts_file
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+    except OSError as e:
+        raise SparseSpecError(f"cannot read prompt file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SparseSpecError(f"prompt file {path} is not UTF-8 text") from None
+    if args.prompt_file is not None:
+        return [text]
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise SparseSpecError(f"no prompts in {path}")
+    if not path.endswith(".jsonl"):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            prompt = json.loads(line)["prompt"]
+        except (ValueError, KeyError, TypeError):
+            prompt = None
+        if not isinstance(prompt, str):
+            raise SparseSpecError(f"{path} line {n}: expected a JSON object with a \"prompt\" string")
+        prompts.append(prompt)
+    return prompts
+
+
 def cmd_generate(args) -> None:
     from .attention import make_policy, parse_spec
     from .generate import Engine, GenerationConfig
     from .sampling import SamplingConfig
 
-    if args.prompt is not None:
-        prompt = args.prompt
-    elif args.prompt_file == "-":
-        prompt = sys.stdin.read()
-    else:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as fh:
-                prompt = fh.read()
-        except OSError as e:
-            raise SparseSpecError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise SparseSpecError(f"prompt file {args.prompt_file} is not UTF-8 text") from None
+    if args.system is not None and not args.chat:
+        raise SparseSpecError("--system is a chat message: add --chat")
+    prompts = _read_prompts(args)
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
         stop_strings=tuple(args.stop),
+        stop_token_ids=args.stop_token_ids,
+        stop_on_eos=not args.ignore_eos,
         prefill_chunk=args.prefill_chunk,
         compile=args.compile,
     )
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     name, inline = parse_spec(args.attention)
-    policy = make_policy(name, [*inline, *args.attention_opt])
-    progress = sys.stderr.isatty()
-    if args.draft != "none" and name != "dense":
+    if name == "dense" and (inline or args.attention_opt):
+        raise SparseSpecError("--attention-opt needs a sparse --attention policy (dense attention has no options)")
+    policy = None if name == "dense" else make_policy(name, [*inline, *args.attention_opt])
+    progress = args.progress or sys.stderr.isatty()
+    if args.draft != "none" and policy is not None:
         raise SparseSpecError("--draft with a sparse --attention policy is not supported yet: use one of them")
+    if args.draft != "none" and len(prompts) > 1:
+        raise SparseSpecError("--draft generates for one prompt at a time: use --prompt or --prompt-file")
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
-    ids = engine.encode(prompt, chat=args.chat)
+    ids = [engine.encode(p, chat=args.chat, system=args.system) for p in prompts]
     if args.draft != "none":
-        _speculate(args, engine, ids, gen, dtype, progress)
+        _speculate(args, engine, ids[0], gen, dtype, progress)
         return
-    result = engine.generate([ids], gen, progress=progress, policy=None if name == "dense" else policy)
-    record = {
-        "token_ids": result.token_ids[0],
-        "text": result.texts[0],
-        "prompt_tokens": result.prompt_tokens[0],
-        "ttft_s": round(result.ttft_s, 6),
-        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3),
-    }
+    stream = len(ids) == 1 and not args.json  # show the text as it is generated
+    result = engine.generate(ids, gen, progress=progress, policy=policy,
+                             on_text=(lambda _, text: print(text, end="", flush=True)) if stream else None)
+    attended = None if policy is None else policy.mean_attended  # keys per KV head and step, sparse layers
     if args.json:
-        print(json.dumps(record))
+        for b, text in enumerate(result.texts):
+            print(json.dumps({"token_ids": result.token_ids[b], "text": text,
+                              "prompt_tokens": result.prompt_tokens[b], "ttft_s": round(result.ttft_s, 6),
+                              "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)}))
     else:
-        print(result.texts[0])
-        print(f"[{record['prompt_tokens']} prompt tokens, {len(record['token_ids'])} generated | "
-              f"time to first token {result.ttft_s:.3f} s | decode {result.decode_tokens_per_s:.1f} tok/s | "
-              f"{args.model} on {args.device} ({dtype}), attention {args.attention}]", file=sys.stderr)
+        print("" if stream else "\n".join(result.texts))  # (streamed: end its line)
+        counts = ((f"{len(ids)} prompts, " if len(ids) > 1 else "") + f"{sum(result.prompt_tokens)} prompt tokens, "
+                  f"{sum(map(len, result.token_ids))} generated")
+        keys = "" if attended is None else f": {attended:.1f} tokens attended per step"
+        print(f"[{counts} | time to first token {result.ttft_s:.3f} s | decode {result.decode_tokens_per_s:.1f} "
+              f"tok/s | {args.model} on {args.device} ({dtype}), attention {args.attention}{keys}]", file=sys.stderr)
+    if attended is not None and attended < min(64, *result.prompt_tokens):
+        print(f"sparsespec: warning: {name} attended only {attended:.1f} tokens per step: expect garbage; raise "
+              "the budget (--attention-opt budget=...) or min_tokens", file=sys.stderr)
 
 
 def _speculate(args, engine, ids, gen, dtype, progress) -> None:
@@ -282,7 +369,8 @@ def cmd_bench(args) -> None:
     if args.what in ("attention", "decode"):
         return cmd_bench_sparse(args)
     from .generate import Engine
-    from .spec.bench import BenchConfig, make_drafter, report, run_bench
+    from .results import check_folder, record_settings
+    from .spec.bench import ROW_FILES, BenchConfig, make_drafter, report, run_bench
 
     try:
         temps = tuple(float(t) for t in args.temperatures.split(","))
@@ -291,13 +379,21 @@ def cmd_bench(args) -> None:
     cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts,
                       kinds=tuple(k.strip() for k in args.kinds.split(",")), temperatures=temps,
                       max_new_tokens=args.max_new_tokens, block_size=args.block_size)
-    out = _writable_folder(args.out) if args.out else None
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    name = args.target_name or args.target
+    settings = {"target": args.target, "target_name": args.target_name, "dtype": dtype, "device": args.device,
+                "cuda_graph": not args.no_cuda_graph, **cfg.settings()}
+    if args.out:
+        check_folder(args.out, settings, ROW_FILES)
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
-    name = args.target_name or args.target
+    if engine.config.sliding_window is not None:
+        raise SparseSpecError("speculative decoding does not support sliding-window models yet")
     drafters = {d: make_drafter(d, engine, name, args.device, dtype, progress, not args.no_cuda_graph)
                 for d in cfg.drafters}
+    out = _writable_folder(args.out) if args.out else None  # only now: a refused run leaves no folder behind
+    if out is not None:
+        record_settings(out, settings, ROW_FILES)
     rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph)
     device = torch_device_name(args.device)
     print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, real weights) on {device}, block "
@@ -439,21 +535,27 @@ def cmd_fidelity(args) -> None:
 
 def cmd_eval(args) -> None:
 
-    from .eval.harness import EvalConfig, parse_length, report, run_eval, run_perplexity
+    from .eval.harness import ROW_FILES, EvalConfig, parse_length, report, run_eval, run_perplexity
     from .eval.tasks import TASKS
     from .generate import Engine
+    from .results import check_folder, record_settings
 
     tasks = TASKS if args.tasks == "all" else tuple(t.strip() for t in args.tasks.split(","))
     cfg = EvalConfig(tasks=tasks, lengths=tuple(parse_length(x) for x in args.lengths.split(",")),
                      samples=args.samples, policies=tuple(args.attention), options=tuple(args.attention_opt),
                      seed=args.seed, perplexity_tokens=args.perplexity_tokens, perplexity_rows=args.perplexity_rows,
                      batch=args.batch)
-    out = _writable_folder(args.out)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    settings = {"model": args.model, "dtype": dtype, "device": args.device, **cfg.settings()}
+    check_folder(args.out, settings, ROW_FILES)
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     for length in cfg.lengths:
         engine.check_fits(length, 64)
+    if engine.config.sliding_window is not None and any(cfg.policy(p) is not None for p in cfg.policies):
+        raise SparseSpecError("sparse attention policies do not support sliding-window models yet; use dense")
+    out = _writable_folder(args.out)  # only now: a refused run leaves no folder behind
+    record_settings(out, settings, ROW_FILES)
     rows = run_eval(engine, cfg, out, progress)
     ppl = run_perplexity(engine, cfg, out, progress=progress) if cfg.perplexity_tokens else []
     title = f"Accuracy: {args.model} (real weights, {dtype}, {args.device}), seed {args.seed}"
@@ -465,12 +567,20 @@ def cmd_policies(args) -> None:
 
     from .attention import POLICIES
 
-    rows = {name: {f.name: f.default for f in dataclasses.fields(cls.Options)} for name, cls in POLICIES.items()}
+    from .attention.policy import PolicyOptions
+
+    shared = {f.name: f.metadata["help"] for f in dataclasses.fields(PolicyOptions)}  # a subclass may re-default
+    rows = {name: {f.name: {"default": f.default, "help": f.metadata.get("help", shared.get(f.name))}
+                   for f in dataclasses.fields(cls.Options) if name != "dense"} for name, cls in POLICIES.items()}
     if args.json:
         print(json.dumps(rows, indent=1))
         return
     for name, options in rows.items():
-        print(f"{name}: " + " ".join(f"{k}={v}" for k, v in options.items()))
+        print(name if options else f"{name}: no options")
+        pairs = {f"{k}={o['default']}": o["help"] for k, o in options.items()}
+        width = max(map(len, pairs), default=0)
+        for pair, text in pairs.items():
+            print(f"  {pair:{width}}  {text}")
 
 
 def cmd_corpus(args) -> None:

@@ -1,5 +1,6 @@
 """The CLI: JSON output, the model list, and a clear one-line error (exit 2, no traceback) for each bad input."""
 
+import io
 import json
 import shutil
 import subprocess
@@ -43,6 +44,11 @@ def tiny_folder(tmp_path_factory):
     (["generate"], "required"),
     (["generate", "--prompt", "hi", "--model", "no-such-model"], "model not found"),
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+    (["generate", "--prompts-file", "/nonexistent/prompts.jsonl"], "cannot read prompt file"),
+    (["generate", "--prompt", "hi", "--system", "Be brief."], "--chat"),
+    (["generate", "--prompt", "hi", "--attention-opt", "budget=0.5"], "sparse --attention"),
+    (["generate", "--prompt", "hi", "--attention", "dense:budget=0.5"], "sparse --attention"),
+    (["generate", "--prompt", "hi", "--stop-token-ids", "2,x"], "comma-separated token ids"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_invalid_options(capsys, argv, needle):
@@ -146,3 +152,189 @@ def test_fidelity_refuses_dense(capsys):
 def test_unknown_task_and_bad_length(capsys):
     assert_clear_error(*run_main(capsys, "eval", "--tasks", "nope")[::2], "unknown task")
     assert_clear_error(*run_main(capsys, "eval", "--lengths", "4q")[::2], "invalid length")
+
+
+@pytest.fixture
+def byte_model(monkeypatch, one_thread):
+    """Every model name loads the same tiny byte-level engine (the settings, not the weights, are under test)."""
+    from sparsespec.generate import Engine
+
+    from .conftest import byte_engine
+
+    engine = byte_engine()
+    monkeypatch.setattr(Engine, "from_name", lambda *args, **kwargs: engine)
+    return engine
+
+
+def test_an_eval_folder_takes_rows_only_from_its_own_settings_and_reports_only_what_was_asked(capsys, tmp_path,
+                                                                                               byte_model):
+    out = tmp_path / "eval"
+
+    def run(*extra, attention=("dense", "topk")):
+        return run_main(capsys, "eval", "--model", "a", "--tasks", "niah_single", "--lengths", "300", "--samples", "1",
+                        "--out", str(out), "--attention", *attention, *extra)
+
+    assert run()[0] == 0
+    rows = (out / "results.jsonl").read_text()
+    for other, setting in ((["--model", "b"], "model"), (["--seed", "1"], "seed"), (["--dtype", "bfloat16"], "dtype"),
+                           (["--attention-opt", "budget=0.5"], "policy topk")):
+        assert_clear_error(*run(*other)[::2], f"other settings ({setting})", "another --out")
+    code, table, _ = run()  # the same settings resume: nothing is recomputed
+    assert code == 0 and (out / "results.jsonl").read_text() == rows and "| task | length | dense | topk |" in table
+    code, table, _ = run("--perplexity-tokens", "20", attention=("topk:budget=0.5",))  # a policy new to the folder
+    assert code == 0 and "dense" not in table and "| task | length | topk:budget=0.5 |" in table
+    assert "| perplexity | length | topk:budget=0.5 |" in table
+    assert_clear_error(*run("--perplexity-tokens", "30")[::2], "other settings (perplexity)")
+    code, table, _ = run(attention=("topk",))
+    assert code == 0 and "| task | length | topk |" in table and "perplexity" not in table
+
+
+def test_a_bench_folder_takes_rows_only_from_its_own_settings(capsys, tmp_path, byte_model):
+    out = tmp_path / "bench"
+
+    def run(*extra, temperatures="0"):
+        return run_main(capsys, "bench", "spec", "--target", "a", "--drafters", "ngram", "--prompts", "1", "--kinds",
+                        "code", "--max-new-tokens", "6", "--block-size", "3", "--temperatures", temperatures,
+                        "--out", str(out), *extra)
+
+    out.mkdir()  # beside an eval's rows made with other settings: each command's rows have their own record
+    (out / "results.jsonl").write_text('{"task": "vt"}\n')
+    (out / "results.settings.json").write_text('{"seed": 5, "dtype": "bfloat16"}\n')
+    assert run()[0] == 0 and len((out / "spec.jsonl").read_text().splitlines()) == 1
+    for other, setting in ((["--target", "b"], "target"), (["--max-new-tokens", "7"], "max_new_tokens")):
+        assert_clear_error(*run(*other)[::2], f"other settings ({setting})", "another --out")
+    code, table, _ = run(temperatures="0,1")  # adds the T = 1 rows
+    assert code == 0 and len((out / "spec.jsonl").read_text().splitlines()) == 2 and "| ngram | code (1) | 1 |" in table
+    code, table, _ = run(temperatures="1")
+    assert code == 0 and "| ngram | code (1) | 1 |" in table and "| 0 |" not in table
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["bench", "spec", "--target", "no-such-model"], "not found"),  # as the README's 1.5B when it is not installed
+    (["eval", "--model", "no-such-model"], "not found"),
+    (["eval", "--model", "no-such-model", "--perplexity-tokens", "5000", "--lengths", "2k"], "perplexity tokens"),
+])
+def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, argv, needle):
+    assert_clear_error(*run_main(capsys, *argv, "--out", str(tmp_path / "out"))[::2], needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_arguments_lists_the_commands_and_version(capsys):
+    from importlib.metadata import version
+
+    for argv, needles in (([], ("generate", "policies", "train", "--version")),
+                          (["--version"], (version("sparsespec"),))):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        out = capsys.readouterr().out
+        assert exit_.value.code in (0, None) and all(n in out for n in needles), out
+
+
+def test_policies_describe_every_option(capsys):
+    code, out, _ = run_main(capsys, "policies", "--json")
+    rows = json.loads(out)
+    assert code == 0 and rows["dense"] == {} and rows["binarypc"]["bits"]["default"] == 64
+    assert all(o["help"] for options in rows.values() for o in options.values())
+    text = run_main(capsys, "policies")[1]
+    assert all(o["help"] in text for o in rows["doublep"].values())
+
+
+def test_train_dflash_help_describes_every_option(capsys):
+    import argparse
+
+    from sparsespec.cli import build_parser
+
+    def sub(parser, name):
+        return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+    assert all(action.help for action in sub(sub(build_parser(), "train"), "dflash")._actions)
+    with pytest.raises(SystemExit):
+        main(["train", "dflash", "--help"])
+    assert "optimisation steps (default: 2000)" in " ".join(capsys.readouterr().out.split())
+
+
+class _Writes(io.StringIO):
+    """A stdout that keeps each write."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_generate_streams_its_text(capsys, monkeypatch, byte_model):
+    argv = ["generate", "--prompt", "Grüße aus Köln 🎉", "--max-new-tokens", "40", "--temperature", "1", "--seed", "1"]
+    text = json.loads(run_main(capsys, *argv, "--json")[1])["text"]
+    stdout = _Writes()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(argv) == 0
+    assert stdout.getvalue() == text + "\n" and len(stdout.writes) > 5
+
+
+def test_prompts_file_is_one_batch(capsys, tmp_path, byte_model):
+    prompts = ["Grüße aus Köln", "日本の首都は", "plain text"]
+    (tmp_path / "p.txt").write_text(f"{prompts[0]}\n{prompts[1]}\n\n{prompts[2]}\n")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    argv = ("generate", "--max-new-tokens", "5", "--prompts-file")
+    records = [json.loads(line) for line in run_main(capsys, *argv, str(tmp_path / "p.txt"), "--json")[1].splitlines()]
+    assert [r["prompt_tokens"] for r in records] == [len(p.encode()) for p in prompts]  # a byte per token
+    assert all(len(r["token_ids"]) == 5 for r in records)
+    lines = run_main(capsys, *argv, str(tmp_path / "p.jsonl"), "--json")[1].splitlines()
+    assert [json.loads(line)["token_ids"] for line in lines] == [r["token_ids"] for r in records]
+    code, out, err = run_main(capsys, *argv, str(tmp_path / "p.txt"))
+    assert code == 0 and out == "".join(r["text"] + "\n" for r in records) and "[3 prompts, " in err
+
+
+def test_bad_prompts_files(capsys, tmp_path):
+    for name, content, needle in (("empty.txt", "\n \n", "no prompts"), ("num.jsonl", '{"prompt": 3}\n', "line 1"),
+                                  ("bad.jsonl", '{"prompt": "a"}\n[1]\n', "line 2")):
+        (tmp_path / name).write_text(content)
+        assert_clear_error(*run_main(capsys, "generate", "--prompts-file", str(tmp_path / name))[::2], needle)
+    (tmp_path / "two.txt").write_text("a\nb\n")
+    assert_clear_error(*run_main(capsys, "generate", "--prompts-file", str(tmp_path / "two.txt"), "--draft",
+                                 "ngram")[::2], "one prompt at a time")
+
+
+def test_stop_token_ids_and_ignore_eos(capsys, monkeypatch, byte_model):
+    argv = ("generate", "--prompt", "Once upon a time", "--max-new-tokens", "8", "--json")
+    free = json.loads(run_main(capsys, *argv)[1])["token_ids"]
+    stop = free[3]
+    cut = free.index(stop)
+    unused = next(t for t in range(256) if t not in free)
+    stopped = json.loads(run_main(capsys, *argv, "--stop-token-ids", f"{unused},{stop}")[1])
+    assert stopped["token_ids"] == free[: cut + 1]  # the stop token is kept in the ids, left out of the text
+    assert stopped["text"] == byte_model.tokenizer.decode(free[:cut])
+    assert_clear_error(*run_main(capsys, *argv, "--stop-token-ids", "256")[::2], "stop token ids")
+    monkeypatch.setattr(byte_model, "eos_ids", frozenset({stop}))
+    assert json.loads(run_main(capsys, *argv)[1])["token_ids"] == free[: cut + 1]
+    assert json.loads(run_main(capsys, *argv, "--ignore-eos")[1])["token_ids"] == free
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(capsys, byte_model):
+    argv = ("generate", "--prompt", "hello " * 40, "--prefill-chunk", "64", "--max-new-tokens", "3", "--json")
+    assert "prefill" not in run_main(capsys, *argv)[2]
+    code, _, err = run_main(capsys, *argv, "--progress")
+    assert code == 0 and "prefill: 4/4 (" in err and "decode: " in err
+
+
+def test_sparse_attention_shows_tokens_attended_and_warns_when_few(capsys, byte_model):
+    # the default token floor (min_tokens=256) attends every key of so short a prompt: no warning
+    err = run_main(capsys, "generate", "--prompt", "x" * 100, "--max-new-tokens", "3", "--attention", "topk",
+                   "--attention-opt", "dense_layers=0")[2]
+    assert "warning" not in err and "101.5 tokens attended per step]" in err
+    argv = ("generate", "--prompt", "x" * 100, "--max-new-tokens", "3", "--attention", "topk", "--attention-opt",
+            "dense_layers=0", "min_tokens=0")
+    err = run_main(capsys, *argv)[2].strip().splitlines()
+    assert "2.0 tokens attended per step]" in err[0]
+    assert len(err) == 2 and err[1].startswith("sparsespec: warning: topk attended only 2.0 tokens per step")
+    err = run_main(capsys, *argv, "budget=1.0")[2].strip().splitlines()
+    assert len(err) == 1 and "101.5 tokens attended per step]" in err[0]  # every key (contexts 101, 102): no warning
+    assert "attended" not in run_main(capsys, "generate", "--prompt", "x" * 100, "--max-new-tokens", "3")[2]
+
+
+def test_a_folder_of_rows_without_recorded_settings_is_refused(capsys, tmp_path):
+    (tmp_path / "results.jsonl").write_text('{"task": "vt"}\n')  # made before folders recorded their settings
+    assert_clear_error(*run_main(capsys, "eval", "--out", str(tmp_path))[::2], "without a record", "another --out")

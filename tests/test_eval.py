@@ -99,6 +99,13 @@ def test_batch_options_are_validated():
             EvalConfig(**bad)
 
 
+def test_perplexity_tokens_are_checked_against_the_lengths_before_any_work():
+    with pytest.raises(SparseSpecError, match=r"perplexity tokens \(5000\) must be below the shortest length \(2048\)"):
+        EvalConfig(lengths=(8192, 2048), perplexity_tokens=5000)
+    with pytest.raises(SparseSpecError, match=r"0 \(none\) or >= 2"):
+        EvalConfig(perplexity_tokens=1)  # a window's last token predicts nothing
+
+
 @pytest.mark.slow
 def test_batched_perplexity_pools_rows_and_a_full_budget_policy_equals_dense(smollm2_engine, tmp_path):
     tok = smollm2_engine.tokenizer
@@ -140,7 +147,7 @@ def test_stepping_selects_what_reading_positions_back_selects(name, options):
 def test_selection_ties_go_to_the_lower_slot_whatever_the_width():
     # a batch selects up to its largest budget: a row's own top slots must not depend on that width
     scores = torch.randn(2, 3, 300, generator=torch.Generator().manual_seed(1)).round()  # many ties, -0.0 too
-    positions, opts = torch.tensor([299, 150]), PolicyOptions(budget=0.1)
+    positions, opts = torch.tensor([299, 150]), PolicyOptions(budget=0.1, min_tokens=0)
     reference = scores.clone()
     reference[0, :, 299] = reference[1, :, 150] = float("inf")  # the current token is forced in
     reference[1, :, 151:] = float("-inf")

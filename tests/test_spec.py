@@ -1,6 +1,7 @@
 """Speculative decoding end to end: drafters, the loop's losslessness (greedy and sampled), DFlash's two paths."""
 
 import functools
+import json
 import math
 
 import pytest
@@ -243,3 +244,35 @@ def test_a_garbage_drafter_file_is_a_one_line_error(tmp_path):
     (tmp_path / "d.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
     with pytest.raises(SparseSpecError, match="corrupt"):
         DFlash.load(tmp_path / "d")
+
+
+class _Counted(NgramDrafter):
+    """An n-gram drafter that counts its generations and can stop the run (Ctrl-C) at its `interrupt`-th one."""
+
+    def __init__(self, interrupt: int = 0):
+        super().__init__()
+        self.starts, self.interrupt = 0, interrupt
+
+    def start(self, prompt, features, capacity):
+        self.starts += 1
+        if self.starts == self.interrupt:
+            raise KeyboardInterrupt
+        super().start(prompt, features, capacity)
+
+
+def test_bench_writes_each_row_as_measured_and_a_rerun_resumes(tmp_path):
+    from sparsespec.spec.bench import BenchConfig, run_bench
+
+    from .conftest import byte_engine
+
+    engine, cfg = byte_engine(), BenchConfig(drafters=("a", "b"), prompts=1, temperatures=(0.0,), max_new_tokens=6,
+                                             block_size=3)
+    with pytest.raises(KeyboardInterrupt):  # b stops the run on the second prompt (text)
+        run_bench(engine, {"a": _Counted(), "b": _Counted(interrupt=2)}, cfg, tmp_path)
+    kept = [(r["kind"], r["drafter"]) for r in map(json.loads, (tmp_path / "spec.jsonl").read_text().splitlines())]
+    assert kept == [("code", "a"), ("code", "b"), ("text", "a")]
+    a, b = _Counted(), _Counted()
+    rows = run_bench(engine, {"a": a, "b": b}, cfg, tmp_path)
+    assert (a.starts, b.starts) == (0, 1) and [(r["kind"], r["drafter"]) for r in rows] == kept + [("text", "b")]
+    assert all(r["identical"] for r in rows)
+    assert run_bench(engine, {"a": a}, cfg, tmp_path) == rows[::2] and a.starts == 0  # only the drafters asked

@@ -4,9 +4,10 @@ The samples of one (length, task) go through in batches of up to `batch` rows (r
 position). A batch's prompts are prefilled once, densely; each policy then builds its index from that cache and
 decodes all rows greedily, and the cache is rolled back to the prompts (`cache.truncate`) before the next policy:
 adding a policy costs only its decode. Rows go to `results.jsonl` as they come; a rerun skips the rows already
-there (`sparsespec eval` records the settings they were made with, see results.py). Perplexity: `perplexity_rows` windows of real text, each one's first `prefix` tokens prefilled densely, every
-later token predicted by a teacher-forced decode step through the policy (so every prediction uses its sparse
-attention), all windows stepping together.
+there (`sparsespec eval` records the settings they were made with: results.py). Perplexity: `perplexity_rows`
+windows of real text, each one's first `prefix` tokens prefilled densely, every later token predicted by a
+teacher-forced decode step through the policy (so every prediction uses its sparse attention), all windows stepping
+together.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..results import read_rows
 from .tasks import TASKS, TaskBuilder, score
 
 
+ROW_FILES = ("results.jsonl", "perplexity.jsonl")  # in a results folder, beside results.settings.json (results.py)
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # see _stepper
 
 
@@ -91,8 +93,9 @@ class EvalConfig:
     def settings(self) -> dict:
         """What a results folder's rows depend on besides the model: the seed (sample i of a task and length is
         made from seed + i), each sparse policy's options, the perplexity windows. Tasks, lengths, the sample
-        count and policies only select rows; the batch changes no result."""
-        policies = {f"policy {spec}": asdict(p.options) for spec in self.policies if (p := self.policy(spec))}
+        count and policies only select rows; the batch only groups them."""
+        policies = {f"policy {spec}": asdict(p.options) for spec in self.policies
+                    if (p := self.policy(spec)) is not None}
         perplexity = {"perplexity": {"tokens": self.perplexity_tokens, "rows": self.perplexity_rows}}
         return {"seed": self.seed, **policies, **(perplexity if self.perplexity_tokens else {})}
 

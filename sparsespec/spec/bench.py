@@ -26,6 +26,9 @@ from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .prompts import KINDS, make_prompts
 
 
+ROW_FILES = ("spec.jsonl",)  # in a results folder, beside spec.settings.json (results.py)
+
+
 def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu", dtype: str = "float32",
                  progress: bool = False, cuda_graph: bool = True) -> Drafter | None:
     """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME"."""

@@ -1,0 +1,58 @@
+"""Results folders of `eval` and `bench spec`: rows appended to JSONL files as they are measured (a rerun skips
+the rows already there), and beside them the settings those rows were made with (results.jsonl ->
+results.settings.json), so that commands can share a folder.
+
+Settings that only select rows (which policies, tasks, lengths, drafters, temperatures) are left out of the
+settings or keyed by what they select ("policy topk": its options), so a folder takes a new policy but refuses
+rows made with another model, seed or options of a policy it already holds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .errors import SparseSpecError
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a JSONL file ([] when there is none)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def check_folder(folder: str | Path, settings: dict, files: tuple[str, ...]) -> None:
+    """Before any work, creating nothing: refuse a folder that cannot be made or written, or one whose rows
+    (`files`, JSONL) were made with another value of a setting recorded there."""
+    folder = Path(folder)
+    nearest = next(p for p in (folder, *folder.parents) if p.exists())
+    if not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
+        raise SparseSpecError(f"cannot write to {folder}: {nearest} is not a writable folder")
+    before = _recorded(folder, files)
+    changed = [k for k, v in _as_read(settings).items() if k in before and before[k] != v]
+    if changed:
+        raise SparseSpecError(f"{folder} holds results made with other settings ({', '.join(changed)}): rerun "
+                              f"with the same ones or choose another --out")
+
+
+def record_settings(folder: Path, settings: dict, files: tuple[str, ...]) -> None:
+    """Add `settings` (checked by check_folder) to the record of the rows in `files`."""
+    _settings_path(folder, files).write_text(json.dumps(_recorded(folder, files) | _as_read(settings), indent=1)
+                                             + "\n")
+
+
+def _settings_path(folder: Path, files: tuple[str, ...]) -> Path:
+    return folder / f"{Path(files[0]).stem}.settings.json"
+
+
+def _recorded(folder: Path, files: tuple[str, ...]) -> dict:
+    """The settings of the rows in `files` ({} without rows: a run that made none left nothing to match)."""
+    if not any((folder / f).is_file() and (folder / f).stat().st_size for f in files):
+        return {}
+    path = _settings_path(folder, files)
+    if not path.is_file():
+        raise SparseSpecError(f"{folder} holds results without a record of their settings: choose another --out")
+    return json.loads(path.read_text())
+
+
+def _as_read(settings: dict) -> dict:
+    return json.loads(json.dumps(settings, default=str))  # tuples become lists, as when read back
