@@ -114,7 +114,8 @@ def test_batched_perplexity_pools_rows_and_a_full_budget_policy_equals_dense(smo
     alone = [perplexity(smollm2_engine, None, [r], 120) for r in rows]
     assert dense == pytest.approx(math.sqrt(alone[0] * alone[1]), rel=1e-4)  # equal counts: geometric mean
     full = perplexity(smollm2_engine, make_policy("topk", {"budget": "1.0", "dense_layers": "0"}), rows, 120)
-    sparse = perplexity(smollm2_engine, make_policy("streaming", {"budget": "8", "dense_layers": "0"}), rows, 120)
+    streaming = make_policy("streaming", {"budget": "8", "dense_layers": "0", "min_tokens": "0"})
+    sparse = perplexity(smollm2_engine, streaming, rows, 120)
     assert dense == pytest.approx(full, rel=1e-4)
     assert 1 < dense < 100 and math.isfinite(sparse) and sparse != pytest.approx(dense, rel=1e-4)
 
@@ -131,7 +132,7 @@ def test_batched_perplexity_pools_rows_and_a_full_budget_policy_equals_dense(smo
 def test_stepping_selects_what_reading_positions_back_selects(name, options):
     g = torch.Generator().manual_seed(7)
     cache = cache_with_keys(torch.randn(3, 2, 90, 16, generator=g))
-    policy = make_policy(name, {"budget": "0.2", "dense_layers": "0", **options})
+    policy = make_policy(name, {"budget": "0.2", "dense_layers": "0", "min_tokens": "0", **options})
     lengths = [70, 41, 88]  # the harness's rows: different lengths, each querying at its own
     policy.build(0, cache, [n - 5 for n in lengths])
     policy.append(0, cache, lengths)
