@@ -106,13 +106,6 @@ def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, graph:
     return logits
 
 
-def build_policy(policy: Policy, model: Transformer, cache: KVCache) -> None:
-    """Let `policy` index every layer's prefill keys (cache.lengths tokens per row)."""
-    policy.reset_attended()
-    for layer in range(model.cfg.num_layers):
-        policy.build(layer, cache, cache.lengths)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -16,28 +16,23 @@ import json
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import corpora
 from ..attention import make_policy, parse_spec
 from ..attention.policy import Policy
-from ..cache import KVCache
 from ..errors import SparseSpecError
-from ..generate import Engine, build_policy, decode_step, prefill
-from ..graphs import CudaGraphDecodeStep
+from ..generate import Engine
+from ..runner import Runner
 from ..progress import progress_bar
 from ..results import read_rows
 from .tasks import TASKS, TaskBuilder, score
 
 
 ROW_FILES = ("results.jsonl", "perplexity.jsonl")  # in a results folder, beside results.settings.json (results.py)
-_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # see _stepper
 
 
 def parse_length(text: str) -> int:
@@ -105,34 +100,17 @@ class EvalConfig:
             "task" not in row or row["task"] in self.tasks and row["sample"] < self.samples)
 
 
-def _stepper(engine: Engine, cache: KVCache, policy: Policy | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """One decode step, tokens [B] -> next-token logits [B, V]. On CUDA, dense steps replay a CUDA graph, and eager
-    steps keep cuDNN out of the dense attention (it builds a new plan for every new key count, ~40 ms a step). The
-    policy is told each step's positions (cache.lengths), so it reads none back from the device."""
-    cuda = engine.device.type == "cuda"
-    if policy is None and cuda:
-        graph = CudaGraphDecodeStep(engine.model, cache)
-        return lambda tokens: decode_step(engine.model, cache, tokens, graph)
-
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        with sdpa_kernel(_NOT_CUDNN) if cuda else nullcontext(), \
-                policy.stepping(cache.lengths) if policy is not None else nullcontext():
-            return decode_step(engine.model, cache, tokens, policy=policy)
-
-    return step
-
-
 @torch.inference_mode()
-def _greedy(engine: Engine, cache: KVCache, first_logits: torch.Tensor, policy: Policy | None,
-            max_new: list[int]) -> tuple[list[list[int]], list[float | None]]:
+def _greedy(engine: Engine, runner: Runner, first_logits: torch.Tensor, max_new: list[int]
+            ) -> tuple[list[list[int]], list[float | None]]:
     """Greedy decode of every row until its EOS or max_new[b] tokens -> (tokens per row, keys attended per KV head
     in the sparse layers per row, averaged over that row's own steps; None for dense or without a sparse step).
     Rows that are done keep stepping until the last one is; their extra tokens are dropped."""
+    policy = runner.policy
     tokens = first_logits.argmax(-1)  # [B]
     out: list[list[int]] = [[] for _ in max_new]
     snapshots: list[tuple] = [(0.0, 0)] * len(max_new)
     running = set(range(len(max_new)))
-    step = _stepper(engine, cache, policy)
     while True:
         for b, t in enumerate(tokens.tolist()):
             if b in running:
@@ -142,7 +120,7 @@ def _greedy(engine: Engine, cache: KVCache, first_logits: torch.Tensor, policy: 
                     snapshots[b] = policy.attended if policy is not None else (0.0, 0)
         if not running:
             break
-        tokens = step(tokens).argmax(-1)
+        tokens = runner.decode(tokens).argmax(-1)
     attended = [float(total[b]) / steps if steps else None for b, (total, steps) in enumerate(snapshots)]
     return out, attended
 
@@ -170,17 +148,15 @@ def run_eval(engine: Engine, cfg: EvalConfig, out: Path, progress: bool = False)
                 prompts = [engine.tokenizer(s.prompt)["input_ids"] for s in samples]
                 lens, max_new = [len(p) for p in prompts], [s.max_new_tokens for s in samples]
                 engine.check_fits(max(lens), max(max_new))  # finished rows keep stepping until the last is done
-                cache = KVCache(engine.config, len(batch), max(lens) + max(max_new), engine.dtype, engine.device)
-                first = engine.model.logits(prefill(engine.model, cache, prompts, 1024))  # [B, V]
+                runner = Runner(engine.model, len(batch), max(lens) + max(max_new))
+                first = engine.model.logits(runner.prefill(prompts))  # [B, V]: one dense prefill for every policy
                 for spec in cfg.policies:
                     if all((task, length, spec, i) in done for i in batch):
                         bar.advance(task_id, len(batch))
                         continue
-                    cache.truncate(lens)  # forget the previous policy's decoded tokens
-                    policy = cfg.policy(spec)
-                    if policy is not None:
-                        build_policy(policy, engine.model, cache)
-                    generated, attended = _greedy(engine, cache, first, policy, max_new)
+                    runner.truncate(lens)  # forget the previous policy's decoded tokens
+                    runner.use(cfg.policy(spec))
+                    generated, attended = _greedy(engine, runner, first, max_new)
                     for i, sample, n, ids, keys in zip(batch, samples, lens, generated, attended):
                         if (task, length, spec, i) in done:
                             continue
@@ -203,14 +179,11 @@ def perplexity(engine: Engine, policy: Policy | None, rows: list[list[int]], pre
     if any(len(r) != n for r in rows) or not 0 < prefix < n - 1:
         raise SparseSpecError(f"perplexity needs rows of one length, longer than prefix + 1 = {prefix + 1} tokens")
     ids = torch.tensor(rows, device=engine.device)  # [R, N]
-    cache = KVCache(engine.config, len(rows), n, engine.dtype, engine.device)
-    prefill(engine.model, cache, [r[:prefix] for r in rows], 1024)
-    if policy is not None:
-        build_policy(policy, engine.model, cache)
+    runner = Runner(engine.model, len(rows), n, policy)
+    runner.prefill([r[:prefix] for r in rows])
     nll = torch.zeros((), device=engine.device)
-    step = _stepper(engine, cache, policy)
     for t in range(prefix, n - 1):
-        logits = step(ids[:, t])  # [R, V]
+        logits = runner.decode(ids[:, t])  # [R, V]
         nll -= torch.log_softmax(logits, -1).gather(-1, ids[:, t + 1, None]).sum()
     return math.exp(float(nll) / (len(rows) * (n - 1 - prefix)))
 
