@@ -10,58 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from sparsespec.cache import KVCache
-from sparsespec.config import ModelConfig, RopeScaling
+from sparsespec.config import ModelConfig
 from sparsespec.graphs import CudaGraphDecodeStep
-from sparsespec.models.rope import inverse_frequencies
 from sparsespec.models.transformer import Transformer
-
-LLAMA31_8B = ModelConfig(
-    arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-    num_kv_heads=8, head_dim=128, max_position=131072, rms_eps=1e-5, rope_theta=500000.0,
-    rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
-)
-
-
-def random_model(cfg: ModelConfig, dtype=torch.bfloat16) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)
-    model = model.to_empty(device="cuda")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
-    model.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).cuda()
-    return model.eval()
-
-
-def time_ms(fn, iters: int = 30, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean time of `iters` back-to-back calls (CUDA events)."""
-    for _ in range(3):
-        fn()
-    results = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        results.append(start.elapsed_time(end) / iters)
-    return statistics.median(results)
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 4 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters=10)
-    return 2 * (4 << 30) / (ms / 1e3)
+from sparsespec.sparse_bench import LLAMA31_8B, copy_bandwidth, random_model, time_ms
 
 
 def step_bytes(model: Transformer, cfg: ModelConfig, batch: int, context: int) -> int:

@@ -138,12 +138,17 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], c
             st = r[spec]["stages_ms"]
             lines.append(f"- {r['context']} x {r['batch']}: {st['score']:.3f} | {st['select']:.3f} | "
                          f"{st['attend']:.3f}")
+    return report(out, "bench_attention", bw, rows, lines)
+
+
+def report(out: Path | None, name: str, bandwidth: float, rows: list[dict], lines: list[str]) -> list[dict]:
+    """Print the table; with `out`, write it (name.md) and the numbers (name.json) there. Returns the rows."""
     table = "\n".join(lines)
     print(table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_attention.json").write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
-        (out / "bench_attention.md").write_text(table + "\n")
+        (out / f"{name}.json").write_text(json.dumps({"bandwidth": bandwidth, "rows": rows}, indent=1))
+        (out / f"{name}.md").write_text(table + "\n")
     return rows
 
 
@@ -238,10 +243,4 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
         lines.append(f"| {r['batch']} | {r['context']} | {r['dense_floor_ms']:.2f} ({r['weights_floor_ms']:.2f}) | "
                      f"{r['dense_ms']:.2f} | {r.get('dense_compiled_ms', float('nan')):.2f} | " + " | ".join(cells)
                      + " |")
-    table = "\n".join(lines)
-    print(table)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_decode.json").write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
-        (out / "bench_decode.md").write_text(table + "\n")
-    return rows
+    return report(out, "bench_decode", bw, rows, lines)
