@@ -52,15 +52,10 @@ class Runner:
     def use(self, policy: Policy | None) -> None:
         """Decode from the committed tokens on with `policy` (its index built now); e.g. every policy of an
         evaluation after one shared prefill (truncate to the prompt lengths first)."""
-        if policy is not self.policy or policy is None:
-            if self.policy is not None:
-                self.policy.end_fixed()
-            self._set(policy)
+        if self.policy is not None:
+            self.policy.end_fixed()
+        self._set(policy)
         self.build()
-
-    @property
-    def lengths(self) -> list[int]:
-        return self.cache.lengths
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], chunk: int = 1024, progress: bool = False) -> torch.Tensor:
