@@ -29,7 +29,8 @@ class CudaGraphStep:
         self.taps = tuple(taps)
         # a plain function, not a bound method: a graph object must not sit in a reference cycle, or the cyclic
         # GC may free it (and its memory pool) in the middle of a later capture, which invalidates that capture
-        self.step = torch.compile(_step, fullgraph=True, dynamic=False) if compile else _step
+        # (a sparse policy's calls stay outside the compiled graphs: graph breaks, replayed inside the CUDA graph)
+        self.step = torch.compile(_step, fullgraph=policy is None, dynamic=False) if compile else _step
         self.tokens = torch.zeros(cache.batch, width, dtype=torch.long, device=device)  # [B, W]
         # Warm-up and capture write at the last W slots of each row: never committed tokens (capacity >= length + W).
         last = torch.arange(cache.capacity - width, cache.capacity, device=device)

@@ -11,9 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from sparsespec.attention.binarypc import packed_scores, quantize_probe  # noqa: E402
-from sparsespec.kernels.binarypc import (encode_slots, encode_slots_ref, key_range, probe_planes,  # noqa: E402
-                                         probe_planes_ref, score_keys, score_keys_ref)
+from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
+                                         key_range, probe_tables, probe_tables_ref, score_keys, score_keys_ref)
 from sparsespec.kernels.select import ordered_keys, select_topk, select_topk_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,40 +22,65 @@ def dyadic(g: torch.Generator, *shape, scale=8) -> torch.Tensor:
     return (torch.randint(-scale, scale + 1, shape, generator=g) / scale).to(DEVICE)
 
 
-@pytest.mark.parametrize("G,D,bits,m", [(1, 64, 64, 7), (4, 128, 64, 7), (7, 64, 100, 3), (3, 16, 7, 5)])
-def test_probe_planes_equal_reference(G, D, bits, m):
+@pytest.mark.parametrize("G,D,bits,m", [(1, 64, 64, 7), (4, 128, 64, 7), (7, 64, 100, 3), (3, 16, 7, 5),
+                                        (6, 128, 256, 7), (5, 32, 64, 12)])
+def test_probe_tables_equal_reference(G, D, bits, m):
     g = torch.Generator().manual_seed(G * 1000 + bits)
     B, Hkv = 2, 3
-    q = dyadic(g, B, Hkv * G, D)
-    basis = dyadic(g, B, Hkv, bits, D)
-    planes, l1 = probe_planes(q, basis, m)
-    ref_planes, ref_l1 = probe_planes_ref(q, basis, m)
-    assert torch.equal(planes, ref_planes) and torch.equal(l1, ref_l1)
+    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
+    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
+    probe, tables = probe_tables(q, basis, m)
+    ref_probe, _ = probe_tables_ref(q, basis, m)
+    # the probe: equal, except one level where the unquantised value lies on a rounding boundary (a float dot
+    # product summed in another order may land on either side of it)
+    exact = q.double().view(B, Hkv, G, D) @ basis.double().transpose(-1, -2)
+    level = (exact / exact.abs().amax(dim=(-2, -1), keepdim=True) * ((1 << m) - 1)).flatten(0, 1)
+    differ = probe != ref_probe
+    assert int((probe - ref_probe).abs().max()) <= 1
+    assert bool(((level[differ] - level[differ].floor() - 0.5).abs() < 1e-4).all())
+    assert torch.equal(tables, byte_tables(probe, m))  # the tables: exactly those of the kernel's probe
+    assert tables.shape[-2:] == (-(-bits // 8), 256)
+
+
+def test_byte_tables_sum_to_the_probe_dot_the_signs():
+    g = torch.Generator().manual_seed(3)
+    R, G, bits, m = 2, 5, 24, 7
+    probe = torch.randint(-127, 128, (R, G, bits), generator=g)
+    tables = byte_tables(probe, m)
+    lay = TableLayout.of(G, bits, m)
+    code = torch.randint(0, 1 << bits, (), generator=g)
+    h = ((code >> torch.arange(bits)) & 1) * 2 - 1  # [b]: +1 where the bit is set
+    entries = sum(tables[:, :, j, int(code >> (8 * j)) & 255] for j in range(lay.nb))  # [R, T]
+    for head in range(G):
+        tb, lane = divmod(head, lay.lanes)
+        got = (entries[:, tb] >> (lane * lay.lane_bits)) & ((1 << lay.lane_bits) - 1)
+        assert torch.equal(got - lay.nb * lay.bias, (probe[:, head] * h).sum(-1))
 
 
 @pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 300), (7, 128, 7, 129), (2, 40, 4, 70),
-                                        (3, 64, 12, 50)])
-def test_score_keys_equal_popcount_reference_and_packed_scores(G, bits, m, S):
+                                        (3, 64, 12, 50), (6, 256, 7, 90)])
+def test_score_keys_equal_popcount_reference(G, bits, m, S):
     g = torch.Generator().manual_seed(S * 7 + G)
     B, Hkv, D = 3, 2, 16
     W = -(-bits // 64)
     codes = torch.randint(-(1 << 62), 1 << 62, (B, Hkv, S, W), generator=g).to(DEVICE)
+    codes[..., 0] |= torch.randint(0, 2, (B, Hkv, S), generator=g).to(DEVICE) << 63  # the top bit too
     if bits % 64:
-        codes &= (1 << (bits % 64)) - 1 if W == 1 else -1
+        codes[..., -1] &= (1 << (bits % 64)) - 1
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
-    planes, l1 = probe_planes_ref(q, basis, m)
-    keys = score_keys(codes, planes, l1, positions, m, bits)
-    ref = score_keys_ref(codes, planes, l1, positions, m, bits)
+    probe, tables = probe_tables_ref(q, basis, m)
+    keys = score_keys(codes, tables, positions, m, bits, G)
+    ref = score_keys_ref(codes, probe, positions, m, bits)
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
     assert torch.equal(keys[live], ref[live])
-    # the same numbers as the policy's own packed scoring (integer scores, group max, shifted by the offset)
-    probe = quantize_probe(q.view(B, Hkv, G, D) @ basis.transpose(-1, -2), m)
     offset, key_bits = key_range(bits, m)
-    assert key_bits == (16 if ref.dtype == torch.int16 else 32)
-    direct = packed_scores(codes, probe, m).amax(2).flatten(0, 1) + offset
-    assert torch.equal(ref[live].long(), direct[live]) and int(ref[live].min()) >= 1
+    assert key_bits == (16 if ref.dtype == torch.int16 else 32) and int(ref[live].min()) >= 1
+    # the same numbers as the float reference: the group max of p̃ · h, shifted by the offset
+    h = ((codes[..., None] >> torch.arange(64, device=DEVICE)) & 1).flatten(-2)[..., :bits] * 2 - 1  # [B,Hkv,S,b]
+    direct = (probe.view(B, Hkv, G, 1, bits).double() * h[:, :, None].double()).sum(-1).amax(2).flatten(0, 1)
+    assert torch.equal(ref[live].long(), direct[live].long() + offset)
 
 
 @pytest.mark.parametrize("D,bits,S,max_slots", [(16, 64, 37, 37), (64, 64, 20, 5), (32, 100, 45, 45), (16, 7, 9, 9)])

@@ -271,10 +271,14 @@ class BinaryPC(SelectionPolicy):
             encode_range(cache.k[layer], state, state.encoded_dev, end, PENDING)
             state.encoded_dev.copy_(torch.minimum(end, state.encoded_dev + PENDING))
         B, Hq, _, D = q.shape
-        probe, score = ((kernels.probe_planes, kernels.score_keys) if fast else
-                        (kernels.probe_planes_ref, kernels.score_keys_ref))
-        planes, l1 = probe(q.view(B, Hq, D), state.basis, opts.probe_bits)
-        keys = score(state.codes, planes, l1, plan.positions, opts.probe_bits, opts.bits)
+        Hkv = state.basis.shape[1]
+        if fast:  # byte tables of the quantised probe, then one table read per code byte
+            _, tables = kernels.probe_tables(q.view(B, Hq, D), state.basis, opts.probe_bits)
+            keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv)
+        else:
+            probe = q.view(B, Hkv, Hq // Hkv, D).float() @ state.basis.transpose(-1, -2)  # [B, Hkv, G, b]
+            keys = kernels.score_keys_ref(state.codes, quantize_probe(probe, opts.probe_bits).flatten(0, 1),
+                                          plan.positions, opts.probe_bits, opts.bits)
         n_safe = (opts.safeguard * plan.tokens.double()).floor().int() if opts.safeguard > 0 else None
         return (keys, kernels.key_range(opts.bits, opts.probe_bits)[1], state.encoded_dev,
                 state.safe.flatten(0, 1) if n_safe is not None else None, n_safe)

@@ -1,33 +1,74 @@
-"""BinaryPC kernels: the quantised probe as bit-planes, popcount scoring with the group max fused in, and the
-residual sign encoding of keys. Each has its torch reference (`*_ref`), which is also the CPU path.
+"""BinaryPC kernels: the quantised probe turned into byte lookup tables, table scoring with the group max fused in,
+and the residual sign encoding of keys. Each has its torch reference (`*_ref`), which is also the CPU path.
 
-    probe   q [B, Hq, D], basis [B, Hkv, b, D] fp32 -> planes [B*Hkv, G, 1 + m, W] int64, l1 [B*Hkv, G] int64
-            (plane 0: the probe's sign bits; plane 1 + j: bit j of |p̃|; l1 = Σ|p̃| per query head)
-    score   codes [B, Hkv, S, W] int64, planes, l1, positions [B] -> keys [B*Hkv, S] int16/int32
+    probe   q [B, Hq, D], basis [B, Hkv, b, D] fp32 -> probe [B*Hkv, G, b] int32 (p̃, the quantised probe) and
+            tables [B*Hkv, T, NB, 256] int64 (NB = ceil(b / 8) code bytes; T tables of `lanes` query heads each)
+    score   codes [B, Hkv, S, W] int64, tables, positions [B] -> keys [B*Hkv, S] int16/int32
             key = max over the group of Σ_i p̃_i h_i, plus an offset that makes every key >= 1 (0 = never attend)
     encode  keys [B, Hkv, S, D], basis -> codes [B, Hkv, S, W] int64 and reconstruction error [B, Hkv, S] fp32
             of the slots [start[b], end[b]) of each row
 
-With h_i = ±1 and p̃_i = s_i m_i: p̃_i h_i = m_i (1 − 2 x_i), x = code XOR sign bits, so
-Σ_i p̃_i h_i = Σ|p̃| − 2 Σ_j 2^j popcount(M_j AND x) over the magnitude bit-planes M_j. The score kernel reads
-the codes (8 bytes a slot at 64 bits) and writes one key per slot and KV head.
+Scoring by tables: with h_i = +1 where code bit i is set and −1 where not, Σ_i p̃_i h_i is a sum over the code's
+bytes of Σ_{t<8} p̃_{8j+t} h_{8j+t}, which depends only on byte j's value. So the probe kernel tabulates, per byte
+position j and byte value c, that partial sum for every query head once per step, and the score kernel adds NB
+table entries per key instead of counting bits plane by plane (one table read per byte instead of m popcounts per
+word and query head). Several query heads share one int64 entry as lanes of 16 (or 32) bits, each entry biased by
+8 (2^m − 1) so a lane never goes negative and a sum of NB entries never carries into the next lane: one read
+serves up to four query heads. The reference is the policy's own popcount scoring (`packed_scores`), a different
+computation of the same integers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from . import interpreting
-from ..attention.binarypc import encode, pack_bits, popcount, quantize_probe
+from ..attention.binarypc import encode, pack_bits, packed_scores, quantize_probe
 
 
 def key_range(bits: int, magnitude_bits: int) -> tuple[int, int]:
     """(offset that makes the lowest score 1, key bits: 16 when the keys fit int16's 15 value bits, else 32)."""
     offset = ((1 << magnitude_bits) - 1) * bits + 1
     return offset, 16 if 2 * offset < (1 << 15) else 32
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """How a group's byte tables are packed: NB byte positions, `lanes` query heads of `lane_bits` per int64
+    entry, `tables` entries per (byte position, value), each lane biased by `bias`."""
+    nb: int
+    lanes: int
+    lane_bits: int
+    tables: int
+    bias: int
+
+    @classmethod
+    def of(cls, group: int, bits: int, magnitude_bits: int) -> "TableLayout":
+        nb = -(-bits // 8)
+        bias = 8 * ((1 << magnitude_bits) - 1)
+        # a lane holds a sum of nb biased entries, each in [0, 2 * bias]
+        lane_bits = 16 if nb * 2 * bias < (1 << 16) else 32
+        assert nb * 2 * bias < (1 << lane_bits), "probe too wide for 32-bit lanes"
+        lanes = 64 // lane_bits
+        return cls(nb, lanes, lane_bits, -(-group // lanes), bias)
+
+
+def byte_tables(probe: torch.Tensor, magnitude_bits: int) -> torch.Tensor:
+    """The torch reference of the tables: probe [R, G, b] integers -> tables [R, T, NB, 256] int64 (layout
+    `TableLayout.of(G, b, m)`)."""
+    R, G, bits = probe.shape
+    lay = TableLayout.of(G, bits, magnitude_bits)
+    p = torch.zeros(R, lay.tables * lay.lanes, lay.nb * 8, dtype=torch.int64, device=probe.device)
+    p[:, :G, :bits] = probe.long()
+    c = torch.arange(256, device=probe.device)
+    sign = ((c[:, None] >> torch.arange(8, device=probe.device)) & 1) * 2 - 1  # [256, 8]: h of each bit
+    partial = (p.view(R, lay.tables, lay.lanes, lay.nb, 1, 8) * sign).sum(-1) + lay.bias  # [R, T, lanes, NB, 256]
+    live = (torch.arange(lay.tables * lay.lanes, device=probe.device) < G).view(1, lay.tables, lay.lanes, 1, 1)
+    shifts = (torch.arange(lay.lanes, device=probe.device) * lay.lane_bits).view(1, 1, lay.lanes, 1, 1)
+    return (torch.where(live, partial, 0) << shifts).sum(2)  # disjoint lanes: the sum is their OR
 
 
 # ---------------------------------------------------------------------------------------------- probe
@@ -41,8 +82,9 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _probe_kernel(q_ptr, basis_ptr, planes_ptr, l1_ptr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                  W: tl.constexpr, M: tl.constexpr):
+def _probe_kernel(q_ptr, basis_ptr, probe_ptr, tables_ptr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                  W: tl.constexpr, M: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
+                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr):
     r = tl.program_id(0)  # (row, KV head); its query heads are r * G .. r * G + G - 1
     i = tl.arange(0, 64)
     d = tl.arange(0, D)
@@ -57,107 +99,104 @@ def _probe_kernel(q_ptr, basis_ptr, planes_ptr, l1_ptr, G: tl.constexpr, D: tl.c
     scale = tl.maximum(scale, 1e-30)
     for g in tl.static_range(G):
         qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
-        l1 = 0
         for w in tl.static_range(W):
             live = w * 64 + i < BITS
             basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[:, None] * D + d[None, :], mask=live[:, None],
                             other=0.0)
-            p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top).to(tl.int64)  # [64]
-            mag = tl.abs(p)
-            l1 += tl.sum(tl.where(live, mag, 0), 0)
-            base = planes_ptr + ((r * G + g) * (1 + M)) * W + w
-            one = tl.full([64], 1, tl.int64) << i.to(tl.int64)
-            tl.store(base, tl.sum(tl.where(live & (p >= 0), one, 0), 0))
-            for j in tl.static_range(M):
-                tl.store(base + (1 + j) * W, tl.sum(tl.where(live & (((mag >> j) & 1) == 1), one, 0), 0))
-        tl.store(l1_ptr + r * G + g, l1)
+            p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top)  # [64]
+            tl.store(probe_ptr + (r * G + g) * BITS + w * 64 + i, p.to(tl.int32), mask=live)
+    tl.debug_barrier()  # the probe is read back below by other threads of this program
+    c = tl.arange(0, 256)
+    t = tl.arange(0, 8)
+    sign = tl.where(((c[:, None] >> t[None, :]) & 1) == 1, 1, -1)  # [256, 8]
+    for tb in tl.static_range(T):
+        for j in range(NB):
+            entry = tl.zeros([256], dtype=tl.int64)
+            for lane in tl.static_range(LANES):
+                if tb * LANES + lane < G:
+                    pj = tl.load(probe_ptr + (r * G + tb * LANES + lane) * BITS + j * 8 + t,
+                                 mask=j * 8 + t < BITS, other=0)  # [8]
+                    part = tl.sum(sign * pj[None, :], 1) + BIAS  # [256]
+                    entry += part.to(tl.int64) << (lane * LANE_BITS)
+            tl.store(tables_ptr + ((r * T + tb) * NB + j) * 256 + c, entry)
 
 
-def probe_planes(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
-    """q [B, Hq, D] (any float dtype), basis [B, Hkv, b, D] fp32 -> (planes [B*Hkv, G, 1 + m, W] int64,
-    l1 [B*Hkv, G] int64)."""
+def probe_tables(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
+    """q [B, Hq, D] (any float dtype), basis [B, Hkv, b, D] fp32 -> (probe [B*Hkv, G, b] int32,
+    tables [B*Hkv, T, NB, 256] int64)."""
     B, Hq, D = q.shape
     _, Hkv, bits, _ = basis.shape
     G, W, R = Hq // Hkv, -(-bits // 64), B * Hkv
-    planes = torch.empty(R, G, 1 + magnitude_bits, W, dtype=torch.int64, device=q.device)
-    l1 = torch.empty(R, G, dtype=torch.int64, device=q.device)
-    _probe_kernel[(R,)](q.contiguous(), basis.contiguous(), planes, l1, G=G, D=D, BITS=bits, W=W, M=magnitude_bits,
-                        num_warps=4)
-    return planes, l1
+    lay = TableLayout.of(G, bits, magnitude_bits)
+    probe = torch.empty(R, G, bits, dtype=torch.int32, device=q.device)
+    tables = torch.empty(R, lay.tables, lay.nb, 256, dtype=torch.int64, device=q.device)
+    _probe_kernel[(R,)](q.contiguous(), basis.contiguous(), probe, tables, G=G, D=D, BITS=bits, W=W,
+                        M=magnitude_bits, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
+                        BIAS=lay.bias, num_warps=4)
+    return probe, tables
 
 
-def probe_planes_ref(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
-    """The torch reference of `probe_planes`."""
+def probe_tables_ref(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
+    """The torch reference of `probe_tables`."""
     B, Hq, D = q.shape
     _, Hkv, bits, _ = basis.shape
     probe = q.view(B, Hkv, Hq // Hkv, D).float() @ basis.transpose(-1, -2)  # [B, Hkv, G, b]
-    p = quantize_probe(probe, magnitude_bits)
-    j = torch.arange(magnitude_bits, device=q.device)[:, None]
-    planes = torch.cat([pack_bits(p >= 0)[..., None, :], pack_bits(((p.abs()[..., None, :] >> j) & 1).bool())], -2)
-    return planes.flatten(0, 1), p.abs().sum(-1).flatten(0, 1)
+    p = quantize_probe(probe, magnitude_bits).flatten(0, 1)  # [R, G, b]
+    return p.int(), byte_tables(p, magnitude_bits)
 
 
 # ---------------------------------------------------------------------------------------------- scoring
 
 @triton.jit
-def _popcount(x, INTERPRET: tl.constexpr):
-    if INTERPRET:  # SWAR: the interpreter has no libdevice; the masks make arithmetic shifts count right
-        x = x - ((x >> 1) & 0x5555555555555555)
-        x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
-        x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
-        return (x * 0x0101010101010101) >> 56
-    else:
-        return libdevice.popc(x).to(tl.int64)
-
-
-@triton.jit
-def _score_kernel(codes_ptr, planes_ptr, l1_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV: tl.constexpr,
-                  G: tl.constexpr, M: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV: tl.constexpr, G: tl.constexpr,
+                  W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
+                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = s <= tl.load(positions_ptr + r // HKV)
     w = tl.arange(0, WP)
     tile = tl.load(codes_ptr + (r.to(tl.int64) * S + s[:, None]) * W + w[None, :],
                    mask=live[:, None] & (w[None, :] < W), other=0)  # [BLOCK, WP]
+    LANE_MASK: tl.constexpr = (1 << LANE_BITS) - 1
     best = tl.full([BLOCK], -(1 << 40), tl.int64)
-    for g in tl.static_range(G):
-        base = planes_ptr + (r * G + g) * (1 + M) * W
-        clash = tl.zeros([BLOCK], dtype=tl.int64)
+    for tb in tl.static_range(T):
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        table = tables_ptr + (r * T + tb) * NB * 256
         for k in tl.static_range(W):
-            x = tl.sum(tl.where(w[None, :] == k, tile, 0), 1) ^ tl.load(base + k)  # [BLOCK]: code XOR signs
-            for j in tl.static_range(M):
-                clash += _popcount(x & tl.load(base + (1 + j) * W + k), INTERPRET) << j
-        best = tl.maximum(best, tl.load(l1_ptr + r * G + g) - 2 * clash)
-    tl.store(keys_ptr + r.to(tl.int64) * S + s, (best + OFFSET).to(keys_ptr.dtype.element_ty), mask=live)
+            word = tl.sum(tl.where(w[None, :] == k, tile, 0), 1)  # [BLOCK]
+            for byte in tl.static_range(8):
+                if k * 8 + byte < NB:
+                    acc += tl.load(table + (k * 8 + byte) * 256 + ((word >> (8 * byte)) & 255))
+        for lane in tl.static_range(LANES):
+            if tb * LANES + lane < G:
+                best = tl.maximum(best, (acc >> (lane * LANE_BITS)) & LANE_MASK)
+    key = best - NB * BIAS + OFFSET
+    tl.store(keys_ptr + r.to(tl.int64) * S + s, key.to(keys_ptr.dtype.element_ty), mask=live)
 
 
-def score_keys(codes: torch.Tensor, planes: torch.Tensor, l1: torch.Tensor, positions: torch.Tensor,
-               magnitude_bits: int, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """codes [B, Hkv, S, W] int64, planes / l1 from `probe_planes`, positions [B] -> keys [B*Hkv, S] (int16 or
-    int32 by `key_range`; slots past a row's position are not written)."""
+def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, magnitude_bits: int, bits: int,
+               group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """codes [B, Hkv, S, W] int64, tables from `probe_tables` (`group` query heads per KV head), positions [B]
+    -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written)."""
     B, Hkv, S, W = codes.shape
-    R, G = l1.shape
+    lay = TableLayout.of(group, bits, magnitude_bits)
     offset, key_bits = key_range(bits, magnitude_bits)
     if out is None:
-        out = torch.empty(R, S, dtype=torch.int16 if key_bits == 16 else torch.int32, device=codes.device)
-    block = min(1024, triton.next_power_of_2(S))
-    _score_kernel[(R, triton.cdiv(S, block))](
-        codes, planes, l1, positions, out, S, offset, HKV=Hkv, G=G, M=magnitude_bits, W=W,
-        WP=triton.next_power_of_2(W), BLOCK=block, INTERPRET=interpreting(), num_warps=8)
+        out = torch.empty(B * Hkv, S, dtype=torch.int16 if key_bits == 16 else torch.int32, device=codes.device)
+    block = min(2048, triton.next_power_of_2(S))
+    _score_kernel[(B * Hkv, triton.cdiv(S, block))](
+        codes, tables, positions, out, S, offset, HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb,
+        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BLOCK=block, num_warps=8)
     return out
 
 
-def score_keys_ref(codes: torch.Tensor, planes: torch.Tensor, l1: torch.Tensor, positions: torch.Tensor,
-                   magnitude_bits: int, bits: int) -> torch.Tensor:
-    """The torch reference of `score_keys` (every slot scored, slots past the position left at 0)."""
+def score_keys_ref(codes: torch.Tensor, probe: torch.Tensor, positions: torch.Tensor, magnitude_bits: int,
+                   bits: int) -> torch.Tensor:
+    """The torch reference of `score_keys` from the probe [B*Hkv, G, b] itself, by the policy's popcount scoring
+    (every slot scored, slots past the position left at 0)."""
     B, Hkv, S, W = codes.shape
-    R, G = l1.shape
     offset, key_bits = key_range(bits, magnitude_bits)
-    x = codes.view(R, 1, S, W) ^ planes[:, :, None, 0]  # [R, G, S, W]
-    j = torch.arange(magnitude_bits, device=codes.device)
-    clash = (popcount(x[:, :, None] & planes[:, :, 1:, None]).sum(-1) << j[:, None]).sum(2)  # [R, G, S]
-    keys = (l1[..., None] - 2 * clash).amax(1) + offset  # [R, S]
+    keys = packed_scores(codes, probe.long().view(B, Hkv, -1, bits), magnitude_bits).amax(2).flatten(0, 1) + offset
     live = torch.arange(S, device=codes.device) <= positions.long().repeat_interleave(Hkv)[:, None]
     return torch.where(live, keys, 0).to(torch.int16 if key_bits == 16 else torch.int32)
 

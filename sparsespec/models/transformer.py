@@ -76,11 +76,23 @@ class Attention(nn.Module):
             plan.observer(layer, q, k)
         cache.write(layer, plan.positions, k, v)
         if plan.policy is not None and T == 1 and plan.policy.is_sparse(layer):
-            out = plan.policy.decode(layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
+            out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
         else:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+# A compiled step (torch.compile) leaves the sparse policy's calls out of its graphs: they launch their own Triton
+# kernels, which the outer CUDA graph captures like any other; Inductor fuses everything around them.
+@torch.compiler.disable
+def sparse_decode(policy: Policy, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor):
+    return policy.decode(layer, q, cache, positions)
+
+
+@torch.compiler.disable
+def begin_sparse_step(policy: Policy, positions: torch.Tensor) -> None:
+    policy.begin_step(positions)
 
 
 class MLP(nn.Module):
@@ -126,7 +138,7 @@ class Transformer(nn.Module):
              observer: Callable | None = None) -> StepPlan:
         dtype = self.embed_tokens.weight.dtype
         if policy is not None and policy.fixed is not None and positions.shape[1] == 1:
-            policy.begin_step(positions[:, 0])  # the sparse layers' per-step metadata, built once on the device
+            begin_sparse_step(policy, positions[:, 0])  # the sparse layers' per-step metadata, built once
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
         mask = causal_mask(positions, kv_len, self.cfg.sliding_window)
         return StepPlan(positions, kv_len, cos, sin, mask, policy, observer)

@@ -1,0 +1,55 @@
+"""Where one sparse attention layer's decode time goes, kernel by kernel (GPU): torch.profiler over eager calls of
+a policy's fixed-width decode, random keys in Llama-3.1-8B heads.
+
+    python bench/profile_layer.py [--policy binarypc] [--shapes 16x131072,1x131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sparsespec.attention import make_policy, parse_spec
+from sparsespec.sparse_bench import LLAMA31_8B, random_cache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policy", default="binarypc")
+    ap.add_argument("--shapes", default="16x131072,1x131072", help="BATCHxCONTEXT,...")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    cfg = LLAMA31_8B
+    for shape in args.shapes.split(","):
+        batch, context = (int(x) for x in shape.split("x"))
+        cache = random_cache(cfg, batch, context, layers=1)
+        q = torch.randn(batch, cfg.num_heads, 1, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        positions = torch.full((batch,), context - 1, device="cuda")
+        name, opts = parse_spec(args.policy)
+        policy = make_policy(name, [*opts, "dense_layers=0"])
+        policy.build(0, cache, [context] * batch)
+        policy.plan_fixed(cache, [context] * batch)
+        policy.begin_step(positions)
+        for _ in range(3):
+            policy.decode(0, q, cache, positions)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                policy.decode(0, q, cache, positions)
+            torch.cuda.synchronize()
+        print(f"\n{args.policy}, batch {batch}, context {context}: per-step device time by kernel "
+              f"(mean over {args.steps} steps)")
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in events) / args.steps
+        for e in sorted(events, key=lambda e: -e.device_time_total):
+            print(f"  {e.device_time_total / args.steps:9.1f} us  x{e.count // args.steps:<3d} {e.key[:90]}")
+        print(f"  {total:9.1f} us  total")
+        policy.end_fixed()
+        del cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
