@@ -1,4 +1,4 @@
-"""`sparsespec generate | models | corpus`. Bad input: one line on stderr, exit code 2, no traceback."""
+"""`sparsespec generate | serve | models | corpus | ...`. Bad input: one line on stderr, exit code 2, no traceback."""
 
 from __future__ import annotations
 
@@ -107,6 +107,25 @@ def build_parser() -> argparse.ArgumentParser:
                    "text")
     g.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal "
                    "(plain lines)")
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
+    sv.add_argument("--model", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder")
+    sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    sv.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    sv.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoded together (cache slots)")
+    sv.add_argument("--max-queue", type=_positive_int, default=256, help="requests waiting for a slot; more are "
+                    "answered 429 at once")
+    sv.add_argument("--max-context", type=_positive_int, default=None, help="positions per slot: prompt + "
+                    "max_tokens of a request (default: the model's context); the KV cache holds max-batch of them")
+    sv.add_argument("--prefill-chunk", type=_positive_int, default=1024, help="prompt tokens prefilled between two "
+                    "decode steps of the running requests")
+    sv.add_argument("--no-cuda-graph", action="store_true", help="cuda: step eagerly instead of replaying the graph")
+    sv.add_argument("--shutdown-timeout", type=_float, default=30.0, help="seconds in-flight requests get to "
+                    "finish after SIGTERM / Ctrl-C before they are cancelled")
+    sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
     tr = sub.add_parser("train", help="train a drafter")
     trs = tr.add_subparsers(dest="what", required=True, parser_class=_Parser)
@@ -344,6 +363,34 @@ def _speculate(args, engine, ids, gen, dtype, progress) -> None:
         print(f"[{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated | time to first token "
               f"{result.ttft_s:.3f} s | decode {tps:.1f} tok/s | drafter {args.draft}: tau {result.tau:.2f} tokens "
               f"per verify step | {args.model} on {args.device} ({dtype})]", file=sys.stderr)
+
+
+def cmd_serve(args) -> None:
+    from .generate import Engine
+    from .serve.app import ServeConfig, create_app
+    from .serve.scheduler import SchedulerConfig
+
+    import uvicorn
+
+    if not 0 <= args.port < 65536:
+        raise SparseSpecError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.shutdown_timeout >= 0:
+        raise SparseSpecError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=sys.stderr.isatty())
+    scheduler = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue,
+                                max_context=args.max_context or engine.config.max_position,
+                                prefill_chunk=args.prefill_chunk, cuda_graph=not args.no_cuda_graph)
+    config = ServeConfig(args.served_model_name or args.model, scheduler)
+    app = create_app(engine, config)  # refuses a max-context beyond the model's before the port is taken
+    cfg = engine.config
+    kv_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize * scheduler.max_batch
+                * scheduler.max_context)
+    print(f"sparsespec: serving {config.model_name} on http://{args.host}:{args.port}/v1 ({args.device}, {dtype}; "
+          f"{scheduler.max_batch} slots of {scheduler.max_context} positions, KV cache {kv_bytes / 2**20:.0f} MiB)",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log, log_level="info",
+                timeout_graceful_shutdown=args.shutdown_timeout)
 
 
 def cmd_train(args) -> None:
@@ -597,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         commands = {"generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "calibrate": cmd_calibrate,
                     "policies": cmd_policies, "fidelity": cmd_fidelity, "eval": cmd_eval, "train": cmd_train,
-                    "bench": cmd_bench}
+                    "bench": cmd_bench, "serve": cmd_serve}
         commands[args.command](args)
     except SparseSpecError as e:
         print(f"sparsespec: error: {e}", file=sys.stderr)

@@ -139,14 +139,19 @@ class Engine:
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         """Prompt -> token ids; `chat`: as the user's message in the chat template, after `system` if given."""
         if chat:
-            if not self.tokenizer.chat_template:
-                raise SparseSpecError("this model's tokenizer has no chat template: drop --chat")
             messages = [{"role": "user", "content": prompt}]
             if system is not None:
                 messages.insert(0, {"role": "system", "content": system})
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self.encode_chat(messages)
         return self.tokenizer(prompt)["input_ids"]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation ({"role", "content"} messages) -> token ids of the chat template with the assistant's
+        turn opened."""
+        if not self.tokenizer.chat_template:
+            raise SparseSpecError("this model's tokenizer has no chat template: drop --chat")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def check_fits(self, prompt_tokens: int, new_tokens: int) -> None:
         limit = self.config.max_position
@@ -180,32 +185,25 @@ class Engine:
         _sync(self.device)
         ttft = time.perf_counter() - start
 
-        out: list[list[int]] = [[] for _ in range(B)]
-        streams = [TextStream(self.tokenizer, gen.stop_strings) for _ in range(B)]
-        done = [False] * B
+        rows = [RowOutput(self, gen) for _ in range(B)]
         if gen.max_new_tokens > 1:
             runner.capture()  # graph capture (and compilation) is set-up, timed neither as first token nor decoding
         start = time.perf_counter()
         # each pass takes the tokens of the last decode step (the first: the prefill's); `steps` ran so far
         for steps in track(itertools.count(), "decode", progress and on_text is None, gen.max_new_tokens):
             for b, t in enumerate(tokens.tolist()):
-                if not done[b]:
-                    out[b].append(t)
-                    stop = self._stop_token(t, gen)
-                    if not stop:
-                        streams[b].add(t)
-                    done[b] = stop or streams[b].cut is not None or len(out[b]) >= gen.max_new_tokens
-                    if on_text is not None and (text := streams[b].take()):
-                        on_text(b, text)
-            if all(done):
+                if not rows[b].done and (text := rows[b].add(t)) and on_text is not None:
+                    on_text(b, text)
+            if all(row.done for row in rows):
                 break
             tokens = sample(runner.decode(tokens), gen.sampling, rng)
         _sync(self.device)
         decode_s = time.perf_counter() - start
-        texts = [self._text(ids, gen) for ids in out]
+        out = [row.ids for row in rows]
+        texts = [row.text for row in rows]
         if on_text is not None:
-            for b, text in enumerate(texts):
-                if rest := streams[b].take(final=text):
+            for b, row in enumerate(rows):
+                if rest := row.finish():
                     on_text(b, rest)
         return Generation(out, texts, lens, ttft, decode_s, steps)
 
@@ -226,6 +224,42 @@ class Engine:
         text = self._decode(ids[:-1] if ids and self._stop_token(ids[-1], gen) else ids)
         cuts = [text.index(s) for s in gen.stop_strings if s in text]
         return text[: min(cuts)] if cuts else text
+
+
+class RowOutput:
+    """One row's generated tokens under `gen`'s stop conditions: its ids, the text shown so far in pieces
+    (`add` returns each new piece; `finish` the rest once it is done) and why it ended."""
+
+    def __init__(self, engine: Engine, gen: GenerationConfig):
+        self.engine, self.gen = engine, gen
+        self.ids: list[int] = []
+        self.stream = TextStream(engine.tokenizer, gen.stop_strings)
+        self.finish_reason: str | None = None  # "stop" (EOS, a stop token or string) or "length", once done
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token: int) -> str:
+        """Take the next generated token; -> the text that may be shown now (maybe empty)."""
+        self.ids.append(token)
+        stop = self.engine._stop_token(token, self.gen)
+        if not stop:
+            self.stream.add(token)
+        if stop or self.stream.cut is not None:
+            self.finish_reason = "stop"
+        elif len(self.ids) >= self.gen.max_new_tokens:
+            self.finish_reason = "length"
+        return self.stream.take()
+
+    @property
+    def text(self) -> str:
+        """The whole text (decoded at once, cut before a stop string)."""
+        return self.engine._text(self.ids, self.gen)
+
+    def finish(self) -> str:
+        """The rest of the text not shown by `add`: together the pieces are exactly `text`."""
+        return self.stream.take(final=self.text)
 
 
 class TextStream:

@@ -4,6 +4,7 @@
     hidden = runner.prefill(prompts)          # dense chunked prefill -> policy.build for every layer
     logits = runner.decode(tokens)            # one token per row at its length; graph replay on CUDA
     runner.truncate(lengths)                  # rollback: the cache and the policy's index both follow
+    hidden = runner.prefill_row(row, chunk, start)  # continuous batching: one row's prompt chunk, others kept
 
 On CUDA a graphable policy runs fixed-width sparse steps (`Policy.plan_fixed`): the whole step, every sparse layer's
 scoring, selection and attention included, is one CUDA graph replay with no host synchronisation. Other policies
@@ -12,6 +13,7 @@ step eagerly. Dense decoding replays the dense graph as before.
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -65,6 +67,29 @@ class Runner:
         hidden = prefill(self.model, self.cache, prompts, chunk, progress)
         self.build()
         return hidden
+
+    @torch.inference_mode()
+    def prefill_row(self, row: int, tokens: list[int], start: int) -> torch.Tensor:
+        """Continuous batching: write `tokens`, the chunk of a prompt from position `start` on, into row `row` (whose
+        first `start` slots hold the prompt's earlier chunks), attending as `prefill` does, while the other rows
+        keep their cache and lengths; the row's length becomes `start + len(tokens)`. -> the chunk's last hidden
+        state [H]. Dense attention only: a policy's index is built for the whole batch at once."""
+        if self.policy is not None:
+            raise ValueError("prefill_row needs dense decoding (no policy)")
+        end = start + len(tokens)
+        if not 0 <= start < end <= self.cache.capacity:
+            raise ValueError(f"invalid chunk [{start}, {end}) for capacity {self.cache.capacity}")
+        view = copy.copy(self.cache)  # row `row` alone: views of its slots, written in place
+        view.k = [k[row:row + 1] for k in self.cache.k]
+        view.v = [v[row:row + 1] for v in self.cache.v]
+        view.lengths = [start]
+        view.policy_state = [None] * len(view.k)
+        positions = torch.arange(start, end, device=self.device)[None]
+        hidden = self.model(torch.tensor([tokens], device=self.device), positions, view, kv_len=end)
+        lengths = list(self.cache.lengths)
+        lengths[row] = end
+        self.cache.truncate(lengths)
+        return hidden[0, -1]
 
     def build(self) -> None:
         """(Re)build the policy's index from the cache's committed tokens, in fixed-width mode where it can."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,17 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
         return logits.argmax(-1)
     probs = filter_logits(logits, cfg).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig],
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V] fp32 -> tokens [B] int64, each row under its own settings and generator: greedy rows by one
+    argmax, each other row as `sample` samples a batch of that one row."""
+    tokens = logits.argmax(-1)
+    for b, (cfg, generator) in enumerate(zip(configs, generators, strict=True)):
+        if not cfg.greedy:
+            tokens[b] = sample(logits[b:b + 1], cfg, generator)[0]
+    return tokens
 
 
 def make_generator(cfg: SamplingConfig, device: torch.device | str) -> torch.Generator | None:

@@ -1,0 +1,258 @@
+"""The HTTP layer: a FastAPI app over one `Scheduler`.
+
+    GET  /health                 200 while the scheduler runs, else 503
+    GET  /metrics                Prometheus text
+    GET  /v1/models              the one served model
+    POST /v1/completions         prompt (text or token ids) -> text
+    POST /v1/chat/completions    messages -> the model's chat template -> the assistant's text
+
+Each generation request is validated (400 with the OpenAI error object, the parameter named), encoded, and queued
+(429 at once when the queue is full); its events come back from the scheduler thread through an asyncio queue and
+are answered as one JSON object or streamed as server-sent events ending with `data: [DONE]`. A client that goes
+away (detected while waiting, not only when a write fails) cancels its request, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from jinja2 import TemplateError
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..errors import SparseSpecError
+from ..generate import Engine, GenerationConfig
+from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, ChatFormat, ChatRequest, CompletionRequest,
+                       ResponseFormat, usage)
+from .scheduler import Event, NotRunning, QueueFull, Scheduler, SchedulerConfig
+from .scheduler import Request as Generation
+
+log = logging.getLogger("sparsespec.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str  # the id clients pass as `model`
+    scheduler: SchedulerConfig
+    stop_timeout: float = 30.0  # shutdown: seconds to wait for the scheduler's current step
+
+    def __post_init__(self):
+        if not self.model_name:
+            raise SparseSpecError("the served model name is empty")
+
+
+class Server:
+    """The app's state: the engine, its scheduler and the served name."""
+
+    def __init__(self, engine: Engine, config: ServeConfig):
+        self.engine, self.config = engine, config
+        self.scheduler = Scheduler(engine, config.scheduler)
+        self.created = int(time.time())
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise APIError(404, f"the model {name!r} does not exist (this server serves "
+                           f"{self.config.model_name!r})", param="model", code="model_not_found")
+
+    def generation(self, body: CompletionRequest | ChatRequest, ids: list[int], prompt_param: str,
+                   default_max_tokens: int | None) -> GenerationConfig:
+        s = self.config.scheduler
+        return body.generation(len(ids), s.max_context, default_max_tokens, s.prefill_chunk, s.cuda_graph,
+                               prompt_param)
+
+    async def answer(self, request: Request, ids: list[int], gen: GenerationConfig, fmt: ResponseFormat,
+                     stream: bool, include_usage: bool) -> Response:
+        events = self._submit(ids, gen)
+        if stream:
+            return StreamingResponse(self._sse(request, events, fmt, len(ids), include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, last = [], None
+        async for event in _until_disconnected(request, *events):
+            text.append(event.text)
+            last = event
+        if last is None:  # the client left: nobody reads this
+            return Response(status_code=499)
+        _raise_failure(last)
+        return JSONResponse(fmt.response("".join(text), last.finish_reason, usage(len(ids), last.completion_tokens)))
+
+    def _submit(self, ids: list[int], gen: GenerationConfig) -> tuple[Generation, asyncio.Queue[Event]]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def deliver(event: Event) -> None:  # the scheduler thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting
+                pass
+
+        generation = Generation(ids, gen, deliver)
+        try:
+            self.scheduler.submit(generation)
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except NotRunning as e:
+            raise APIError(503, str(e), type="server_error", code="unavailable") from None
+        return generation, queue
+
+    async def _sse(self, request: Request, events: tuple[Generation, asyncio.Queue[Event]], fmt: ResponseFormat,
+                   prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        first = True
+        async for event in _until_disconnected(request, *events):
+            if event.finish_reason in ("error", "cancelled"):
+                yield _data(_failure(event).body())
+                return
+            if event.text or event.finish_reason:
+                yield _data(fmt.chunk(event.text, event.finish_reason, first))
+                first = False
+            if event.finish_reason:
+                if include_usage:
+                    yield _data(fmt.usage_chunk(usage(prompt_tokens, event.completion_tokens)))
+                yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _failure(event: Event) -> APIError:
+    if event.finish_reason == "error":
+        return APIError(500, event.error or "generation failed", type="server_error")
+    return APIError(503, "the server is shutting down: the request was cancelled", type="server_error",
+                    code="unavailable")
+
+
+def _raise_failure(event: Event) -> None:
+    if event.finish_reason in ("error", "cancelled"):
+        raise _failure(event)
+
+
+async def _until_disconnected(request: Request, generation: Generation,
+                              queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
+    """The request's events up to its last one, or until the client disconnects (then no more). However it ends
+    (finished, client gone, response task cancelled), the generation is cancelled, freeing its slot if it still
+    holds one."""
+    disconnected = asyncio.ensure_future(_disconnect(request))
+    try:
+        while True:
+            get = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait((get, disconnected), return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                return
+            event = get.result()
+            yield event
+            if event.finish_reason is not None:
+                return
+    finally:
+        disconnected.cancel()
+        generation.cancel()
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str | None:
+    """A validation error's location -> the parameter's path ("messages.0.role"), without pydantic's "body" root
+    and union member tags ("str", "list[int]", "function-after[...]")."""
+    parts = [str(x) for x in loc if isinstance(x, int) or (x != "body" and x not in _TYPE_TAGS
+                                                            and "[" not in x and "-" not in x)]
+    return ".".join(parts) or None
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
+    server = Server(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.scheduler.start()
+        yield
+        await asyncio.to_thread(server.scheduler.stop, config.stop_timeout)
+
+    app = FastAPI(title="sparsespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        if errors[0].get("type") == "json_invalid":
+            reason = errors[0].get("ctx", {}).get("error")
+            error = APIError(400, "the request body is not valid JSON" + (f": {reason}" if reason else ""),
+                             code="invalid_json")
+        else:
+            param = _param(errors[0].get("loc", ()))
+            # a union field fails once per member: say what each member expected
+            reasons = dict.fromkeys(x.get("msg", "invalid").removeprefix("Value error, ") for x in errors
+                                    if _param(x.get("loc", ())) == param)
+            message = " or ".join(reasons)
+            error = APIError(400, f"{param}: {message}" if param else message, param=param)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(_: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if server.scheduler.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(APIError(503, "the scheduler is not running", type="server_error").body(),
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = server.scheduler.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": config.model_name, "object": "model",
+                                                         "created": server.created, "owned_by": "sparsespec",
+                                                         "max_model_len": config.scheduler.max_context}]})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        ids = engine.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if any(t >= engine.config.vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be below the vocabulary size {engine.config.vocab_size}",
+                           param="prompt")
+        gen = server.generation(body, ids, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await server.answer(request, ids, gen, ResponseFormat(config.model_name), body.stream,
+                                   body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        try:
+            ids = engine.encode_chat([m.as_template() for m in body.messages])
+        except (SparseSpecError, TemplateError) as e:  # no template, or the template refuses these messages
+            raise APIError(400, str(e), param="messages") from None
+        gen = server.generation(body, ids, "messages", None)
+        return await server.answer(request, ids, gen, ChatFormat(config.model_name), body.stream, body.include_usage)
+
+    return app

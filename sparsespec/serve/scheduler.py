@@ -1,0 +1,274 @@
+"""Continuous batching: one thread owns a `Runner` of `max_batch` rows (slots) of the static KV cache.
+
+    submit(request) --> bounded waiting queue (full: QueueFull at once)
+    loop:  free slots take waiting requests (oldest first)
+           one prefill chunk of the oldest prefilling slot (`Runner.prefill_row`: the other rows keep their cache);
+             its prompt complete -> its first token is sampled and the slot decodes from the next step on
+           one batched decode step of every decoding slot (`Runner.decode`, a CUDA graph replay on the GPU,
+             captured once for the batch); each row sampled under its own settings and generator
+           a row that stops (EOS, stop token or string, max_tokens) or whose client left frees its slot
+
+Rows that are idle or still prefilling ride along in the decode step: they write one dead K/V slot at their length,
+which is rolled back right after (their next chunk or prompt overwrites it), and their sampled tokens are ignored.
+Each row attends only to its own positions, so a request's tokens do not depend on what shares the batch.
+Text is produced per row by `RowOutput` (incremental detokenisation, stop strings held back), as in `generate`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SparseSpecError
+from ..generate import Engine, GenerationConfig, RowOutput
+from ..runner import Runner
+from ..sampling import SamplingConfig, make_generator, sample, sample_rows
+from .metrics import Metrics
+
+log = logging.getLogger("sparsespec.serve")
+
+_GREEDY = SamplingConfig()
+
+
+class QueueFull(SparseSpecError):
+    pass
+
+
+class NotRunning(SparseSpecError):
+    pass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int = 8  # slots decoded together
+    max_queue: int = 256  # requests waiting for a slot; more are refused
+    max_context: int = 4096  # positions per slot: prompt + max_tokens of a request must fit
+    prefill_chunk: int = 1024  # prompt tokens prefilled per scheduler iteration (one slot at a time)
+    cuda_graph: bool = True  # on CUDA, replay the decode step as a graph captured once
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_context", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise SparseSpecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise SparseSpecError(f"max-queue must be >= 0, got {self.max_queue}")
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's consumer receives: text pieces in order (together exactly the final text); the last event
+    has `finish_reason` ("stop", "length", "cancelled" or "error", with `error` then)."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Request:
+    """One generation: prompt ids, settings, and `deliver(Event)`, called from the scheduler thread."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt: list[int], gen: GenerationConfig, deliver: Callable[[Event], None]):
+        self.id = next(self._ids)
+        self.prompt, self.gen, self.deliver = prompt, gen, deliver
+        self.arrival = time.perf_counter()
+        self._cancelled = threading.Event()
+        self._wake: Callable[[], None] = lambda: None
+
+    def cancel(self) -> None:
+        """The consumer is gone: drop the request from the queue or free its slot (no more events)."""
+        self._cancelled.set()
+        self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class _Slot:
+    def __init__(self, request: Request, engine: Engine, device: torch.device):
+        self.request = request
+        self.output = RowOutput(engine, request.gen)
+        self.generator = make_generator(request.gen.sampling, device)
+        self.prefilled = 0  # prompt tokens in the cache
+        self.next_token: int | None = None  # decoding: the token the next step feeds
+
+    @property
+    def decoding(self) -> bool:
+        return self.next_token is not None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: SchedulerConfig, metrics: Metrics | None = None):
+        if config.max_context > engine.config.max_position:
+            raise SparseSpecError(f"max-context {config.max_context} exceeds the model's context of "
+                                  f"{engine.config.max_position} tokens")
+        self.engine, self.config = engine, config
+        self.metrics = metrics or Metrics(self.queue_length, self.running_rows, config.max_batch)
+        self.runner = Runner(engine.model, config.max_batch, config.max_context, None, config.cuda_graph)
+        self.slots: list[_Slot | None] = [None] * config.max_batch
+        self._waiting: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._failure: str | None = None
+        self._thread = threading.Thread(target=self._run, name="sparsespec-scheduler", daemon=True)
+
+    # -- the consumer side (any thread) -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def running_rows(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def submit(self, request: Request) -> None:
+        """Queue `request`; QueueFull when `max_queue` requests already wait for a slot (besides those about to take
+        a free one), NotRunning when stopped. The caller
+        has checked that it fits (`prompt + max_new_tokens <= max_context`)."""
+        if len(request.prompt) + request.gen.max_new_tokens > self.config.max_context:
+            raise ValueError("request does not fit a slot")  # the HTTP layer answers this case itself
+        with self._cond:
+            if not self.alive:
+                raise NotRunning(self._failure or "the server is shutting down")
+            free = sum(s is None for s in self.slots)  # the first `free` waiting requests are about to start
+            if len(self._waiting) >= self.config.max_queue + free:
+                self.metrics.rejected.inc()
+                raise QueueFull(f"the queue is full ({self.config.max_queue} requests wait for a slot)")
+            request._wake = lambda: self._cancelled(request)
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop after its current step; every request not finished ends with finish_reason "cancelled"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._end_all("cancelled", None)
+
+    def _cancelled(self, request: Request) -> None:
+        """A waiting request leaves the queue now; a running one frees its slot at the next iteration."""
+        with self._cond:
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.metrics.requests.labels("cancelled").inc()
+            self._cond.notify()
+
+    # -- the scheduler thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping or self._has_work())
+                    if self._stopping:
+                        return
+                    self._admit()
+                self._step()
+        except Exception as e:  # a failed step: no request can continue; the server reports unhealthy
+            log.exception("scheduler step failed")
+            self._failure = f"generation failed: {type(e).__name__}: {e}"
+            with self._cond:
+                self._stopping = True
+            self._end_all("error", self._failure)
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self.slots)
+
+    def _admit(self) -> None:
+        """(lock held) Free the slots of cancelled requests; give free slots to the oldest waiting requests."""
+        for i, slot in enumerate(self.slots):
+            if slot is not None and slot.request.cancelled:
+                self._free(i, "cancelled")
+        for i, slot in enumerate(self.slots):
+            if slot is None and self._waiting:
+                self.slots[i] = _Slot(self._waiting.popleft(), self.engine, self.runner.device)
+
+    def _step(self) -> None:
+        prefilling = [i for i, s in enumerate(self.slots) if s is not None and not s.decoding]
+        if prefilling:
+            self._prefill_chunk(min(prefilling, key=lambda i: self.slots[i].request.arrival))
+        if any(s is not None and s.decoding for s in self.slots):
+            self._decode()
+
+    def _prefill_chunk(self, i: int) -> None:
+        slot = self.slots[i]
+        prompt, start = slot.request.prompt, slot.prefilled
+        chunk = prompt[start:start + self.config.prefill_chunk]
+        hidden = self.runner.prefill_row(i, chunk, start)
+        slot.prefilled += len(chunk)
+        self.metrics.prompt_tokens.inc(len(chunk))
+        if slot.prefilled == len(prompt):
+            logits = self.engine.model.logits(hidden[None])
+            token = int(sample(logits, slot.request.gen.sampling, slot.generator)[0])
+            self.metrics.ttft.observe(time.perf_counter() - slot.request.arrival)
+            self._take(i, token)
+
+    def _decode(self) -> None:
+        start = time.perf_counter()
+        tokens = torch.tensor([s.next_token if s is not None and s.decoding else 0 for s in self.slots],
+                              device=self.runner.device)
+        logits = self.runner.decode(tokens)
+        # rows not decoding wrote one dead slot at their length: back to their prompt progress (idle rows: 0)
+        lengths = self.runner.cache.lengths
+        self.runner.truncate([lengths[i] if s is not None and s.decoding else (s.prefilled if s is not None else 0)
+                              for i, s in enumerate(self.slots)])
+        decoding = [s is not None and s.decoding for s in self.slots]
+        configs = [s.request.gen.sampling if d else _GREEDY for s, d in zip(self.slots, decoding)]
+        generators = [s.generator if d else None for s, d in zip(self.slots, decoding)]
+        new = sample_rows(logits, configs, generators).tolist()
+        self.metrics.step.observe(time.perf_counter() - start)
+        for i, d in enumerate(decoding):
+            if d:
+                self._take(i, new[i])
+
+    def _take(self, i: int, token: int) -> None:
+        """Slot `i` generated `token`: hand its text on; free the slot once the row is done."""
+        slot = self.slots[i]
+        if slot.request.cancelled:
+            self._free(i, "cancelled")
+            return
+        text = slot.output.add(token)
+        self.metrics.tokens(1)
+        if slot.output.done:
+            text += slot.output.finish()
+            slot.request.deliver(Event(text, len(slot.output.ids), slot.output.finish_reason))
+            self._free(i, slot.output.finish_reason)
+        else:
+            if text:
+                slot.request.deliver(Event(text, len(slot.output.ids)))
+            slot.next_token = token
+
+    def _free(self, i: int, reason: str) -> None:
+        self.slots[i] = None
+        self.metrics.requests.labels(reason).inc()
+
+    def _end_all(self, reason: str, error: str | None) -> None:
+        """End every queued and running request with `reason` (the loop has stopped)."""
+        with self._cond:
+            pending = [(r, 0) for r in self._waiting] + [(s.request, len(s.output.ids)) for s in self.slots
+                                                         if s is not None]
+            self._waiting.clear()
+            self.slots = [None] * self.config.max_batch
+        for request, tokens in pending:
+            self.metrics.requests.labels(reason).inc()
+            if not request.cancelled:
+                request.deliver(Event("", tokens, reason, error))

@@ -1,0 +1,312 @@
+"""`sparsespec serve` as a real process driven through the official `openai` client: completions and chat, streamed
+and not, greedy (and seeded) outputs equal to `generate` alone also under concurrency, bad input answered with the
+OpenAI error object while the server keeps serving, a full queue refused at once, disconnects freeing their slots,
+Prometheus metrics, and SIGTERM finishing the request in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparsespec import corpora
+from sparsespec.generate import GenerationConfig
+from sparsespec.sampling import SamplingConfig
+
+MODEL = "smollm2-135m"
+MAX_BATCH, MAX_QUEUE, MAX_CONTEXT = 4, 8, 1024
+
+pytestmark = pytest.mark.slow
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path):
+        self.proc, self.port, self.log_path = proc, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def post(self, path: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
+        """Raw POST (any bytes) -> (status, JSON body)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        status, text = self.get("/metrics")
+        assert status == 200
+        return {(s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def wait_metrics(self, ok, timeout: float = 30) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if ok(m) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "sparsespec", "serve", "--model", MODEL, "--port", str(port),
+                                 "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-context",
+                                 str(MAX_CONTEXT), "--shutdown-timeout", "20"], stdout=log, stderr=log, env=env)
+    srv = Server(proc, port, log_path)
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, f"the server exited: {srv.log()}"
+        try:
+            if srv.get("/health")[0] == 200:
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not come up: {srv.log()}"
+        time.sleep(0.25)
+    yield srv
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def _prompts() -> list[str]:
+    return [corpora.text("wiki", 4 + 11 * n, seed=n) for n in range(12)]
+
+
+def _alone(engine, ids: list[int], max_tokens: int, sampling: SamplingConfig = SamplingConfig(), stop=()):
+    """What `generate` makes of the prompt alone: (text, token count)."""
+    result = engine.generate([ids], GenerationConfig(max_new_tokens=max_tokens, sampling=sampling,
+                                                     stop_strings=tuple(stop)))
+    return result.texts[0], len(result.token_ids[0])
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert server.get("/health") == (200, '{"status":"ok"}')
+
+
+def test_completion_greedy_equals_generate_streamed_and_not(server, smollm2_engine):
+    prompt = "The three most important inventions of the nineteenth century were"
+    want, count = _alone(smollm2_engine, smollm2_engine.encode(prompt), 20)
+    resp = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    assert resp.choices[0].text == want
+    assert resp.usage.completion_tokens == count and resp.usage.prompt_tokens == len(smollm2_engine.encode(prompt))
+    assert resp.choices[0].finish_reason == ("length" if count == 20 else "stop")
+    chunks = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # streamed in pieces
+    assert chunks[-1].usage.completion_tokens == count
+    # token ids as the prompt: the same answer
+    ids = smollm2_engine.encode(prompt)
+    assert server.client.completions.create(model=MODEL, prompt=ids, max_tokens=20,
+                                            temperature=0).choices[0].text == want
+
+
+def test_chat_equals_cli_generate_streamed_and_not(server):
+    question = "Name three colours of the rainbow."
+    cli = subprocess.run([sys.executable, "-m", "sparsespec", "generate", "--model", MODEL, "--chat", "--prompt",
+                          question, "--max-new-tokens", "24", "--json"], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    want = json.loads(cli.stdout)
+    messages = [{"role": "user", "content": question}]
+    resp = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert resp.choices[0].message.content == want["text"] and resp.choices[0].message.role == "assistant"
+    assert resp.usage.completion_tokens == len(want["token_ids"])
+    assert resp.usage.prompt_tokens == want["prompt_tokens"]
+    chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                                        temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want["text"]
+    assert chunks[-1].choices[0].finish_reason == resp.choices[0].finish_reason
+
+
+def test_concurrent_requests_equal_each_prompt_alone(server, smollm2_engine):
+    """12 concurrent streamed requests through 4 slots (they join and leave the batch as slots free up): greedy
+    ones, a seeded sampled one and one with a stop string each get exactly what `generate` gives the prompt alone."""
+    eng, max_tokens = smollm2_engine, 16
+    prompts = _prompts()
+    sampled = SamplingConfig(temperature=0.8, top_p=0.9, top_k=40, seed=7)
+    settings = [dict(temperature=0)] * len(prompts)
+    settings[3] = dict(temperature=0.8, top_p=0.9, seed=7, extra_body={"top_k": 40})
+    settings[5] = dict(temperature=0, stop=[" the"])
+    wants = []
+    for i, p in enumerate(prompts):
+        sampling = sampled if i == 3 else SamplingConfig()
+        wants.append(_alone(eng, eng.encode(p), max_tokens, sampling, stop=[" the"] if i == 5 else ()))
+
+    async def one(client, prompt, kwargs):
+        text, usage, reasons = "", None, []
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                 stream_options={"include_usage": True}, **kwargs)
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reasons.append(chunk.choices[0].finish_reason)
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens, reasons[-1]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, p, s) for p, s in zip(prompts, settings)))
+
+    got = asyncio.run(run())
+    assert [(text, n) for text, n, _ in got] == wants
+    assert got[5][2] == "stop" and " the" not in got[5][0]
+    m = server.metrics()
+    assert m["sparsespec_running_rows"] == 0 and m["sparsespec_queue_length"] == 0
+
+
+def _error(status: int, body: dict, want_status: int, param=None, code=None):
+    assert status == want_status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["code"] == code, error
+
+
+OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.mark.parametrize("path,body,status,param,code", [
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": ', 400, None, "invalid_json"),
+    ("/v1/completions", b"not json at all", 400, None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", {**OK, "max_tokens": "5"}, 400, "max_tokens", None),
+    ("/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature", None),
+    ("/v1/completions", {**OK, "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {**OK, "prompt": 5}, 400, "prompt", None),
+    ("/v1/completions", {**OK, "frobnicate": 1}, 400, "frobnicate", None),
+    ("/v1/completions", {**OK, "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {**OK, "n": 2}, 400, "n", None),
+    ("/v1/completions", {**OK, "prompt": [1] * MAX_CONTEXT}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {**OK, "prompt": [10**9]}, 400, "prompt", None),
+    ("/v1/completions", {**OK, "max_tokens": MAX_CONTEXT}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {**OK, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages.0.role", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * 1100}]}, 400,
+     "messages", "context_length_exceeded"),
+])
+def test_bad_input_is_answered_and_the_server_keeps_serving(server, path, body, status, param, code):
+    _error(*server.post(path, body), status, param, code)
+    assert server.post("/v1/completions", OK)[0] == 200
+
+
+def test_the_client_sees_openai_errors(server):
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=MAX_CONTEXT)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    status, text = server.get("/no/such/route")
+    assert status == 404 and json.loads(text)["error"]["type"] == "not_found_error"
+
+
+def _long_request(server: Server, stream: bool) -> http.client.HTTPConnection:
+    """A request that would decode for long (EOS ignored), left open; -> its connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def test_full_queue_answers_429_at_once_and_disconnects_free_their_slots(server):
+    before = server.metrics().get('sparsespec_requests_total{finish_reason=cancelled}', 0)
+    conns = [_long_request(server, stream=i % 2 == 0) for i in range(MAX_BATCH + MAX_QUEUE)]
+    try:
+        m = server.wait_metrics(lambda m: m["sparsespec_running_rows"] == MAX_BATCH
+                                and m["sparsespec_queue_length"] == MAX_QUEUE)
+        assert (m["sparsespec_running_rows"], m["sparsespec_queue_length"]) == (MAX_BATCH, MAX_QUEUE)
+        start = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as e:
+            server.client.completions.create(model=MODEL, prompt="one more", max_tokens=2)
+        assert time.monotonic() - start < 5 and e.value.body["code"] == "queue_full"
+        assert server.metrics()["sparsespec_rejected_requests_total"] >= 1
+        first = conns[0].getresponse()  # a running streamed request is streaming
+        assert first.status == 200 and first.readline().startswith(b"data: {")
+    finally:
+        for conn in conns:
+            conn.close()
+    m = server.wait_metrics(lambda m: m["sparsespec_running_rows"] == 0 and m["sparsespec_queue_length"] == 0)
+    assert (m["sparsespec_running_rows"], m["sparsespec_queue_length"]) == (0, 0)
+    assert m['sparsespec_requests_total{finish_reason=cancelled}'] - before == MAX_BATCH + MAX_QUEUE
+    assert server.post("/v1/completions", OK)[0] == 200
+
+
+def test_metrics_are_prometheus_text(server):
+    status, text = server.get("/metrics")
+    assert status == 200
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"sparsespec_queue_length", "sparsespec_running_rows", "sparsespec_generation_tokens_per_second",
+            "sparsespec_time_to_first_token_seconds", "sparsespec_generation_tokens", "sparsespec_requests",
+            "sparsespec_prompt_tokens", "sparsespec_decode_step_seconds"} <= names
+    m = server.metrics()
+    assert m["sparsespec_time_to_first_token_seconds_count"] >= 1 and m["sparsespec_generation_tokens_total"] > 0
+    assert m["sparsespec_max_batch"] == MAX_BATCH
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_cleanly(server):
+    """(Last: it stops the module's server.)"""
+    chunks = []
+    first = threading.Event()
+
+    def stream():
+        for chunk in server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"ignore_eos": True}):
+            chunks.append(chunk)
+            first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    reader.join(60)
+    # uvicorn re-raises the signal once it has shut down gracefully: the process ends as SIGTERM'd, no error
+    assert server.proc.wait(60) == -signal.SIGTERM
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 40
+    log = server.log()
+    assert "Traceback" not in log and "Application shutdown complete" in log and "Finished server process" in log
