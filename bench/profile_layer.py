@@ -46,6 +46,18 @@ def main() -> None:
         for e in sorted(events, key=lambda e: -e.device_time_total):
             print(f"  {e.device_time_total / args.steps:9.1f} us  x{e.count // args.steps:<3d} {e.key[:90]}")
         print(f"  {total:9.1f} us  total")
+        if name == "binarypc":  # the scorer's two ways of reading its tables, timed alone
+            from sparsespec.kernels.binarypc import probe_tables, score_keys
+            from sparsespec.sparse_bench import time_ms
+
+            state, o = cache.policy_state[0], policy.options
+            _, tables = probe_tables(q.view(batch, cfg.num_heads, -1), state.basis, o.probe_bits)
+            G = cfg.num_heads // cfg.num_kv_heads
+            for gather in (True, False):
+                ms = time_ms(lambda: score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G,
+                                                gather=gather))
+                print(f"  score_keys gather={gather}: {ms * 1e3:.1f} us "
+                      f"({state.codes.numel() * 8 / ms / 1e9:.0f} GB/s of codes)")
         policy.end_fixed()
         del cache
         torch.cuda.empty_cache()

@@ -158,7 +158,7 @@ def test_graphed_sparse_runner_matches_the_eager_fixed_path(name, budget, tmp_pa
             assert torch.isfinite(logits).all()
             tokens = logits.argmax(-1)
             out.append(tokens.tolist())
-        runner.truncate([n - 5 for n in runner.lengths])  # a rollback, then more steps
+        runner.truncate([n - 5 for n in runner.cache.lengths])  # a rollback, then more steps
         for _ in range(5):
             tokens = runner.decode(tokens).argmax(-1)
             out.append(tokens.tolist())

@@ -116,13 +116,14 @@ def test_encode_slots_in_bf16_keep_the_codes():
 
 def _check_selection(keys, positions, tokens, forced_from, k, key_bits, **kw):
     ref_idx, ref_count = select_topk_ref(keys, positions, tokens, forced_from, k, key_bits, **kw)
-    idx = torch.full_like(ref_idx, -7)
-    count = torch.full_like(ref_count, -7)
-    select_topk(keys.clone(), positions, tokens, forced_from, k, key_bits, out=(idx, count), **kw)
-    assert torch.equal(count, ref_count)
-    for r in range(keys.shape[0]):
-        n = int(count[r])
-        assert idx[r, :n].tolist() == ref_idx[r, :n].tolist(), r
+    for block in (2048, 32):  # one block a row, and many blocks shared by several programs a row
+        idx = torch.full_like(ref_idx, -7)
+        count = torch.full_like(ref_count, -7)
+        select_topk(keys.clone(), positions, tokens, forced_from, k, key_bits, out=(idx, count), block=block, **kw)
+        assert torch.equal(count, ref_count)
+        for r in range(keys.shape[0]):
+            n = int(count[r])
+            assert idx[r, :n].tolist() == ref_idx[r, :n].tolist(), (block, r)
     return idx, count
 
 

@@ -86,6 +86,7 @@ def _probe_kernel(q_ptr, basis_ptr, probe_ptr, tables_ptr, G: tl.constexpr, D: t
                   W: tl.constexpr, M: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
                   LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr):
     r = tl.program_id(0)  # (row, KV head); its query heads are r * G .. r * G + G - 1
+    j = tl.program_id(1)  # the code byte whose bits 8j .. 8j + 7 this program quantises and tabulates
     i = tl.arange(0, 64)
     d = tl.arange(0, D)
     top = (1 << M) - 1
@@ -97,28 +98,23 @@ def _probe_kernel(q_ptr, basis_ptr, probe_ptr, tables_ptr, G: tl.constexpr, D: t
             qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
             scale = tl.maximum(scale, tl.max(tl.abs(tl.sum(basis * qg[None, :], 1)), 0))
     scale = tl.maximum(scale, 1e-30)
-    for g in tl.static_range(G):
-        qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
-        for w in tl.static_range(W):
-            live = w * 64 + i < BITS
-            basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[:, None] * D + d[None, :], mask=live[:, None],
-                            other=0.0)
-            p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top)  # [64]
-            tl.store(probe_ptr + (r * G + g) * BITS + w * 64 + i, p.to(tl.int32), mask=live)
-    tl.debug_barrier()  # the probe is read back below by other threads of this program
-    c = tl.arange(0, 256)
     t = tl.arange(0, 8)
-    sign = tl.where(((c[:, None] >> t[None, :]) & 1) == 1, 1, -1)  # [256, 8]
+    bit = j * 8 + t
+    live = bit < BITS
+    basis = tl.load(basis_ptr + (r * BITS + bit)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)  # [8, D]
+    c = tl.arange(0, 256)
+    sign = tl.where(((c[:, None] >> t[None, :]) & 1) == 1, 1, -1)  # [256, 8]: h of each bit of byte value c
     for tb in tl.static_range(T):
-        for j in range(NB):
-            entry = tl.zeros([256], dtype=tl.int64)
-            for lane in tl.static_range(LANES):
-                if tb * LANES + lane < G:
-                    pj = tl.load(probe_ptr + (r * G + tb * LANES + lane) * BITS + j * 8 + t,
-                                 mask=j * 8 + t < BITS, other=0)  # [8]
-                    part = tl.sum(sign * pj[None, :], 1) + BIAS  # [256]
-                    entry += part.to(tl.int64) << (lane * LANE_BITS)
-            tl.store(tables_ptr + ((r * T + tb) * NB + j) * 256 + c, entry)
+        entry = tl.zeros([256], dtype=tl.int64)
+        for lane in tl.static_range(LANES):
+            if tb * LANES + lane < G:
+                g = tb * LANES + lane
+                qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
+                p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top).to(tl.int32)
+                tl.store(probe_ptr + (r * G + g) * BITS + bit, p, mask=live)
+                part = tl.sum(sign * tl.where(live, p, 0)[None, :], 1) + BIAS  # [256]
+                entry += part.to(tl.int64) << (lane * LANE_BITS)
+        tl.store(tables_ptr + ((r * T + tb) * NB + j) * 256 + c, entry)
 
 
 def probe_tables(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
@@ -130,7 +126,7 @@ def probe_tables(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
     lay = TableLayout.of(G, bits, magnitude_bits)
     probe = torch.empty(R, G, bits, dtype=torch.int32, device=q.device)
     tables = torch.empty(R, lay.tables, lay.nb, 256, dtype=torch.int64, device=q.device)
-    _probe_kernel[(R,)](q.contiguous(), basis.contiguous(), probe, tables, G=G, D=D, BITS=bits, W=W,
+    _probe_kernel[(R, lay.nb)](q.contiguous(), basis.contiguous(), probe, tables, G=G, D=D, BITS=bits, W=W,
                         M=magnitude_bits, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
                         BIAS=lay.bias, num_warps=4)
     return probe, tables
@@ -150,7 +146,8 @@ def probe_tables_ref(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
 @triton.jit
 def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV: tl.constexpr, G: tl.constexpr,
                   W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
-                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                  GATHER: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = s <= tl.load(positions_ptr + r // HKV)
@@ -166,7 +163,11 @@ def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV
             word = tl.sum(tl.where(w[None, :] == k, tile, 0), 1)  # [BLOCK]
             for byte in tl.static_range(8):
                 if k * 8 + byte < NB:
-                    acc += tl.load(table + (k * 8 + byte) * 256 + ((word >> (8 * byte)) & 255))
+                    value = (word >> (8 * byte)) & 255
+                    if GATHER:  # the byte's table held by the program, read through shared memory
+                        acc += tl.gather(tl.load(table + (k * 8 + byte) * 256 + tl.arange(0, 256)), value.to(tl.int32), 0)
+                    else:  # read through the L1 cache
+                        acc += tl.load(table + (k * 8 + byte) * 256 + value)
         for lane in tl.static_range(LANES):
             if tb * LANES + lane < G:
                 best = tl.maximum(best, (acc >> (lane * LANE_BITS)) & LANE_MASK)
@@ -175,7 +176,7 @@ def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV
 
 
 def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, magnitude_bits: int, bits: int,
-               group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+               group: int, out: torch.Tensor | None = None, gather: bool = True) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, tables from `probe_tables` (`group` query heads per KV head), positions [B]
     -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written)."""
     B, Hkv, S, W = codes.shape
@@ -186,7 +187,8 @@ def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tenso
     block = min(2048, triton.next_power_of_2(S))
     _score_kernel[(B * Hkv, triton.cdiv(S, block))](
         codes, tables, positions, out, S, offset, HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb,
-        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BLOCK=block, num_warps=8)
+        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BLOCK=block, GATHER=gather,
+        num_warps=8)
     return out
 
 

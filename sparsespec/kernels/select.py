@@ -11,12 +11,13 @@ own slot), slots >= forced_from[b], and the first extra_n[b] slots listed in ext
 e.g. BinaryPC's safeguard). The row attends to count = min(max(tokens[b], forced), candidates, K) slots: the
 forced ones, then the highest keys, ties to the lower slot — the same set `select_top` picks.
 
-Radix select, every pass spread over (row, block of slots) programs: one pass per 8-bit digit adds the block's
-histogram of that digit (among the keys matching the digits chosen so far) to the row's; every program finds the
-chosen digits itself from the row's histograms (where the count from the top crosses the budget). Then one pass
-counts each block's keys above the threshold and equal to it, and a last one writes them compacted in slot order
-(offsets from the earlier blocks' counts; the keys equal to the threshold taken in slot order until the row has
-its count). Every pass reads the keys once (2 or 4 bytes a slot).
+Radix select, every pass spread over (row, run of blocks) programs, a few per row so that the GPU is full at any
+batch: one pass per 8-bit digit adds the run's histogram of that digit (among the keys matching the digits chosen
+so far) to the row's; every program finds the chosen digits itself from the row's histograms (where the count from
+the top crosses the budget). The last digit's pass also keeps each program's own histogram and its count of keys
+above the prefix, from which a last pass writes the selection compacted in slot order (each program's offset: the
+earlier programs' keys above the threshold, and their keys equal to it, taken in slot order until the row has its
+count). Every pass reads the keys once (2 or 4 bytes a slot): two passes for int16 keys, then the write.
 """
 
 from __future__ import annotations
@@ -77,70 +78,98 @@ def _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS: tl.constexpr, U
 
 
 @triton.jit
-def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, S, K, SINKS,
-                      WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    """Digit D's histogram over one block of slots, among the keys matching the digits above (atomically added)."""
+def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, S, K,
+                      SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, D: tl.constexpr,
+                      P: tl.constexpr, BLOCK: tl.constexpr):
+    """Digit D's histogram over this program's run of BPP blocks, among the keys matching the digits above, added
+    atomically to the row's. The last digit's pass also keeps the program's own histogram and how many of its keys
+    lie above the prefix (part_ptr [R, P, 257]): the write pass takes its offsets from them."""
     r = tl.program_id(0)
+    p = tl.program_id(1)
     b = r // HKV
-    start = tl.program_id(1) * BLOCK
     pos = tl.load(positions_ptr + b).to(tl.int32)
+    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     DIGITS: tl.constexpr = KEY_BITS // 8
     shift: tl.constexpr = KEY_BITS - 8 * (D + 1)
-    if start <= pos:
-        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos,
-                             tl.load(forced_from_ptr + b).to(tl.int32), SINKS, WINDOW, KEY_MASK, BLOCK)
-        match = key > 0
-        if D == 0:
-            tl.atomic_add(stats_ptr + r, tl.sum((key == KEY_MASK).to(tl.int32), 0))
-        else:
-            prefix, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, D)
-            match = match & ((key >> (shift + 8)) == prefix)
-        hist = tl.histogram(tl.where(match, (key >> shift) & 255, 0).to(tl.int32), 256)
-        hist -= tl.where(tl.arange(0, 256) == 0, tl.sum((~match).to(tl.int32), 0), 0)
-        tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, 256), hist)
+    if D > 0:
+        prefix, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, D)
+    hist = tl.zeros([256], dtype=tl.int32)
+    n_forced = 0
+    above = 0
+    for i in range(BPP):
+        start = (p * BPP + i) * BLOCK
+        if start <= pos:
+            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos, forced_from, SINKS, WINDOW,
+                                 KEY_MASK, BLOCK)
+            match = key > 0
+            if D == 0:
+                n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 0)
+            else:
+                above += tl.sum(((key >> (shift + 8)) > prefix).to(tl.int32), 0)
+                match = match & ((key >> (shift + 8)) == prefix)
+            part = tl.histogram(tl.where(match, (key >> shift) & 255, 0).to(tl.int32), 256)
+            hist += part - tl.where(tl.arange(0, 256) == 0, tl.sum((~match).to(tl.int32), 0), 0)
+    if D == 0:
+        tl.atomic_add(stats_ptr + r, n_forced)
+    tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, 256), hist)
+    if D == DIGITS - 1:
+        own = part_ptr + (r * P + p).to(tl.int64) * 257
+        tl.store(own + tl.arange(0, 256), hist)
+        tl.store(own + 256, above)
 
 
 @triton.jit
-def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, blocks_ptr, idx_ptr,
-                    count_ptr, S, K, NB, SINKS, WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
-                    WRITE: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr):
-    """Count (WRITE False) or write (WRITE True) one block's selected slots: every key above the threshold, and the
-    keys equal to it in slot order while the row still wants them; offsets from the earlier blocks' counts."""
+def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
+                  count_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, P: tl.constexpr,
+                  PP: tl.constexpr, BLOCK: tl.constexpr):
+    """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
+    while the row still wants them; its offset from the earlier programs' counts (their last-digit histograms)."""
     r = tl.program_id(0)
+    p = tl.program_id(1)
     b = r // HKV
-    blk = tl.program_id(1)
-    start = blk * BLOCK
     pos = tl.load(positions_ptr + b).to(tl.int32)
+    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     DIGITS: tl.constexpr = KEY_BITS // 8
     threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, DIGITS)
-    s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos, tl.load(forced_from_ptr + b).to(tl.int32),
-                         SINKS, WINDOW, KEY_MASK, BLOCK)
-    above = (key > 0) & (key > threshold)
-    eq = (key > 0) & (key == threshold)
-    counts = blocks_ptr + (r.to(tl.int64) * NB) * 2
-    if WRITE:
-        earlier = tl.arange(0, NBP) < blk
-        out = tl.sum(tl.load(counts + tl.arange(0, NBP) * 2, mask=earlier, other=0), 0)
-        ties = tl.sum(tl.load(counts + tl.arange(0, NBP) * 2 + 1, mask=earlier, other=0), 0)
-        take = above | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) - 1 < k))
-        out += tl.minimum(ties, k)
-        dst = out + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(idx_ptr + r.to(tl.int64) * K + dst, s, mask=take & (dst < want))
-        if blk == 0:
-            tl.store(count_ptr + r, want)
-    else:
-        tl.store(counts + blk * 2, tl.sum(above.to(tl.int32), 0))
-        tl.store(counts + blk * 2 + 1, tl.sum(eq.to(tl.int32), 0))
+    t = threshold & 255
+    earlier = tl.arange(0, PP) < p
+    parts = part_ptr + (r * P).to(tl.int64) * 257 + tl.arange(0, PP) * 257  # [PP]
+    hists = tl.load(parts[:, None] + tl.arange(0, 256)[None, :], mask=earlier[:, None], other=0)  # [PP, 256]
+    digit = tl.arange(0, 256)[None, :]
+    out = tl.sum(tl.load(parts + 256, mask=earlier, other=0), 0) + tl.sum(tl.sum(tl.where(digit > t, hists, 0), 1), 0)
+    ties = tl.sum(tl.sum(tl.where(digit == t, hists, 0), 1), 0)
+    for i in range(BPP):
+        start = (p * BPP + i) * BLOCK
+        if start <= pos:
+            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos, forced_from, SINKS, WINDOW,
+                                 KEY_MASK, BLOCK)
+            above = (key > 0) & (key > threshold)
+            eq = (key > 0) & (key == threshold)
+            take = above | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) - 1 < k))
+            dst = out + tl.minimum(ties, k) + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(idx_ptr + r.to(tl.int64) * K + dst, s, mask=take & (dst < want))
+            out += tl.sum(above.to(tl.int32), 0)
+            ties += tl.sum(eq.to(tl.int32), 0)
+    if p == 0:
+        tl.store(count_ptr + r, want)
+
+
+def programs_per_row(rows: int, blocks: int, device: torch.device) -> int:
+    """Programs that share one row's blocks: enough to fill the GPU a few times over, never more than blocks."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(blocks, -(-4 * sms // rows)))
 
 
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                 k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
-                extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+                extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                block: int = 2048):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
-    (int16 keys: 16). Shapes alone fix the launches: capturable in a CUDA graph."""
+    (int16 keys: 16); `block`: slots per block (a power of two). Shapes alone fix the launches: capturable in a
+    CUDA graph."""
     R, S = keys.shape
     assert key_bits in (16, 32) and keys.dtype == (torch.int16 if key_bits == 16 else torch.int32)
     B = positions.shape[0]
@@ -151,19 +180,19 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         E = extra.shape[1]
         _force_kernel[(R,)](keys, positions, extra, extra_n, S, E, HKV=hkv,
                             EBLOCK=min(256, triton.next_power_of_2(E)), num_warps=4)
-    block = min(2048, triton.next_power_of_2(S))
+    block = min(block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, block)
-    hist = torch.zeros(R, digits, 256, dtype=torch.int32, device=keys.device)
-    stats = torch.zeros(R, dtype=torch.int32, device=keys.device)
-    blocks = torch.empty(R, nb, 2, dtype=torch.int32, device=keys.device)
-    common = (keys, positions, tokens, forced_from, hist, stats)
+    P = programs_per_row(R, nb, keys.device)
+    bpp = triton.cdiv(nb, P)
+    counts = torch.zeros(R * digits * 256 + R, dtype=torch.int32, device=keys.device)  # one memset
+    hist, stats = counts[:R * digits * 256].view(R, digits, 256), counts[R * digits * 256:]
+    part = torch.empty(R, P, 257, dtype=torch.int32, device=keys.device)
+    common = (keys, positions, tokens, forced_from, hist, stats, part)
     for d in range(digits):
-        _histogram_kernel[(R, nb)](*common, S, k, sinks, max(window, 1), HKV=hkv, KEY_BITS=key_bits, D=d,
-                                   BLOCK=block, num_warps=8)
-    for write in (False, True):
-        _compact_kernel[(R, nb)](*common, blocks, idx, count, S, k, nb, sinks, max(window, 1), HKV=hkv,
-                                 KEY_BITS=key_bits, WRITE=write, BLOCK=block, NBP=triton.next_power_of_2(nb),
-                                 num_warps=8)
+        _histogram_kernel[(R, P)](*common, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, D=d, P=P,
+                                  BLOCK=block, num_warps=8)
+    _write_kernel[(R, P)](*common, idx, count, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, P=P,
+                          PP=triton.next_power_of_2(P), BLOCK=block, num_warps=8)
     return idx, count
 
 
