@@ -22,14 +22,77 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import torch
+
 from sparsespec import corpora
-from sparsespec.generate import GenerationConfig
+from sparsespec.generate import GenerationConfig, prefill
+from sparsespec.runner import Runner
 from sparsespec.sampling import SamplingConfig
+from sparsespec.serve.scheduler import Request, Scheduler, SchedulerConfig
+
+from .conftest import byte_engine
 
 MODEL = "smollm2-135m"
-MAX_BATCH, MAX_QUEUE, MAX_CONTEXT = 4, 8, 1024
+# small chunks: the test prompts (up to ~170 tokens) are prefilled in several chunks between decode steps
+MAX_BATCH, MAX_QUEUE, MAX_CONTEXT, PREFILL_CHUNK = 4, 8, 1024, 32
 
-pytestmark = pytest.mark.slow
+
+def test_prefill_row_fills_one_row_and_leaves_the_others(one_thread):
+    model = byte_engine().model
+    runner = Runner(model, 3, 64)
+    runner.prefill([list(range(1, 20)), list(range(30, 35)), list(range(40, 52))])
+    before = [(k.clone(), v.clone()) for k, v in zip(runner.cache.k, runner.cache.v)]
+    prompt = list(range(60, 77))
+    for start in range(0, len(prompt), 5):  # chunked, as the scheduler prefills
+        hidden = runner.prefill_row(1, prompt[start:start + 5], start)
+    assert runner.cache.lengths == [19, 17, 12]
+    alone = Runner(model, 1, 64)
+    want = alone.prefill([prompt], chunk=5)[0]
+    assert torch.equal(hidden, want)
+    for (k0, v0), k, v, ka, va in zip(before, runner.cache.k, runner.cache.v, alone.cache.k, alone.cache.v):
+        for row in (0, 2):  # untouched, bit for bit
+            assert torch.equal(k[row], k0[row]) and torch.equal(v[row], v0[row])
+        assert torch.equal(k[1, :, :17], ka[0, :, :17]) and torch.equal(v[1, :, :17], va[0, :, :17])
+
+
+def test_scheduler_interleaves_prefill_chunks_with_decode_steps(one_thread):
+    """A long prompt joins while another request decodes: its chunks alternate with the batch's decode steps, and
+    both requests get what `generate` gives each alone."""
+    engine = byte_engine()
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, max_context=256, prefill_chunk=8))
+    calls = []
+    for name in ("prefill_row", "decode"):
+        method = getattr(scheduler.runner, name)
+        setattr(scheduler.runner, name, lambda *a, _m=method, _n=name: calls.append(_n) or _m(*a))
+    gen = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    short, long = engine.encode("Hello"), engine.encode("A much longer prompt, of sixty-odd bytes, to prefill.")
+    events = {0: [], 1: []}
+    started, finished = threading.Event(), threading.Event()
+
+    def deliver(k):
+        def on(event):  # (the scheduler thread)
+            events[k].append(event)
+            started.set()
+            if all(e and e[-1].finish_reason for e in events.values()):
+                finished.set()
+        return on
+
+    scheduler.start()
+    try:
+        scheduler.submit(Request(short, gen, deliver(0)))
+        assert started.wait(30)
+        scheduler.submit(Request(long, gen, deliver(1)))
+        assert finished.wait(60)
+    finally:
+        scheduler.stop()
+    chunks = -(-len(long) // 8)
+    assert calls.count("prefill_row") == 1 + chunks
+    first = calls.index("prefill_row", 1)
+    window = calls[first:first + 2 * chunks]
+    assert window == ["prefill_row", "decode"] * chunks  # one chunk per iteration, the running row keeps decoding
+    for k, prompt in ((0, short), (1, long)):
+        assert "".join(e.text for e in events[k]) == engine.generate([prompt], gen).texts[0]
+        assert events[k][-1].finish_reason == "length" and events[k][-1].completion_tokens == 24
 
 
 class Server:
@@ -87,7 +150,8 @@ def server(tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "sparsespec", "serve", "--model", MODEL, "--port", str(port),
                                  "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-context",
-                                 str(MAX_CONTEXT), "--shutdown-timeout", "20"], stdout=log, stderr=log, env=env)
+                                 str(MAX_CONTEXT), "--prefill-chunk", str(PREFILL_CHUNK), "--shutdown-timeout",
+                                 "20"], stdout=log, stderr=log, env=env)
     srv = Server(proc, port, log_path)
     deadline = time.monotonic() + 180
     while True:
@@ -116,11 +180,13 @@ def _alone(engine, ids: list[int], max_tokens: int, sampling: SamplingConfig = S
     return result.texts[0], len(result.token_ids[0])
 
 
+@pytest.mark.slow
 def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
     assert server.get("/health") == (200, '{"status":"ok"}')
 
 
+@pytest.mark.slow
 def test_completion_greedy_equals_generate_streamed_and_not(server, smollm2_engine):
     prompt = "The three most important inventions of the nineteenth century were"
     want, count = _alone(smollm2_engine, smollm2_engine.encode(prompt), 20)
@@ -139,6 +205,7 @@ def test_completion_greedy_equals_generate_streamed_and_not(server, smollm2_engi
                                             temperature=0).choices[0].text == want
 
 
+@pytest.mark.slow
 def test_chat_equals_cli_generate_streamed_and_not(server):
     question = "Name three colours of the rainbow."
     cli = subprocess.run([sys.executable, "-m", "sparsespec", "generate", "--model", MODEL, "--chat", "--prompt",
@@ -158,6 +225,7 @@ def test_chat_equals_cli_generate_streamed_and_not(server):
     assert chunks[-1].choices[0].finish_reason == resp.choices[0].finish_reason
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_each_prompt_alone(server, smollm2_engine):
     """12 concurrent streamed requests through 4 slots (they join and leave the batch as slots free up): greedy
     ones, a seeded sampled one and one with a stop string each get exactly what `generate` gives the prompt alone."""
@@ -205,6 +273,7 @@ def _error(status: int, body: dict, want_status: int, param=None, code=None):
 OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,body,status,param,code", [
     ("/v1/completions", b'{"model": "smollm2-135m", "prompt": ', 400, None, "invalid_json"),
     ("/v1/completions", b"not json at all", 400, None, "invalid_json"),
@@ -228,11 +297,13 @@ OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * 1100}]}, 400,
      "messages", "context_length_exceeded"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_answered_and_the_server_keeps_serving(server, path, body, status, param, code):
     _error(*server.post(path, body), status, param, code)
     assert server.post("/v1/completions", OK)[0] == 200
 
 
+@pytest.mark.slow
 def test_the_client_sees_openai_errors(server):
     with pytest.raises(openai.NotFoundError) as e:
         server.client.completions.create(model="nope", prompt="x", max_tokens=1)
@@ -253,6 +324,7 @@ def _long_request(server: Server, stream: bool) -> http.client.HTTPConnection:
     return conn
 
 
+@pytest.mark.slow
 def test_full_queue_answers_429_at_once_and_disconnects_free_their_slots(server):
     before = server.metrics().get('sparsespec_requests_total{finish_reason=cancelled}', 0)
     conns = [_long_request(server, stream=i % 2 == 0) for i in range(MAX_BATCH + MAX_QUEUE)]
@@ -276,6 +348,7 @@ def test_full_queue_answers_429_at_once_and_disconnects_free_their_slots(server)
     assert server.post("/v1/completions", OK)[0] == 200
 
 
+@pytest.mark.slow
 def test_metrics_are_prometheus_text(server):
     status, text = server.get("/metrics")
     assert status == 200
@@ -288,6 +361,7 @@ def test_metrics_are_prometheus_text(server):
     assert m["sparsespec_max_batch"] == MAX_BATCH
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_request_in_flight_and_exits_cleanly(server):
     """(Last: it stops the module's server.)"""
     chunks = []
