@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .attention import make_policy, parse_spec
 from .cache import KVCache
 from .config import ModelConfig, RopeScaling
+from .generate import prefill
 from .graphs import CudaGraphDecodeStep
 from .models.rope import inverse_frequencies
 from .models.transformer import Transformer
@@ -183,7 +184,8 @@ def random_model(cfg: ModelConfig) -> Transformer:
 
 
 def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConfig = LLAMA31_8B,
-                 compile: bool = True, out: Path | None = None) -> list[dict]:
+                 compile: bool = True, out: Path | None = None, prefill_batch1: bool = True) -> list[dict]:
+    """`prefill_batch1`: also time the dense prefill of batch-1 shapes, which a policy's build follows."""
     torch._dynamo.config.recompile_limit = 64  # one compilation per (batch, context) of the dense step
     bw = copy_bandwidth()
     model = random_model(cfg)
@@ -197,6 +199,12 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
         kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * (context + 1) * cfg.head_dim * 2
         row = {"batch": batch, "context": context, "dense_floor_ms": (weights + kv) / bw * 1e3,
                "weights_floor_ms": weights / bw * 1e3}
+        if batch == 1 and prefill_batch1:  # what the build is compared with: the prefill it follows
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            prefill(model, cache, [torch.randint(0, cfg.vocab_size, (context,)).tolist()], chunk=8192)
+            torch.cuda.synchronize()
+            row["prefill_s"] = time.perf_counter() - start
         dense = CudaGraphDecodeStep(model, cache)
         row["dense_ms"] = time_ms(lambda: dense(tokens, positions))
         reference = dense(tokens, positions).clone()
@@ -249,8 +257,9 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
              "| batch | context | floor (weights) | dense graph | dense compiled | " + " | ".join(specs) + " |",
              "|---:|---:|---:|---:|---:|" + "---:|" * len(specs)]
     for r in rows:
+        share = lambda s: f", {100 * r[s]['build_s'] / r['prefill_s']:.1f}% of prefill" if "prefill_s" in r else ""  # noqa: E731
         cells = [f"{r[s]['ms']:.2f} ({r[s]['speedup_vs_graph']:.2f}x / {r[s]['speedup_vs_best']:.2f}x; build "
-                 f"{r[s]['build_s']:.2f} s)" for s in specs]
+                 f"{r[s]['build_s']:.2f} s{share(s)})" for s in specs]
         lines.append(f"| {r['batch']} | {r['context']} | {r['dense_floor_ms']:.2f} ({r['weights_floor_ms']:.2f}) | "
                      f"{r['dense_ms']:.2f} | {r.get('dense_compiled_ms', float('nan')):.2f} | " + " | ".join(cells)
                      + " |")

@@ -15,9 +15,10 @@ Radix select, every pass spread over (row, run of blocks) programs, a few per ro
 batch: one pass per 8-bit digit adds the run's histogram of that digit (among the keys matching the digits chosen
 so far) to the row's; every program finds the chosen digits itself from the row's histograms (where the count from
 the top crosses the budget). The last digit's pass also keeps each program's own histogram and its count of keys
-above the prefix, from which a last pass writes the selection compacted in slot order (each program's offset: the
-earlier programs' keys above the threshold, and their keys equal to it, taken in slot order until the row has its
-count). Every pass reads the keys once (2 or 4 bytes a slot): two passes for int16 keys, then the write.
+above the prefix; a small kernel turns those into each program's offset (the earlier programs' keys above the
+threshold, and their keys equal to it, taken in slot order until the row has its count), and a last pass writes
+the selection compacted in slot order. Every pass reads the keys once (2 or 4 bytes a slot): two passes for int16
+keys, then the write.
 """
 
 from __future__ import annotations
@@ -120,11 +121,33 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
 
 
 @triton.jit
-def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
+def _offsets_kernel(hist_ptr, stats_ptr, tokens_ptr, part_ptr, offsets_ptr, K, HKV: tl.constexpr,
+                    KEY_BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
+    """Per row, from the threshold and each program's last-digit histogram: where each program's selected slots
+    start, and how many keys equal to the threshold the earlier programs hold (offsets_ptr [R, P, 2])."""
+    r = tl.program_id(0)
+    DIGITS: tl.constexpr = KEY_BITS // 8
+    threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, r // HKV, K, DIGITS, DIGITS)
+    t = threshold & 255
+    prog = tl.arange(0, PP)
+    parts = part_ptr + (r * P).to(tl.int64) * 257 + prog * 257  # [PP]
+    hists = tl.load(parts[:, None] + tl.arange(0, 256)[None, :], mask=(prog < P)[:, None], other=0)  # [PP, 256]
+    digit = tl.arange(0, 256)[None, :]
+    above = tl.load(parts + 256, mask=prog < P, other=0) + tl.sum(tl.where(digit > t, hists, 0), 1)  # [PP]
+    ties = tl.sum(tl.where(digit == t, hists, 0), 1)  # [PP]
+    before = tl.cumsum(above, 0) - above
+    ties_before = tl.cumsum(ties, 0) - ties
+    out = offsets_ptr + (r * P).to(tl.int64) * 2 + prog * 2
+    tl.store(out, before + tl.minimum(ties_before, k), mask=prog < P)
+    tl.store(out + 1, ties_before, mask=prog < P)
+
+
+@triton.jit
+def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, offsets_ptr, idx_ptr,
                   count_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, P: tl.constexpr,
-                  PP: tl.constexpr, BLOCK: tl.constexpr):
-    """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
-    while the row still wants them; its offset from the earlier programs' counts (their last-digit histograms)."""
+                  BLOCK: tl.constexpr):
+    """Write this program's selected slots in slot order from its offset: every key above the threshold, and the
+    keys equal to it while the row still wants them."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
@@ -133,13 +156,9 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     DIGITS: tl.constexpr = KEY_BITS // 8
     threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, DIGITS)
-    t = threshold & 255
-    earlier = tl.arange(0, PP) < p
-    parts = part_ptr + (r * P).to(tl.int64) * 257 + tl.arange(0, PP) * 257  # [PP]
-    hists = tl.load(parts[:, None] + tl.arange(0, 256)[None, :], mask=earlier[:, None], other=0)  # [PP, 256]
-    digit = tl.arange(0, 256)[None, :]
-    out = tl.sum(tl.load(parts + 256, mask=earlier, other=0), 0) + tl.sum(tl.sum(tl.where(digit > t, hists, 0), 1), 0)
-    ties = tl.sum(tl.sum(tl.where(digit == t, hists, 0), 1), 0)
+    offsets = offsets_ptr + (r * P + p).to(tl.int64) * 2
+    out = tl.load(offsets)  # slots written before this program's
+    ties = tl.load(offsets + 1)  # keys equal to the threshold before this program's
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
@@ -147,10 +166,11 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
                                  KEY_MASK, BLOCK)
             above = (key > 0) & (key > threshold)
             eq = (key > 0) & (key == threshold)
-            take = above | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) - 1 < k))
-            dst = out + tl.minimum(ties, k) + tl.cumsum(take.to(tl.int32), 0) - 1
+            rank = ties + tl.cumsum(eq.to(tl.int32), 0) - 1  # among the row's keys equal to the threshold
+            take = above | (eq & (rank < k))
+            dst = out + tl.cumsum(take.to(tl.int32), 0) - 1
             tl.store(idx_ptr + r.to(tl.int64) * K + dst, s, mask=take & (dst < want))
-            out += tl.sum(above.to(tl.int32), 0)
+            out += tl.sum(take.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
     if p == 0:
         tl.store(count_ptr + r, want)
@@ -187,12 +207,15 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     counts = torch.zeros(R * digits * 256 + R, dtype=torch.int32, device=keys.device)  # one memset
     hist, stats = counts[:R * digits * 256].view(R, digits, 256), counts[R * digits * 256:]
     part = torch.empty(R, P, 257, dtype=torch.int32, device=keys.device)
-    common = (keys, positions, tokens, forced_from, hist, stats, part)
+    offsets = torch.empty(R, P, 2, dtype=torch.int32, device=keys.device)
+    common = (keys, positions, tokens, forced_from, hist, stats)
     for d in range(digits):
-        _histogram_kernel[(R, P)](*common, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, D=d, P=P,
-                                  BLOCK=block, num_warps=8)
-    _write_kernel[(R, P)](*common, idx, count, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, P=P,
-                          PP=triton.next_power_of_2(P), BLOCK=block, num_warps=8)
+        _histogram_kernel[(R, P)](*common, part, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, D=d,
+                                  P=P, BLOCK=block, num_warps=8)
+    _offsets_kernel[(R,)](hist, stats, tokens, part, offsets, k, HKV=hkv, KEY_BITS=key_bits, P=P,
+                          PP=triton.next_power_of_2(P), num_warps=4)
+    _write_kernel[(R, P)](*common, offsets, idx, count, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits,
+                          P=P, BLOCK=block, num_warps=8)
     return idx, count
 
 
