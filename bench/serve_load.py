@@ -225,12 +225,14 @@ def main() -> None:
     args.requests_total = args.requests or max(args.clients)
     texts = prompts(args.requests_total, args.seed)
     out = Path(args.out) if args.out else None
-    (out or Path("build")).mkdir(parents=True, exist_ok=True)  # (server logs)
+    Path("build").mkdir(exist_ok=True)  # the servers' logs
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
 
     rows: list[Row] = []
     alone: list[Result] | None = None
     for max_batch in ([None] if args.url else args.max_batch):
-        server = None if args.url else ServerProcess(args, max_batch, (out or Path("build")).resolve() /
+        server = None if args.url else ServerProcess(args, max_batch, Path("build").resolve() /
                                                      f"serve_b{max_batch}.log")
         url = args.url or server.url
         try:

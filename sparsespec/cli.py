@@ -366,11 +366,11 @@ def _speculate(args, engine, ids, gen, dtype, progress) -> None:
 
 
 def cmd_serve(args) -> None:
+    import uvicorn
+
     from .generate import Engine
     from .serve.app import ServeConfig, create_app
     from .serve.scheduler import SchedulerConfig
-
-    import uvicorn
 
     if not 0 <= args.port < 65536:
         raise SparseSpecError(f"--port must be in [0, 65535], got {args.port}")

@@ -5,6 +5,7 @@
     logits = runner.decode(tokens)            # one token per row at its length; graph replay on CUDA
     runner.truncate(lengths)                  # rollback: the cache and the policy's index both follow
     hidden = runner.prefill_row(row, chunk, start)  # continuous batching: one row's prompt chunk, others kept
+    logits = runner.decode_rows(tokens)       # a step of the first len(tokens) rows, the others kept
 
 On CUDA a graphable policy runs fixed-width sparse steps (`Policy.plan_fixed`): the whole step, every sparse layer's
 scoring, selection and attention included, is one CUDA graph replay with no host synchronisation. Other policies
@@ -79,17 +80,22 @@ class Runner:
         end = start + len(tokens)
         if not 0 <= start < end <= self.cache.capacity:
             raise ValueError(f"invalid chunk [{start}, {end}) for capacity {self.cache.capacity}")
-        view = copy.copy(self.cache)  # row `row` alone: views of its slots, written in place
-        view.k = [k[row:row + 1] for k in self.cache.k]
-        view.v = [v[row:row + 1] for v in self.cache.v]
-        view.lengths = [start]
-        view.policy_state = [None] * len(view.k)
         positions = torch.arange(start, end, device=self.device)[None]
-        hidden = self.model(torch.tensor([tokens], device=self.device), positions, view, kv_len=end)
+        hidden = self.model(torch.tensor([tokens], device=self.device), positions, self._rows(row, row + 1),
+                            kv_len=end)
         lengths = list(self.cache.lengths)
         lengths[row] = end
         self.cache.truncate(lengths)
         return hidden[0, -1]
+
+    def _rows(self, start: int, stop: int) -> KVCache:
+        """The cache of rows [start, stop) alone: views of their slots (written in place); lengths are not kept."""
+        view = copy.copy(self.cache)
+        view.k = [k[start:stop] for k in self.cache.k]
+        view.v = [v[start:stop] for v in self.cache.v]
+        view.lengths = self.cache.lengths[start:stop]
+        view.policy_state = [None] * len(view.k)
+        return view
 
     def build(self) -> None:
         """(Re)build the policy's index from the cache's committed tokens, in fixed-width mode where it can."""
@@ -137,6 +143,26 @@ class Runner:
             else:
                 for layer in range(self.model.cfg.num_layers):
                     policy.append(layer, cache, cache.lengths)
+        return logits
+
+    @torch.inference_mode()
+    def decode_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Continuous batching: a decode step of the first `len(tokens)` rows only (the others keep their cache and
+        lengths); -> their next-token logits. Eager steps compute just those rows; a graphed step runs the whole
+        batch (its shape is fixed), the other rows' tokens 0, and rolls their lengths back. Dense only."""
+        n, B = len(tokens), self.cache.batch
+        if self.policy is not None:
+            raise ValueError("decode_rows needs dense decoding (no policy)")
+        if not 0 < n <= B:
+            raise ValueError(f"decode_rows of {n} rows in a batch of {B}")
+        lengths = list(self.cache.lengths)
+        if self.graphed:
+            logits = self.decode(torch.cat([tokens, tokens.new_zeros(B - n)]))[:n]
+        else:
+            positions = torch.tensor(lengths[:n], device=self.device)
+            hidden = self.model(tokens[:, None], positions[:, None], self._rows(0, n), kv_len=max(lengths[:n]) + 1)
+            logits = self.model.logits(hidden[:, -1])
+        self.cache.truncate([x + 1 for x in lengths[:n]] + lengths[n:])
         return logits
 
     def truncate(self, lengths: list[int]) -> None:

@@ -20,15 +20,15 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import torch
-
 from sparsespec import corpora
-from sparsespec.generate import GenerationConfig, prefill
+from sparsespec.errors import SparseSpecError
+from sparsespec.generate import GenerationConfig
 from sparsespec.runner import Runner
 from sparsespec.sampling import SamplingConfig
-from sparsespec.serve.scheduler import Request, Scheduler, SchedulerConfig
+from sparsespec.serve.scheduler import Job, Scheduler, SchedulerConfig
 
 from .conftest import byte_engine
 
@@ -55,13 +55,26 @@ def test_prefill_row_fills_one_row_and_leaves_the_others(one_thread):
         assert torch.equal(k[1, :, :17], ka[0, :, :17]) and torch.equal(v[1, :, :17], va[0, :, :17])
 
 
+def test_decode_rows_steps_a_prefix_of_the_rows_and_leaves_the_others(one_thread):
+    model = byte_engine().model
+    prompts = [list(range(1, 20)), list(range(30, 35)), list(range(40, 52))]
+    runner, two = Runner(model, 3, 64), Runner(model, 2, 64)
+    runner.prefill(prompts)
+    two.prefill(prompts[:2])
+    row2 = (runner.cache.k[0][2].clone(), runner.cache.v[0][2].clone())
+    tokens = torch.tensor([7, 9])
+    assert torch.equal(runner.decode_rows(tokens), two.decode(tokens))
+    assert runner.cache.lengths == [20, 6, 12]
+    assert torch.equal(runner.cache.k[0][2], row2[0]) and torch.equal(runner.cache.v[0][2], row2[1])
+
+
 def test_scheduler_interleaves_prefill_chunks_with_decode_steps(one_thread):
     """A long prompt joins while another request decodes: its chunks alternate with the batch's decode steps, and
     both requests get what `generate` gives each alone."""
     engine = byte_engine()
     scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, max_context=256, prefill_chunk=8))
     calls = []
-    for name in ("prefill_row", "decode"):
+    for name in ("prefill_row", "decode_rows"):
         method = getattr(scheduler.runner, name)
         setattr(scheduler.runner, name, lambda *a, _m=method, _n=name: calls.append(_n) or _m(*a))
     gen = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
@@ -79,9 +92,9 @@ def test_scheduler_interleaves_prefill_chunks_with_decode_steps(one_thread):
 
     scheduler.start()
     try:
-        scheduler.submit(Request(short, gen, deliver(0)))
+        scheduler.submit(Job(short, gen, deliver(0)))
         assert started.wait(30)
-        scheduler.submit(Request(long, gen, deliver(1)))
+        scheduler.submit(Job(long, gen, deliver(1)))
         assert finished.wait(60)
     finally:
         scheduler.stop()
@@ -89,10 +102,29 @@ def test_scheduler_interleaves_prefill_chunks_with_decode_steps(one_thread):
     assert calls.count("prefill_row") == 1 + chunks
     first = calls.index("prefill_row", 1)
     window = calls[first:first + 2 * chunks]
-    assert window == ["prefill_row", "decode"] * chunks  # one chunk per iteration, the running row keeps decoding
+    assert window == ["prefill_row", "decode_rows"] * chunks  # a chunk per iteration, the running row decodes on
     for k, prompt in ((0, short), (1, long)):
         assert "".join(e.text for e in events[k]) == engine.generate([prompt], gen).texts[0]
         assert events[k][-1].finish_reason == "length" and events[k][-1].completion_tokens == 24
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-batch", "0"], "expected a positive integer"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+])
+def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
+    from sparsespec.cli import main
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_scheduler_config_is_validated():
+    for bad in ({"max_batch": 0}, {"max_context": 0}, {"prefill_chunk": 0}, {"max_queue": -1}):
+        with pytest.raises(SparseSpecError):
+            SchedulerConfig(**bad)
 
 
 class Server:
@@ -173,10 +205,10 @@ def _prompts() -> list[str]:
     return [corpora.text("wiki", 4 + 11 * n, seed=n) for n in range(12)]
 
 
-def _alone(engine, ids: list[int], max_tokens: int, sampling: SamplingConfig = SamplingConfig(), stop=()):
+def _alone(engine, ids: list[int], max_tokens: int, sampling: SamplingConfig | None = None, stop=()):
     """What `generate` makes of the prompt alone: (text, token count)."""
-    result = engine.generate([ids], GenerationConfig(max_new_tokens=max_tokens, sampling=sampling,
-                                                     stop_strings=tuple(stop)))
+    gen = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling or SamplingConfig(), stop_strings=tuple(stop))
+    result = engine.generate([ids], gen)
     return result.texts[0], len(result.token_ids[0])
 
 
@@ -232,9 +264,9 @@ def test_concurrent_requests_equal_each_prompt_alone(server, smollm2_engine):
     eng, max_tokens = smollm2_engine, 16
     prompts = _prompts()
     sampled = SamplingConfig(temperature=0.8, top_p=0.9, top_k=40, seed=7)
-    settings = [dict(temperature=0)] * len(prompts)
-    settings[3] = dict(temperature=0.8, top_p=0.9, seed=7, extra_body={"top_k": 40})
-    settings[5] = dict(temperature=0, stop=[" the"])
+    settings = [{"temperature": 0}] * len(prompts)
+    settings[3] = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "extra_body": {"top_k": 40}}
+    settings[5] = {"temperature": 0, "stop": [" the"]}
     wants = []
     for i, p in enumerate(prompts):
         sampling = sampled if i == 3 else SamplingConfig()

@@ -23,17 +23,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, ChatFormat, ChatRequest, CompletionRequest,
                        ResponseFormat, usage)
-from .scheduler import Event, NotRunning, QueueFull, Scheduler, SchedulerConfig
-from .scheduler import Request as Generation
+from .scheduler import Event, Job, NotRunning, QueueFull, Scheduler, SchedulerConfig
 
 log = logging.getLogger("sparsespec.serve")
 
@@ -64,9 +63,7 @@ class Server:
 
     def generation(self, body: CompletionRequest | ChatRequest, ids: list[int], prompt_param: str,
                    default_max_tokens: int | None) -> GenerationConfig:
-        s = self.config.scheduler
-        return body.generation(len(ids), s.max_context, default_max_tokens, s.prefill_chunk, s.cuda_graph,
-                               prompt_param)
+        return body.generation(len(ids), self.config.scheduler.max_context, default_max_tokens, prompt_param)
 
     async def answer(self, request: Request, ids: list[int], gen: GenerationConfig, fmt: ResponseFormat,
                      stream: bool, include_usage: bool) -> Response:
@@ -83,7 +80,7 @@ class Server:
         _raise_failure(last)
         return JSONResponse(fmt.response("".join(text), last.finish_reason, usage(len(ids), last.completion_tokens)))
 
-    def _submit(self, ids: list[int], gen: GenerationConfig) -> tuple[Generation, asyncio.Queue[Event]]:
+    def _submit(self, ids: list[int], gen: GenerationConfig) -> tuple[Job, asyncio.Queue[Event]]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -93,16 +90,16 @@ class Server:
             except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting
                 pass
 
-        generation = Generation(ids, gen, deliver)
+        job = Job(ids, gen, deliver)
         try:
-            self.scheduler.submit(generation)
+            self.scheduler.submit(job)
         except QueueFull as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         except NotRunning as e:
             raise APIError(503, str(e), type="server_error", code="unavailable") from None
-        return generation, queue
+        return job, queue
 
-    async def _sse(self, request: Request, events: tuple[Generation, asyncio.Queue[Event]], fmt: ResponseFormat,
+    async def _sse(self, request: Request, events: tuple[Job, asyncio.Queue[Event]], fmt: ResponseFormat,
                    prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         first = True
         async for event in _until_disconnected(request, *events):
@@ -134,11 +131,11 @@ def _raise_failure(event: Event) -> None:
         raise _failure(event)
 
 
-async def _until_disconnected(request: Request, generation: Generation,
+async def _until_disconnected(request: Request, job: Job,
                               queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
-    """The request's events up to its last one, or until the client disconnects (then no more). However it ends
-    (finished, client gone, response task cancelled), the generation is cancelled, freeing its slot if it still
-    holds one."""
+    """The job's events up to its last one, or until the client disconnects (then no more). However it ends
+    (finished, client gone, response task cancelled), the job is cancelled, freeing its slot if it still holds
+    one."""
     disconnected = asyncio.ensure_future(_disconnect(request))
     try:
         while True:
@@ -153,7 +150,7 @@ async def _until_disconnected(request: Request, generation: Generation,
                 return
     finally:
         disconnected.cancel()
-        generation.cancel()
+        job.cancel()
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

@@ -89,7 +89,7 @@ class _GenerationRequest(_Strict):
         return self.max_tokens
 
     def generation(self, prompt_tokens: int, max_context: int, default_max_tokens: int | None,
-                   prefill_chunk: int, cuda_graph: bool, prompt_param: str) -> GenerationConfig:
+                   prompt_param: str) -> GenerationConfig:
         """-> the request's GenerationConfig; APIError 400 when the prompt and max_tokens do not fit a slot.
         `default_max_tokens` None: the rest of the context."""
         if prompt_tokens == 0:
@@ -110,8 +110,7 @@ class _GenerationRequest(_Strict):
         try:
             sampling = SamplingConfig(self.temperature, max(self.top_k, 0), self.top_p, self.seed)
             return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, stop_strings=stop,
-                                    stop_on_eos=not self.ignore_eos, prefill_chunk=prefill_chunk,
-                                    cuda_graph=cuda_graph)
+                                    stop_on_eos=not self.ignore_eos)
         except SparseSpecError as e:
             raise APIError(400, str(e)) from None
 

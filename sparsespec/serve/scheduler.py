@@ -1,11 +1,12 @@
 """Continuous batching: one thread owns a `Runner` of `max_batch` rows (slots) of the static KV cache.
 
-    submit(request) --> bounded waiting queue (full: QueueFull at once)
+    submit(job) --> bounded waiting queue (full: QueueFull at once)
     loop:  free slots take waiting requests (oldest first)
            one prefill chunk of the oldest prefilling slot (`Runner.prefill_row`: the other rows keep their cache);
              its prompt complete -> its first token is sampled and the slot decodes from the next step on
-           one batched decode step of every decoding slot (`Runner.decode`, a CUDA graph replay on the GPU,
-             captured once for the batch); each row sampled under its own settings and generator
+           one batched decode step of every decoding slot (`Runner.decode_rows`: on the CPU the rows up to the
+             last decoding one, on the GPU a replay of the graph of the whole batch, captured once); each row
+             sampled under its own settings and generator
            a row that stops (EOS, stop token or string, max_tokens) or whose client left frees its slot
 
 Rows that are idle or still prefilling ride along in the decode step: they write one dead K/V slot at their length,
@@ -72,8 +73,8 @@ class Event:
     error: str | None = None
 
 
-class Request:
-    """One generation: prompt ids, settings, and `deliver(Event)`, called from the scheduler thread."""
+class Job:
+    """One request's generation: prompt ids, settings, and `deliver(Event)`, called from the scheduler thread."""
 
     _ids = itertools.count()
 
@@ -95,10 +96,10 @@ class Request:
 
 
 class _Slot:
-    def __init__(self, request: Request, engine: Engine, device: torch.device):
-        self.request = request
-        self.output = RowOutput(engine, request.gen)
-        self.generator = make_generator(request.gen.sampling, device)
+    def __init__(self, job: Job, engine: Engine, device: torch.device):
+        self.job = job
+        self.output = RowOutput(engine, job.gen)
+        self.generator = make_generator(job.gen.sampling, device)
         self.prefilled = 0  # prompt tokens in the cache
         self.next_token: int | None = None  # decoding: the token the next step feeds
 
@@ -116,7 +117,7 @@ class Scheduler:
         self.metrics = metrics or Metrics(self.queue_length, self.running_rows, config.max_batch)
         self.runner = Runner(engine.model, config.max_batch, config.max_context, None, config.cuda_graph)
         self.slots: list[_Slot | None] = [None] * config.max_batch
-        self._waiting: deque[Request] = deque()
+        self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._failure: str | None = None
@@ -137,12 +138,12 @@ class Scheduler:
     def running_rows(self) -> int:
         return sum(s is not None for s in self.slots)
 
-    def submit(self, request: Request) -> None:
-        """Queue `request`; QueueFull when `max_queue` requests already wait for a slot (besides those about to take
+    def submit(self, job: Job) -> None:
+        """Queue `job`; QueueFull when `max_queue` requests already wait for a slot (besides those about to take
         a free one), NotRunning when stopped. The caller
         has checked that it fits (`prompt + max_new_tokens <= max_context`)."""
-        if len(request.prompt) + request.gen.max_new_tokens > self.config.max_context:
-            raise ValueError("request does not fit a slot")  # the HTTP layer answers this case itself
+        if len(job.prompt) + job.gen.max_new_tokens > self.config.max_context:
+            raise ValueError("the job does not fit a slot")  # the HTTP layer answers this case itself
         with self._cond:
             if not self.alive:
                 raise NotRunning(self._failure or "the server is shutting down")
@@ -150,8 +151,8 @@ class Scheduler:
             if len(self._waiting) >= self.config.max_queue + free:
                 self.metrics.rejected.inc()
                 raise QueueFull(f"the queue is full ({self.config.max_queue} requests wait for a slot)")
-            request._wake = lambda: self._cancelled(request)
-            self._waiting.append(request)
+            job._wake = lambda: self._cancelled(job)
+            self._waiting.append(job)
             self._cond.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -163,11 +164,11 @@ class Scheduler:
             self._thread.join(timeout)
         self._end_all("cancelled", None)
 
-    def _cancelled(self, request: Request) -> None:
-        """A waiting request leaves the queue now; a running one frees its slot at the next iteration."""
+    def _cancelled(self, job: Job) -> None:
+        """A waiting job leaves the queue now; a running one frees its slot at the next iteration."""
         with self._cond:
-            if request in self._waiting:
-                self._waiting.remove(request)
+            if job in self._waiting:
+                self._waiting.remove(job)
                 self.metrics.requests.labels("cancelled").inc()
             self._cond.notify()
 
@@ -176,6 +177,7 @@ class Scheduler:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         try:
+            self.runner.capture()  # CUDA: the decode graph of the whole batch, once, before the first request
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping or self._has_work())
@@ -196,7 +198,7 @@ class Scheduler:
     def _admit(self) -> None:
         """(lock held) Free the slots of cancelled requests; give free slots to the oldest waiting requests."""
         for i, slot in enumerate(self.slots):
-            if slot is not None and slot.request.cancelled:
+            if slot is not None and slot.job.cancelled:
                 self._free(i, "cancelled")
         for i, slot in enumerate(self.slots):
             if slot is None and self._waiting:
@@ -205,56 +207,58 @@ class Scheduler:
     def _step(self) -> None:
         prefilling = [i for i, s in enumerate(self.slots) if s is not None and not s.decoding]
         if prefilling:
-            self._prefill_chunk(min(prefilling, key=lambda i: self.slots[i].request.arrival))
+            self._prefill_chunk(min(prefilling, key=lambda i: self.slots[i].job.arrival))
         if any(s is not None and s.decoding for s in self.slots):
             self._decode()
 
     def _prefill_chunk(self, i: int) -> None:
         slot = self.slots[i]
-        prompt, start = slot.request.prompt, slot.prefilled
+        prompt, start = slot.job.prompt, slot.prefilled
         chunk = prompt[start:start + self.config.prefill_chunk]
         hidden = self.runner.prefill_row(i, chunk, start)
         slot.prefilled += len(chunk)
         self.metrics.prompt_tokens.inc(len(chunk))
         if slot.prefilled == len(prompt):
             logits = self.engine.model.logits(hidden[None])
-            token = int(sample(logits, slot.request.gen.sampling, slot.generator)[0])
-            self.metrics.ttft.observe(time.perf_counter() - slot.request.arrival)
+            token = int(sample(logits, slot.job.gen.sampling, slot.generator)[0])
+            self.metrics.ttft.observe(time.perf_counter() - slot.job.arrival)
+            self.metrics.tokens(1)
             self._take(i, token)
 
     def _decode(self) -> None:
         start = time.perf_counter()
-        tokens = torch.tensor([s.next_token if s is not None and s.decoding else 0 for s in self.slots],
+        decoding = [s is not None and s.decoding for s in self.slots]
+        rows = max(i for i, d in enumerate(decoding) if d) + 1  # slots are taken lowest first: a short prefix
+        tokens = torch.tensor([s.next_token if d else 0 for s, d in zip(self.slots[:rows], decoding)],
                               device=self.runner.device)
-        logits = self.runner.decode(tokens)
+        logits = self.runner.decode_rows(tokens)
         # rows not decoding wrote one dead slot at their length: back to their prompt progress (idle rows: 0)
         lengths = self.runner.cache.lengths
-        self.runner.truncate([lengths[i] if s is not None and s.decoding else (s.prefilled if s is not None else 0)
-                              for i, s in enumerate(self.slots)])
-        decoding = [s is not None and s.decoding for s in self.slots]
-        configs = [s.request.gen.sampling if d else _GREEDY for s, d in zip(self.slots, decoding)]
-        generators = [s.generator if d else None for s, d in zip(self.slots, decoding)]
+        self.runner.truncate([lengths[i] if d else (s.prefilled if s is not None else 0)
+                              for i, (s, d) in enumerate(zip(self.slots, decoding))])
+        configs = [s.job.gen.sampling if d else _GREEDY for s, d in zip(self.slots[:rows], decoding)]
+        generators = [s.generator if d else None for s, d in zip(self.slots[:rows], decoding)]
         new = sample_rows(logits, configs, generators).tolist()
         self.metrics.step.observe(time.perf_counter() - start)
-        for i, d in enumerate(decoding):
+        self.metrics.tokens(sum(decoding))
+        for i, d in enumerate(decoding[:rows]):
             if d:
                 self._take(i, new[i])
 
     def _take(self, i: int, token: int) -> None:
         """Slot `i` generated `token`: hand its text on; free the slot once the row is done."""
         slot = self.slots[i]
-        if slot.request.cancelled:
+        if slot.job.cancelled:
             self._free(i, "cancelled")
             return
         text = slot.output.add(token)
-        self.metrics.tokens(1)
         if slot.output.done:
             text += slot.output.finish()
-            slot.request.deliver(Event(text, len(slot.output.ids), slot.output.finish_reason))
+            slot.job.deliver(Event(text, len(slot.output.ids), slot.output.finish_reason))
             self._free(i, slot.output.finish_reason)
         else:
             if text:
-                slot.request.deliver(Event(text, len(slot.output.ids)))
+                slot.job.deliver(Event(text, len(slot.output.ids)))
             slot.next_token = token
 
     def _free(self, i: int, reason: str) -> None:
@@ -264,7 +268,7 @@ class Scheduler:
     def _end_all(self, reason: str, error: str | None) -> None:
         """End every queued and running request with `reason` (the loop has stopped)."""
         with self._cond:
-            pending = [(r, 0) for r in self._waiting] + [(s.request, len(s.output.ids)) for s in self.slots
+            pending = [(j, 0) for j in self._waiting] + [(s.job, len(s.output.ids)) for s in self.slots
                                                          if s is not None]
             self._waiting.clear()
             self.slots = [None] * self.config.max_batch
