@@ -48,16 +48,25 @@ def main() -> None:
         print(f"  {total:9.1f} us  total")
         if name == "binarypc":  # the scorer's two ways of reading its tables, timed alone
             from sparsespec.kernels.binarypc import probe_tables, score_keys
+            from sparsespec.kernels.select import select_topk
             from sparsespec.sparse_bench import time_ms
 
             state, o = cache.policy_state[0], policy.options
             _, tables = probe_tables(q.view(batch, cfg.num_heads, -1), state.basis, o.probe_bits)
             G = cfg.num_heads // cfg.num_kv_heads
-            for gather in (True, False):
+            for gather, block, warps in ((True, 2048, 8), (False, 2048, 8), (True, 1024, 4), (True, 4096, 8),
+                                         (True, 1024, 8)):
                 ms = time_ms(lambda: score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G,
-                                                gather=gather))
-                print(f"  score_keys gather={gather}: {ms * 1e3:.1f} us "
-                      f"({state.codes.numel() * 8 / ms / 1e9:.0f} GB/s of codes)")
+                                                gather=gather, block=block, num_warps=warps))
+                print(f"  score_keys gather={gather} block={block} warps={warps}: {ms * 1e3:.1f} us")
+            keys = score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G)
+            plan = policy.fixed
+            for block, waves, warps in ((2048, 4, 8), (1024, 4, 4), (1024, 16, 4), (2048, 16, 8), (4096, 4, 8),
+                                        (512, 8, 4), (1024, 8, 8), (4096, 16, 8)):
+                ms = time_ms(lambda: select_topk(keys, plan.positions, plan.tokens, state.encoded_dev, plan.width,
+                                                 16, sinks=o.sinks, window=o.window, out=(plan.idx, plan.count),
+                                                 block=block, waves=waves, num_warps=warps))
+                print(f"  select_topk block={block} waves={waves} warps={warps}: {ms * 1e3:.1f} us")
         policy.end_fixed()
         del cache
         torch.cuda.empty_cache()

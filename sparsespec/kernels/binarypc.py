@@ -176,19 +176,21 @@ def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV
 
 
 def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, magnitude_bits: int, bits: int,
-               group: int, out: torch.Tensor | None = None, gather: bool = True) -> torch.Tensor:
+               group: int, out: torch.Tensor | None = None, gather: bool = True, block: int = 2048,
+               num_warps: int = 8) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, tables from `probe_tables` (`group` query heads per KV head), positions [B]
-    -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written)."""
+    -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written). Tuning:
+    `gather` reads the tables through shared memory (else through L1), `block` slots and `num_warps` a program."""
     B, Hkv, S, W = codes.shape
     lay = TableLayout.of(group, bits, magnitude_bits)
     offset, key_bits = key_range(bits, magnitude_bits)
     if out is None:
         out = torch.empty(B * Hkv, S, dtype=torch.int16 if key_bits == 16 else torch.int32, device=codes.device)
-    block = min(2048, triton.next_power_of_2(S))
+    block = min(block, triton.next_power_of_2(S))
     _score_kernel[(B * Hkv, triton.cdiv(S, block))](
         codes, tables, positions, out, S, offset, HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb,
         LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BLOCK=block, GATHER=gather,
-        num_warps=8)
+        num_warps=num_warps)
     return out
 
 

@@ -176,20 +176,20 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
         tl.store(count_ptr + r, want)
 
 
-def programs_per_row(rows: int, blocks: int, device: torch.device) -> int:
-    """Programs that share one row's blocks: enough to fill the GPU a few times over, never more than blocks."""
+def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -> int:
+    """Programs that share one row's blocks: `waves` programs per SM over all rows, never more than blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(blocks, -(-4 * sms // rows)))
+    return max(1, min(blocks, -(-waves * sms // rows)))
 
 
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                 k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                block: int = 2048):
+                block: int = 2048, waves: int = 4, num_warps: int = 8):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
-    (int16 keys: 16); `block`: slots per block (a power of two). Shapes alone fix the launches: capturable in a
-    CUDA graph."""
+    (int16 keys: 16). Tuning: `block` slots per step of a program (a power of two), `waves` programs per SM,
+    `num_warps` per program. Shapes alone fix the launches: capturable in a CUDA graph."""
     R, S = keys.shape
     assert key_bits in (16, 32) and keys.dtype == (torch.int16 if key_bits == 16 else torch.int32)
     B = positions.shape[0]
@@ -202,7 +202,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                             EBLOCK=min(256, triton.next_power_of_2(E)), num_warps=4)
     block = min(block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, block)
-    P = programs_per_row(R, nb, keys.device)
+    P = programs_per_row(R, nb, keys.device, waves)
     bpp = triton.cdiv(nb, P)
     counts = torch.zeros(R * digits * 256 + R, dtype=torch.int32, device=keys.device)  # one memset
     hist, stats = counts[:R * digits * 256].view(R, digits, 256), counts[R * digits * 256:]
@@ -211,11 +211,11 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     common = (keys, positions, tokens, forced_from, hist, stats)
     for d in range(digits):
         _histogram_kernel[(R, P)](*common, part, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, D=d,
-                                  P=P, BLOCK=block, num_warps=8)
+                                  P=P, BLOCK=block, num_warps=num_warps)
     _offsets_kernel[(R,)](hist, stats, tokens, part, offsets, k, HKV=hkv, KEY_BITS=key_bits, P=P,
                           PP=triton.next_power_of_2(P), num_warps=4)
     _write_kernel[(R, P)](*common, offsets, idx, count, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits,
-                          P=P, BLOCK=block, num_warps=8)
+                          P=P, BLOCK=block, num_warps=num_warps)
     return idx, count
 
 
