@@ -25,7 +25,9 @@ def test_graphable_policies_are_declared():
 @pytest.mark.parametrize("name,options", [
     ("binarypc", {"budget": 0.05, "sinks": 2, "window": 3}), ("binarypc", {"budget": 7, "safeguard": 0.3}),
     ("binarypc", {"budget": 0.2, "bits": 100, "probe_bits": 4}), ("topk", {"budget": 0.1, "window": 5}),
-    ("streaming", {"budget": 0.1}), ("topk", {"budget": 1.0}), ("quest", {"budget": 0.1, "page": 7}),
+    ("streaming", {"budget": 0.1}), ("streaming", {"budget": 1.0, "sinks": 0}),
+    ("streaming", {"budget": 3, "sinks": 6, "window": 2}), ("streaming", {"budget": 0.3, "sinks": 1, "window": 40}),
+    ("topk", {"budget": 1.0}), ("quest", {"budget": 0.1, "page": 7}),
     ("quest", {"budget": 0.3, "page": 16, "sinks": 3}), ("doublesparse", {"budget": 0.1, "channels": 4})])
 def test_fixed_width_step_equals_eager_step(name, options, tmp_path):
     B, Hkv, S, D = 2, 2, 150, 16

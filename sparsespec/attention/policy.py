@@ -250,33 +250,40 @@ class SelectionPolicy(Policy):
             scores = self.scores(layer, q, cache, self.fixed.positions.long())  # [B, Hkv, S]
         return ordered_keys(scores).flatten(0, 1), 32, None, None, None
 
-    def decode_fixed(self, layer: int, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One sparse layer of a fixed-width step: keys -> radix top-k -> split-K attention over the selection.
-        Triton kernels on CUDA (or under TRITON_INTERPRET=1), their torch references otherwise."""
+    def fixed_selection(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Hq, 1, D] -> the step's selection into the plan's buffers: (idx [B * Hkv, width] int32 in slot
+        order, count [B * Hkv] int32). Default: the policy's keys (`fixed_keys`), then radix top-k; the Triton
+        kernel on CUDA (or under TRITON_INTERPRET=1), its torch reference otherwise."""
         from ..kernels import triton_ready
 
         plan = self.fixed
-        B, Hq, _, D = q.shape
-        Hkv = cache.k[layer].shape[1]
         keys, key_bits, forced_from, extra, extra_n = self.fixed_keys(layer, q, cache)
         forced_from = plan.positions + 1 if forced_from is None else forced_from
         args = (keys, plan.positions, plan.tokens, forced_from, plan.width, key_bits)
         opts = dict(sinks=self.options.sinks, window=self.options.window, extra=extra, extra_n=extra_n)
         if triton_ready(q.device):
-            from ..kernels.attend import sparse_decode_attention
             from ..kernels.select import select_topk
 
-            idx, count = select_topk(*args, out=(plan.idx, plan.count), **opts)
-            attend = sparse_decode_attention
-        else:
-            from ..kernels.attend import sparse_decode_attention_ref
-            from ..kernels.select import select_topk_ref
+            return select_topk(*args, out=(plan.idx, plan.count), **opts)
+        from ..kernels.select import select_topk_ref
 
-            idx, count = select_topk_ref(*args, **opts)
-            plan.idx.copy_(idx)
-            plan.count.copy_(count)
-            attend = sparse_decode_attention_ref
+        idx, count = select_topk_ref(*args, **opts)
+        plan.idx.copy_(idx)
+        plan.count.copy_(count)
+        return plan.idx, plan.count
+
+    def decode_fixed(self, layer: int, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One sparse layer of a fixed-width step: the selection (`fixed_selection`), then split-K attention over
+        it. Triton kernels on CUDA (or under TRITON_INTERPRET=1), their torch references otherwise."""
+        from ..kernels import triton_ready
+        from ..kernels.attend import sparse_decode_attention, sparse_decode_attention_ref
+
+        plan = self.fixed
+        B, Hq, _, D = q.shape
+        Hkv = cache.k[layer].shape[1]
+        idx, count = self.fixed_selection(layer, q, cache)
         plan.attended.add_(count.view(B, Hkv).float().mean(-1))
+        attend = sparse_decode_attention if triton_ready(q.device) else sparse_decode_attention_ref
         out = attend(q.view(B, Hq, D).contiguous(), cache.k[layer], cache.v[layer], idx.view(B, Hkv, -1),
                      count.view(B, Hkv))
         return out.view(B, Hq, 1, D)
