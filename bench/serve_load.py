@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import signal
 import socket
 import statistics
@@ -171,7 +172,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{_free_port()}"
         cmd = [sys.executable, "-m", "sparsespec", "serve", "--model", args.model, "--device", args.device,
                "--port", self.url.rsplit(":", 1)[1], "--max-batch", str(max_batch),
-               "--max-queue", str(max(args.clients_list) + args.requests_total), "--prefill-chunk",
+               "--max-queue", str(max(args.clients) + args.requests_total), "--prefill-chunk",
                str(args.prefill_chunk)]
         for flag in ("dtype", "max_context"):
             if getattr(args, flag) is not None:
@@ -221,7 +222,6 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="folder for serve_load.json and serve_load.md")
     args = p.parse_args()
-    args.clients_list = args.clients
     args.requests_total = args.requests or max(args.clients)
     texts = prompts(args.requests_total, args.seed)
     out = Path(args.out) if args.out else None
@@ -244,8 +244,9 @@ def main() -> None:
             for clients in args.clients:
                 results, wall = asyncio.run(load(url, args.model, texts, clients, args,
                                                  f"max batch {max_batch or '?'}, {clients} clients"))
-                rows.append(summarise(max_batch or "?", clients, results, wall, alone))
-                console.print(rows[-1])
+                rows.append(row := summarise(max_batch or "?", clients, results, wall, alone))
+                console.print(f"max batch {row.max_batch}, {clients} clients: {row.output_tokens_per_s} output "
+                              f"tokens/s, {row.failed} failed, equal to alone {row.equal_alone}")
         finally:
             if server:
                 server.stop()
@@ -255,9 +256,11 @@ def main() -> None:
         table.add_column(name.replace("_", " "), justify="right")
     for row in rows:
         table.add_row(*(str(v) for v in asdict(row).values()))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     if out:
-        (out / "serve_load.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
+        machine = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
+                   "host": f"{platform.machine()}, {os.cpu_count()} CPUs"}
+        (out / "serve_load.json").write_text(json.dumps({"args": vars(args), "machine": machine,
                                                          "rows": [asdict(r) for r in rows]}, indent=1))
         header = list(Row.__dataclass_fields__)
         md = ["| " + " | ".join(h.replace("_", " ") for h in header) + " |", "|" + "---:|" * len(header)]

@@ -140,8 +140,8 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Queue `job`; QueueFull when `max_queue` requests already wait for a slot (besides those about to take
-        a free one), NotRunning when stopped. The caller
-        has checked that it fits (`prompt + max_new_tokens <= max_context`)."""
+        a free one), NotRunning when stopped. The caller has checked that it fits (prompt + max_new_tokens <=
+        max_context)."""
         if len(job.prompt) + job.gen.max_new_tokens > self.config.max_context:
             raise ValueError("the job does not fit a slot")  # the HTTP layer answers this case itself
         with self._cond:
@@ -272,7 +272,7 @@ class Scheduler:
                                                          if s is not None]
             self._waiting.clear()
             self.slots = [None] * self.config.max_batch
-        for request, tokens in pending:
+        for job, tokens in pending:
             self.metrics.requests.labels(reason).inc()
-            if not request.cancelled:
-                request.deliver(Event("", tokens, reason, error))
+            if not job.cancelled:
+                job.deliver(Event("", tokens, reason, error))
