@@ -13,6 +13,7 @@ triton = pytest.importorskip("triton")
 
 from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
                                          key_range, probe_tables, probe_tables_ref, score_keys, score_keys_ref)
+from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, topk_keys_ref  # noqa: E402
 from sparsespec.kernels.select import ordered_keys, select_topk, select_topk_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,8 +120,11 @@ def _check_selection(keys, positions, tokens, forced_from, k, key_bits, **kw):
     for block in (2048, 32):  # one block a row, and many blocks shared by several programs a row
         idx = torch.full_like(ref_idx, -7)
         count = torch.full_like(ref_count, -7)
-        select_topk(keys.clone(), positions, tokens, forced_from, k, key_bits, out=(idx, count), block=block, **kw)
+        attended = torch.full((len(positions),), 0.5, device=DEVICE)
+        select_topk(keys.clone(), positions, tokens, forced_from, k, key_bits, out=(idx, count), block=block,
+                    attended=attended, **kw)
         assert torch.equal(count, ref_count)
+        assert torch.allclose(attended, 0.5 + ref_count.view(len(positions), -1).float().mean(-1))
         for r in range(keys.shape[0]):
             n = int(count[r])
             assert idx[r, :n].tolist() == ref_idx[r, :n].tolist(), (block, r)
@@ -162,3 +166,34 @@ def test_ordered_keys_keep_the_order_of_scores():
     keys = ordered_keys(scores).long() & 0xFFFFFFFF
     assert keys[0, 0] == 0 and keys[0, -1] == 0xFFFFFFFF
     assert keys[0, 2] == keys[0, 3] and bool((keys[0, 3:].diff() > 0).all()) and keys[0, 1] < keys[0, 2]
+
+
+@pytest.mark.parametrize("G,D,S,dtype", [(1, 16, 37, torch.float32), (4, 64, 130, torch.bfloat16),
+                                         (7, 16, 70, torch.float16)])
+def test_topk_keys_equal_reference(G, D, S, dtype):
+    g = torch.Generator().manual_seed(G + D + S)
+    B, Hkv = 3, 2
+    q = dyadic(g, B, Hkv * G, D).to(dtype)
+    k = dyadic(g, B, Hkv, S, D).to(dtype)
+    positions = torch.tensor([S - 1, S // 3, 0], dtype=torch.int32, device=DEVICE)
+    keys = topk_keys(q, k, positions)
+    ref = topk_keys_ref(q, k, positions)
+    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
+    assert torch.equal(keys[live], ref[live])
+
+
+@pytest.mark.parametrize("G,D,S,page", [(1, 16, 37, 7), (4, 64, 130, 16), (7, 16, 70, 5), (2, 32, 64, 16)])
+def test_quest_keys_equal_reference(G, D, S, page):
+    g = torch.Generator().manual_seed(G + D + S + page)
+    B, Hkv = 3, 2
+    NP = -(-S // page)
+    q = dyadic(g, B, Hkv * G, D)
+    a, b = dyadic(g, B, Hkv, NP, D), dyadic(g, B, Hkv, NP, D)
+    kmin, kmax = torch.minimum(a, b).bfloat16(), torch.maximum(a, b).bfloat16()
+    positions = torch.tensor([S - 1, S // 3, 0], dtype=torch.int32, device=DEVICE)
+    keys = quest_keys(q, kmin, kmax, positions, page, S)
+    ref = quest_keys_ref(q, kmin, kmax, positions, page, S)
+    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
+    assert torch.equal(keys[live], ref[live])
+    at_query = torch.arange(S, device=DEVICE) == positions.long().repeat_interleave(Hkv)[:, None]
+    assert bool((keys[at_query] == 0).all())  # the query's own slot is not scored (the window forces it)

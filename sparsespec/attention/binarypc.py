@@ -279,9 +279,13 @@ class BinaryPC(SelectionPolicy):
             probe = q.view(B, Hkv, Hq // Hkv, D).float() @ state.basis.transpose(-1, -2)  # [B, Hkv, G, b]
             keys = kernels.score_keys_ref(state.codes, quantize_probe(probe, opts.probe_bits).flatten(0, 1),
                                           plan.positions, opts.probe_bits, opts.bits)
-        n_safe = (opts.safeguard * plan.tokens.double()).floor().int() if opts.safeguard > 0 else None
+        safe = opts.safeguard > 0
         return (keys, kernels.key_range(opts.bits, opts.probe_bits)[1], state.encoded_dev,
-                state.safe.flatten(0, 1) if n_safe is not None else None, n_safe)
+                state.safe.flatten(0, 1) if safe else None, plan.listed if safe else None)
+
+    def listed_forced(self, tokens):
+        # the safeguard: the worst-described keys, a share of the budget (once per step, for every layer)
+        return (self.options.safeguard * tokens.double()).floor().int() if self.options.safeguard > 0 else None
 
 
 def fit_sample(k: torch.Tensor, lengths: list[int], most: int) -> tuple[torch.Tensor, list[int]]:

@@ -113,6 +113,7 @@ class FixedPlan:
     attended: torch.Tensor  # [B] fp32: keys attended per KV head, summed over the sparse layers of every step
     idx: torch.Tensor  # [B * Hkv, width] int32: the selection of the layer being run (reused by every layer)
     count: torch.Tensor  # [B * Hkv] int32
+    listed: torch.Tensor  # [B] int32: how many of the policy's own forced list (`fixed_keys`) count this step
 
 
 class Policy(ABC):
@@ -227,7 +228,7 @@ class SelectionPolicy(Policy):
         width = min(S, max(self.options.tokens(S), self.options.forced(S - 1) + self.extra_forced(S, lengths)))
         zeros = lambda *shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=cache.device)  # noqa: E731
         self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
-                               zeros(B * Hkv))
+                               zeros(B * Hkv), zeros(B))
 
     def extra_forced(self, capacity: int, lengths: list[int]) -> int:
         """At most how many slots besides sinks and window the policy forces in at one step (bounds the width)."""
@@ -238,6 +239,13 @@ class SelectionPolicy(Policy):
         plan = self.fixed
         plan.positions.copy_(positions)
         plan.tokens.copy_(self.options.tokens_on_device(positions.long() + 1))
+        listed = self.listed_forced(plan.tokens)
+        if listed is not None:
+            plan.listed.copy_(listed)
+
+    def listed_forced(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Per row's budget [B], how many slots of the policy's own forced list a step takes (None: no list)."""
+        return None
 
     def fixed_keys(self, layer: int, q: torch.Tensor, cache: KVCache):
         """q [B, Hq, 1, D] -> (keys [B * Hkv, S] int16/int32 for `select_topk`, key bits, forced_from [B] or None,
@@ -252,7 +260,7 @@ class SelectionPolicy(Policy):
 
     def fixed_selection(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, 1, D] -> the step's selection into the plan's buffers: (idx [B * Hkv, width] int32 in slot
-        order, count [B * Hkv] int32). Default: the policy's keys (`fixed_keys`), then radix top-k; the Triton
+        order, count [B * Hkv] int32), its mean count per row added to `attended`. Default: the policy's keys (`fixed_keys`), then radix top-k; the Triton
         kernel on CUDA (or under TRITON_INTERPRET=1), its torch reference otherwise."""
         from ..kernels import triton_ready
 
@@ -264,12 +272,13 @@ class SelectionPolicy(Policy):
         if triton_ready(q.device):
             from ..kernels.select import select_topk
 
-            return select_topk(*args, out=(plan.idx, plan.count), **opts)
+            return select_topk(*args, out=(plan.idx, plan.count), attended=plan.attended, **opts)
         from ..kernels.select import select_topk_ref
 
         idx, count = select_topk_ref(*args, **opts)
         plan.idx.copy_(idx)
         plan.count.copy_(count)
+        plan.attended.add_(count.view(len(plan.positions), -1).float().mean(-1))
         return plan.idx, plan.count
 
     def decode_fixed(self, layer: int, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -282,7 +291,6 @@ class SelectionPolicy(Policy):
         B, Hq, _, D = q.shape
         Hkv = cache.k[layer].shape[1]
         idx, count = self.fixed_selection(layer, q, cache)
-        plan.attended.add_(count.view(B, Hkv).float().mean(-1))
         attend = sparse_decode_attention if triton_ready(q.device) else sparse_decode_attention_ref
         out = attend(q.view(B, Hq, D).contiguous(), cache.k[layer], cache.v[layer], idx.view(B, Hkv, -1),
                      count.view(B, Hkv))

@@ -113,17 +113,16 @@ class Quest(SelectionPolicy):
         return scores.masked_fill(slots >= committed, float("-inf"))
 
     def fixed_keys(self, layer, q, cache):
-        from ..kernels.select import ordered_keys
+        from ..kernels import triton_ready
+        from ..kernels.scores import quest_keys, quest_keys_ref
 
         state: QuestState = cache.policy_state[layer]
         positions = self.fixed.positions.long()  # [B]: slots [0, position) are committed
         refresh_last_page(state, cache.k[layer], positions, self.options.page)
         B, Hq, _, D = q.shape
-        Hkv, S = state.kmin.shape[1], cache.capacity
-        bounds = page_bounds(q.view(B, Hkv, Hq // Hkv, D).float(), state.kmin.float(), state.kmax.float())
-        scores = bounds.sum(2).repeat_interleave(self.options.page, dim=-1)[..., :S]  # [B, Hkv, S]
-        scores = scores.masked_fill(torch.arange(S, device=q.device) >= positions.view(B, 1, 1), float("-inf"))
-        return ordered_keys(scores).flatten(0, 1), 32, None, None, None
+        keys = (quest_keys if triton_ready(q.device) else quest_keys_ref)(
+            q.view(B, Hq, D), state.kmin, state.kmax, self.fixed.positions, self.options.page, cache.capacity)
+        return keys, 32, None, None, None
 
 
 def refresh_last_page(state: QuestState, k: torch.Tensor, positions: torch.Tensor, page: int) -> None:

@@ -38,4 +38,5 @@ class StreamingLLM(SelectionPolicy):
         idx = torch.where(j < sinks[:, None], j, j + (n - count)[:, None])  # [B, width]: in slot order
         plan.idx.view(B, Hkv, -1).copy_(idx[:, None])
         plan.count.view(B, Hkv).copy_(count[:, None])
+        plan.attended.add_(count)
         return plan.idx, plan.count

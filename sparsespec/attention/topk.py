@@ -15,3 +15,12 @@ class OracleTopK(SelectionPolicy):
         Hkv = keys.shape[1]
         per_head = q.view(B, Hkv, Hq // Hkv, D).float() @ keys.float().transpose(-1, -2)  # [B, Hkv, G, S]
         return group_max(per_head.reshape(B, Hq, kv_len).float(), Hkv)
+
+    def fixed_keys(self, layer, q, cache):
+        from ..kernels import triton_ready
+        from ..kernels.scores import topk_keys, topk_keys_ref
+
+        B, Hq, _, D = q.shape
+        keys = (topk_keys if triton_ready(q.device) else topk_keys_ref)(q.view(B, Hq, D), cache.k[layer],
+                                                                        self.fixed.positions)
+        return keys, 32, None, None, None

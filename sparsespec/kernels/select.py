@@ -144,8 +144,8 @@ def _offsets_kernel(hist_ptr, stats_ptr, tokens_ptr, part_ptr, offsets_ptr, K, H
 
 @triton.jit
 def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, offsets_ptr, idx_ptr,
-                  count_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, P: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  count_ptr, attended_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
+                  P: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr):
     """Write this program's selected slots in slot order from its offset: every key above the threshold, and the
     keys equal to it while the row still wants them."""
     r = tl.program_id(0)
@@ -174,6 +174,8 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
             ties += tl.sum(eq.to(tl.int32), 0)
     if p == 0:
         tl.store(count_ptr + r, want)
+        if ATTENDED:
+            tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
 
 
 def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -> int:
@@ -185,10 +187,10 @@ def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                 k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                block: int = 2048, waves: int = 4, num_warps: int = 8):
+                attended: torch.Tensor | None = None, block: int = 2048, waves: int = 4, num_warps: int = 8):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
-    (int16 keys: 16). Tuning: `block` slots per step of a program (a power of two), `waves` programs per SM,
+    (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. Tuning: `block` slots per step of a program (a power of two), `waves` programs per SM,
     `num_warps` per program. Shapes alone fix the launches: capturable in a CUDA graph."""
     R, S = keys.shape
     assert key_bits in (16, 32) and keys.dtype == (torch.int16 if key_bits == 16 else torch.int32)
@@ -214,8 +216,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                                   P=P, BLOCK=block, num_warps=num_warps)
     _offsets_kernel[(R,)](hist, stats, tokens, part, offsets, k, HKV=hkv, KEY_BITS=key_bits, P=P,
                           PP=triton.next_power_of_2(P), num_warps=4)
-    _write_kernel[(R, P)](*common, offsets, idx, count, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits,
-                          P=P, BLOCK=block, num_warps=num_warps)
+    _write_kernel[(R, P)](*common, offsets, idx, count, count if attended is None else attended, S, k, sinks,
+                          max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, P=P, BLOCK=block,
+                          ATTENDED=attended is not None, num_warps=num_warps)
     return idx, count
 
 
