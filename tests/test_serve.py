@@ -27,7 +27,7 @@ from sparsespec import corpora
 from sparsespec.errors import SparseSpecError
 from sparsespec.generate import GenerationConfig
 from sparsespec.runner import Runner
-from sparsespec.sampling import SamplingConfig
+from sparsespec.sampling import SamplingConfig, make_generator, sample, sample_rows
 from sparsespec.serve.scheduler import Job, Scheduler, SchedulerConfig
 
 from .conftest import byte_engine
@@ -119,6 +119,15 @@ def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_sample_rows_samples_each_row_as_alone():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    configs = [SamplingConfig(), SamplingConfig(0.7, 5, 1.0, 3), SamplingConfig(), SamplingConfig(1.2, 0, 0.8, 4)]
+    generators = [make_generator(c, "cpu") for c in configs]
+    got = sample_rows(logits, configs, generators)
+    for b, cfg in enumerate(configs):
+        assert got[b] == sample(logits[b:b + 1], cfg, make_generator(cfg, "cpu"))[0]
 
 
 def test_scheduler_config_is_validated():
