@@ -38,7 +38,12 @@ class CudaGraphStep:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         args = (model, cache, self.tokens, self.positions, self.taps, policy)
-        with torch.cuda.stream(stream), torch.inference_mode():
+        # around a sparse policy's graph breaks Dynamo compiles each decoder layer's frame once per layer index:
+        # allow that many variants, or the later layers would silently fall back to eager
+        config = torch._dynamo.config
+        limits = dict(recompile_limit=max(config.recompile_limit, 8 * model.cfg.num_layers),
+                      accumulated_recompile_limit=max(config.accumulated_recompile_limit, 32 * model.cfg.num_layers))
+        with torch.cuda.stream(stream), torch.inference_mode(), config.patch(**limits):
             for _ in range(warmup):
                 self.step(*args)
         torch.cuda.current_stream(device).wait_stream(stream)

@@ -186,7 +186,9 @@ def random_model(cfg: ModelConfig) -> Transformer:
 def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConfig = LLAMA31_8B,
                  compile: bool = True, out: Path | None = None, prefill_batch1: bool = True) -> list[dict]:
     """`prefill_batch1`: also time the dense prefill of batch-1 shapes, which a policy's build follows."""
-    torch._dynamo.config.recompile_limit = 64  # one compilation per (batch, context) of the dense step
+    # one compilation per (batch, context) of the dense step; per layer, shape and policy around sparse graph breaks
+    torch._dynamo.config.recompile_limit = 2048
+    torch._dynamo.config.accumulated_recompile_limit = 8192
     bw = copy_bandwidth()
     model = random_model(cfg)
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)

@@ -67,9 +67,9 @@ def fit_basis(keys: torch.Tensor, bits: int, iters: int, generator: torch.Genera
         keep = (torch.arange(N, device=keys.device) < n).float().transpose(-1, -2)  # [R, 1, N, 1]
         residual *= keep
     basis = torch.empty(*keys.shape[:-2], bits, D, device=keys.device)
+    starts = torch.randn(bits, G, D, 1, generator=generator).to(keys.device)  # one copy to the device, not one a bit
     for i in range(bits):
-        v = torch.randn(G, D, 1, generator=generator).to(keys.device)
-        v = v / v.norm(dim=-2, keepdim=True)
+        v = starts[i] / starts[i].norm(dim=-2, keepdim=True)
         for _ in range(iters):
             u = _sign(residual @ v)  # [..., G, N, 1]
             if counts is not None:
