@@ -17,7 +17,6 @@ import torch
 from .cache import KVCache
 from .errors import SparseSpecError
 from .attention.policy import Policy
-from .graphs import CudaGraphDecodeStep
 from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
 from .models.transformer import Transformer
@@ -66,6 +65,15 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk:
 
     Prompts of different lengths are right-padded; a row's pad slots lie past its length and are never attended.
     """
+    return prefill_tapped(model, cache, prompts, chunk, (), progress, observer)[0]
+
+
+@torch.inference_mode()
+def prefill_tapped(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk: int, taps: tuple[int, ...],
+                   progress: bool = False, observer=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `prefill`, also returning the outputs of decoder layers `taps` at every prompt position:
+    (hidden [B, H], features [B, T, len(taps) * H] or None without taps; a row's positions past its length are
+    padding)."""
     device = cache.device
     lens = [len(p) for p in prompts]
     T = max(lens)
@@ -74,36 +82,18 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], chunk:
         tokens[b, : len(p)] = torch.tensor(p)
     tokens = tokens.to(device)
     last = [torch.empty(0)] * len(prompts)
+    features = []
     starts = range(0, T, chunk)
     for c0 in track(starts, "prefill", enabled=progress and len(starts) > 1):
         c1 = min(c0 + chunk, T)
         positions = torch.arange(c0, c1, device=device).expand(len(prompts), -1)  # [B, c]
-        hidden = model(tokens[:, c0:c1], positions, cache, kv_len=c1, observer=observer)  # [B, c, H]
+        hidden, tapped = model.forward_tapped(tokens[:, c0:c1], positions, cache, c1, taps, observer=observer)
+        features.append(tapped)
         for b, n in enumerate(lens):
             if c0 <= n - 1 < c1:
                 last[b] = hidden[b, n - 1 - c0]
     cache.truncate(lens)
-    return torch.stack(last)
-
-
-@torch.inference_mode()
-def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, graph: CudaGraphDecodeStep | None = None,
-                policy: Policy | None = None) -> torch.Tensor:
-    """Append one token per row at its position (= its length); return next-token logits [B, V] fp32.
-
-    Eager steps attend only to the slots in use (through `policy` in its sparse layers); a graphed step attends
-    to the whole (static) cache."""
-    positions = torch.tensor(cache.lengths, device=tokens.device)  # [B]
-    if graph is not None:
-        logits = graph(tokens, positions)
-    else:
-        hidden = model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1, policy=policy)
-        logits = model.logits(hidden[:, -1])
-    cache.truncate([n + 1 for n in cache.lengths])
-    if policy is not None:
-        for layer in range(model.cfg.num_layers):
-            policy.append(layer, cache, cache.lengths)
-    return logits
+    return torch.stack(last), torch.cat(features, dim=1) if taps else None
 
 
 def _sync(device: torch.device) -> None:

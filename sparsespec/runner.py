@@ -6,6 +6,8 @@
     runner.truncate(lengths)                  # rollback: the cache and the policy's index both follow
     hidden = runner.prefill_row(row, chunk, start)  # continuous batching: one row's prompt chunk, others kept
     logits = runner.decode_rows(tokens)       # a step of the first len(tokens) rows, the others kept
+    logits, feats = runner.verify(block, width)  # speculative verify: a dense block per row, lengths kept
+    runner.truncate(accepted_lengths)         # commit: the accepted prefix; rejected slots are not advanced over
 
 On CUDA a graphable policy runs fixed-width sparse steps (`Policy.plan_fixed`): the whole step, every sparse layer's
 scoring, selection and attention included, is one CUDA graph replay with no host synchronisation. Other policies
@@ -22,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention.policy import Policy
 from .cache import KVCache
-from .graphs import CudaGraphDecodeStep
+from .graphs import CudaGraphDecodeStep, CudaGraphStep
 from .models.transformer import Transformer
 
 
@@ -31,15 +33,19 @@ _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBac
 
 class Runner:
     def __init__(self, model: Transformer, batch: int, capacity: int, policy: Policy | None = None,
-                 cuda_graph: bool = True, compile: bool = False, fixed: bool | None = None):
+                 cuda_graph: bool = True, compile: bool = False, fixed: bool | None = None,
+                 taps: tuple[int, ...] = ()):
         """`fixed`: step a graphable policy in fixed-width mode (default: on CUDA; on CPU the kernels' torch
-        references run, which tests use to check the path)."""
+        references run, which tests use to check the path). `taps`: decoder layers whose outputs `prefill_tapped`
+        and `verify` also return (a speculative drafter's context features)."""
         weight = model.embed_tokens.weight
         self.model = model
         self.cache = KVCache(model.cfg, batch, capacity, weight.dtype, weight.device)
         self.device = weight.device
         self.cuda_graph, self.compile, self.prefer_fixed = cuda_graph, compile, fixed
+        self.taps = tuple(taps)
         self.graph: CudaGraphDecodeStep | None = None
+        self.verify_graphs: dict[int, CudaGraphStep] = {}  # by width: dense multi-token steps
         self._set(policy)
 
     def _set(self, policy: Policy | None) -> None:
@@ -63,11 +69,17 @@ class Runner:
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], chunk: int = 1024, progress: bool = False) -> torch.Tensor:
         """Prompts (one per row) -> the last prompt token's hidden state per row [B, H]; the policy indexes them."""
-        from .generate import prefill
+        return self.prefill_tapped(prompts, chunk, progress)[0]
 
-        hidden = prefill(self.model, self.cache, prompts, chunk, progress)
+    @torch.inference_mode()
+    def prefill_tapped(self, prompts: list[list[int]], chunk: int = 1024, progress: bool = False):
+        """As `prefill`, also returning the runner's tapped layers at every prompt position: (hidden [B, H],
+        features [B, T, len(taps) * H] or None without taps)."""
+        from .generate import prefill_tapped
+
+        hidden, features = prefill_tapped(self.model, self.cache, prompts, chunk, self.taps, progress)
         self.build()
-        return hidden
+        return hidden, features
 
     @torch.inference_mode()
     def prefill_row(self, row: int, tokens: list[int], start: int) -> torch.Tensor:
@@ -164,6 +176,38 @@ class Runner:
             logits = self.model.logits(hidden[:, -1])
         self.cache.truncate([x + 1 for x in lengths[:n]] + lengths[n:])
         return logits
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, W] written at each row's length (dense attention, eager) -> hidden [B, W, H]. Lengths do not
+        move: commit with `truncate` (e.g. a drafter catching up on tokens another model committed)."""
+        positions = torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(
+            tokens.shape[1], device=self.device)  # [B, W]
+        with sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext():
+            return self.model(tokens, positions, self.cache, kv_len=int(positions.max()) + 1)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, width: int | None = None):
+        """A speculative verify step: tokens [B, w] at each row's length, dense attention -> (logits [B, w, V] fp32,
+        features [B, w, len(taps) * H] or None). Lengths do not move: the caller commits the accepted prefix with
+        `truncate` (a rejected draft's slots are simply not advanced over). With `width` >= w on CUDA the step
+        replays a graph of that width (captured once, blocks padded), where every row has room for it."""
+        B, w = tokens.shape
+        room = max(self.cache.lengths) + (width or w) <= self.cache.capacity
+        if width is not None and self.cuda_graph and self.device.type == "cuda" and room:
+            if width not in self.verify_graphs:
+                self.verify_graphs[width] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile)
+                self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
+            positions = torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(
+                width, device=self.device)  # [B, width]
+            logits, features = self.verify_graphs[width](torch.cat([tokens, tokens.new_zeros(B, width - w)], 1),
+                                                         positions)
+            return logits[:, :w], None if features is None else features[:, :w]
+        positions = torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(w, device=self.device)
+        with sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext():
+            hidden, features = self.model.forward_tapped(tokens, positions, self.cache, int(positions.max()) + 1,
+                                                         self.taps)
+        return self.model.logits(hidden), features
 
     def truncate(self, lengths: list[int]) -> None:
         """Roll rows back (or forward after a multi-token commit) to `lengths`; the policy's index follows."""

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from sparsespec.cache import KVCache
-from sparsespec.generate import GenerationConfig, decode_step, prefill
-from sparsespec.graphs import CudaGraphDecodeStep
+from sparsespec.generate import GenerationConfig
 from sparsespec.models.loading import load
+from sparsespec.runner import Runner
 
 from .conftest import ARCH_KINDS, tiny_hf_model
 
@@ -19,16 +18,36 @@ def test_graphed_decode_matches_eager(kind, compiled, tmp_path):
     tiny_hf_model(kind).save_pretrained(tmp_path)
     model = load(tmp_path, device="cuda", with_tokenizer=False).model
     prompts = [[3, 5, 7, 11, 13], [2, 4, 6, 8, 10, 12, 14, 16, 18]]
-    caches = [KVCache(model.cfg, 2, 256, torch.float32, "cuda") for _ in range(2)]
-    for cache in caches:
-        prefill(model, cache, prompts, chunk=4)
-    graph = CudaGraphDecodeStep(model, caches[1], compile=compiled)
+    eager, graphed = (Runner(model, 2, 256, cuda_graph=graph, compile=compiled) for graph in (False, True))
+    for runner in (eager, graphed):
+        runner.prefill(prompts, chunk=4)
     tokens = torch.tensor([1, 2], device="cuda")
     for _ in range(6):
-        eager = decode_step(model, caches[0], tokens)
-        graphed = decode_step(model, caches[1], tokens, graph)
-        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
-        tokens = eager.argmax(-1)
+        expected = eager.decode(tokens)
+        torch.testing.assert_close(graphed.decode(tokens), expected, rtol=1e-4, atol=1e-4)
+        tokens = expected.argmax(-1)
+
+
+@cuda
+@pytest.mark.parametrize("width", [4, 16])
+def test_graphed_verify_matches_eager(width, tmp_path):
+    """The speculative verify step replayed as a graph of a fixed width (blocks padded) equals the eager step, and
+    a partial commit leaves the cache as a shorter block would."""
+    tiny_hf_model("qwen2").save_pretrained(tmp_path)
+    model = load(tmp_path, device="cuda", with_tokenizer=False).model
+    prompts = [[3, 5, 7, 11, 13], [2, 4, 6, 8, 10, 12, 14, 16, 18]]
+    eager, graphed = (Runner(model, 2, 64, cuda_graph=graph, taps=(0, 1)) for graph in (False, True))
+    for runner in (eager, graphed):
+        runner.prefill(prompts, chunk=4)
+    g = torch.Generator().manual_seed(width)
+    for w in (width, 3, 1):
+        block = torch.randint(0, model.cfg.vocab_size, (2, w), generator=g).cuda()
+        (le, fe), (lg, fg) = eager.verify(block), graphed.verify(block, width)
+        torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fg, fe, rtol=1e-4, atol=1e-4)
+        commit = [n + min(2, w) for n in eager.cache.lengths]
+        eager.truncate(commit)
+        graphed.truncate(commit)
 
 
 @cuda
@@ -65,14 +84,10 @@ def test_sparse_decode_on_cuda(name, budget, tmp_path):
     for run in ("dense", name):
         options = {"budget": budget, "dense_layers": "0", **(FULL[name] if budget == "1.0" else {})}
         policy = None if run == "dense" else make_policy(name, options)
-        cache = KVCache(model.cfg, 1, 230, torch.float32, "cuda")
-        hidden = prefill(model, cache, prompt, chunk=64)
-        if policy is not None:
-            for layer in range(model.cfg.num_layers):
-                policy.build(layer, cache, cache.lengths)
-        tokens, out = model.logits(hidden).argmax(-1), []
+        runner = Runner(model, 1, 230, policy, cuda_graph=False, fixed=False)  # every policy's eager path
+        tokens, out = model.logits(runner.prefill(prompt, chunk=64)).argmax(-1), []
         for _ in range(20):
-            logits = decode_step(model, cache, tokens, policy=policy)
+            logits = runner.decode(tokens)
             assert torch.isfinite(logits).all()
             tokens = logits.argmax(-1)
             out.append(tokens.item())

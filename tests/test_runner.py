@@ -120,3 +120,34 @@ def test_rollback_moves_the_index_back_in_fixed_mode():
     assert int(state.encoded_dev) == 79 - 4 + 1
     policy.append(0, cache, [65])  # rollback
     assert int(state.encoded_dev) == 65
+
+
+@torch.inference_mode()
+def test_verify_then_a_partial_commit_equals_decoding_the_committed_tokens():
+    """A speculative step through the runner: a block verified at once gives the logits of decoding it token by
+    token, its tapped features those of a prefill over the same tokens, and committing a prefix leaves the cache as
+    if only that prefix had been decoded."""
+    from .conftest import byte_engine
+
+    model = byte_engine().model
+    prompts = [list(b"speculative "), list(b"decoding verifies a block")]
+    block = torch.tensor([list(b"abcdef"), list(b"ghijkl")])
+    spec = Runner(model, 2, 64, taps=(0, 1))
+    plain = Runner(model, 2, 64)
+    spec.prefill(prompts, chunk=5)
+    plain.prefill(prompts, chunk=5)
+    lengths = list(spec.cache.lengths)
+    logits, features = spec.verify(block)  # [2, 6, V], [2, 6, 2 * H]
+    assert spec.cache.lengths == lengths  # nothing committed yet
+    for i in range(block.shape[1]):
+        torch.testing.assert_close(logits[:, i], plain.decode(block[:, i]), rtol=1e-5, atol=1e-5)
+    whole = Runner(model, 2, 64, taps=(0, 1))
+    _, prompt_features = whole.prefill_tapped([p + block[b].tolist() for b, p in enumerate(prompts)], chunk=7)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(features[b], prompt_features[b, n:n + 6], rtol=1e-5, atol=1e-5)
+    spec.truncate([n + 3 for n in lengths])  # keep 3 of the block: the rest is rolled back ("not advanced")
+    plain.truncate([n + 3 for n in lengths])
+    nxt = torch.tensor([ord("x"), ord("y")])
+    torch.testing.assert_close(spec.decode(nxt), plain.decode(nxt), rtol=1e-5, atol=1e-5)
+    hidden = spec.forward(block[:, :2])  # a drafter catching up: hidden states, lengths kept
+    assert hidden.shape[:2] == (2, 2) and spec.cache.lengths == [n + 4 for n in lengths]

@@ -1,10 +1,10 @@
 """The speculative decoding loop: draft up to B − 1 tokens, verify them in one target forward, commit, roll back.
 
-    prefill(prompt) -> features of the tapped layers -> drafter.start; sample t0
+    runner.prefill_tapped(prompt) -> features of the tapped layers -> drafter.start; sample t0
     loop: proposals = drafter.propose(history)                       (history ends with the pending token)
-          logits [k+1, V] = target([pending, *proposals]) at positions n..n+k   (one forward, B slots)
+          logits [k+1, V] = runner.verify([pending, *proposals])     (one forward at n..n+k; a graph of B slots)
           committed = verify(proposals, logits)                      (accepted prefix + one target token)
-          cache.truncate(n + accepted + 1)                           (the rollback is "don't advance")
+          runner.truncate(n + accepted + 1)                          (the rollback is "don't advance")
           drafter.commit(history, accepted, features of the newly cached tokens)
 
 The target's cache slots past the committed length hold rejected drafts: dead, rewritten by the next step. Output
@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import KVCache
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
-from ..graphs import CudaGraphStep
+from ..runner import Runner
 from ..sampling import make_generator, sample
 from .drafters import Drafter
 from .verify import verify_sampling
@@ -50,21 +49,6 @@ class SpecGeneration:
         return dict(sorted(Counter(self.committed).items()))
 
 
-def _prefill_tapped(engine: Engine, cache: KVCache, prompt: list[int], taps: tuple[int, ...], chunk: int):
-    """Prefill one prompt; return (last hidden [H], features [L, taps * H] or None)."""
-    feats = []
-    hidden = None
-    for c0 in range(0, len(prompt), chunk):
-        c1 = min(c0 + chunk, len(prompt))
-        tokens = torch.tensor([prompt[c0:c1]], device=cache.device)
-        positions = torch.arange(c0, c1, device=cache.device)[None]
-        hidden, f = engine.model.forward_tapped(tokens, positions, cache, c1, taps)
-        if taps:
-            feats.append(f[0])
-    cache.truncate([len(prompt)])
-    return hidden[0, -1], torch.cat(feats) if taps else None
-
-
 @torch.inference_mode()
 def speculative_generate(engine: Engine, prompt: list[int], drafter: Drafter, gen: GenerationConfig,
                          block_size: int = 16) -> SpecGeneration:
@@ -75,46 +59,34 @@ def speculative_generate(engine: Engine, prompt: list[int], drafter: Drafter, ge
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
     engine.check_fits(len(prompt), gen.max_new_tokens)
     L = len(prompt)
+    # room for a whole block past the last new token (else the last steps run eagerly at their own width)
     capacity = min(L + gen.max_new_tokens + block_size, engine.config.max_position)
-    cache = KVCache(engine.config, 1, capacity, engine.dtype, engine.device)
+    runner = Runner(engine.model, 1, capacity, cuda_graph=gen.cuda_graph, compile=gen.compile, taps=drafter.taps)
     rng = make_generator(gen.sampling, engine.device)
-    taps = drafter.taps
 
     start = time.perf_counter()
-    hidden, features = _prefill_tapped(engine, cache, prompt, taps, gen.prefill_chunk)
-    drafter.start(prompt, features, capacity)
-    first = int(sample(engine.model.logits(hidden)[None], gen.sampling, rng)[0])
+    hidden, features = runner.prefill_tapped([prompt], gen.prefill_chunk)
+    drafter.start(prompt, None if features is None else features[0], capacity)
+    first = int(sample(engine.model.logits(hidden), gen.sampling, rng)[0])
     ttft = time.perf_counter() - start
 
-    graph = None
-    # the graph writes B slots per step: only when the cache has B slots of room past the last new token
-    if engine.device.type == "cuda" and gen.cuda_graph and capacity == L + gen.max_new_tokens + block_size:
-        graph = CudaGraphStep(engine.model, cache, block_size, taps, gen.compile)
     history = list(prompt) + [first]
     out = [first]
     committed_per_step: list[int] = []
     start = time.perf_counter()
     while not engine._stopped(out, gen):
-        n = cache.lengths[0]  # = len(history) - 1: the pending token goes to slot n
+        n = runner.cache.lengths[0]  # = len(history) - 1: the pending token goes to slot n
         k = min(block_size - 1, capacity - n - 1)
         proposals, draft_probs = drafter.propose(history, k, gen.sampling, rng)
         proposals = proposals[:k]
         block = [history[-1]] + proposals
-        if graph is not None:
-            tokens = torch.tensor([block + [0] * (block_size - len(block))], device=engine.device)
-            positions = torch.arange(n, n + block_size, device=engine.device)[None]
-            logits, feats = graph(tokens, positions)  # [1, B, V], [1, B, taps * H] or None
-        else:
-            tokens = torch.tensor([block], device=engine.device)
-            positions = torch.arange(n, n + len(block), device=engine.device)[None]
-            hidden, feats = engine.model.forward_tapped(tokens, positions, cache, n + len(block), taps)
-            logits = engine.model.logits(hidden)
+        logits, feats = runner.verify(torch.tensor([block], device=engine.device), block_size)  # [1, w, V]
         props = torch.tensor(proposals, dtype=torch.long, device=engine.device)
         if draft_probs is not None:
             draft_probs = draft_probs[: len(proposals)]
-        new = verify_sampling(props, draft_probs, logits[0, : len(block)], gen.sampling, rng)
+        new = verify_sampling(props, draft_probs, logits[0], gen.sampling, rng)
         accepted = len(new) - 1
-        cache.truncate([n + accepted + 1])
+        runner.truncate([n + accepted + 1])
         history += new
         drafter.commit(history, accepted, None if feats is None else feats[0, : accepted + 1])
         used = 0  # tokens of this step that reach the output (a stop may cut the step short)

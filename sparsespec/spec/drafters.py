@@ -18,10 +18,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..cache import KVCache
 from ..errors import SparseSpecError
-from ..generate import decode_step, prefill
-from ..graphs import CudaGraphDecodeStep
+from ..runner import Runner
 from ..sampling import SamplingConfig
 from .verify import draft_distribution
 
@@ -78,9 +76,9 @@ class NgramDrafter(Drafter):
 
 
 class ModelDrafter(Drafter):
-    """A smaller model of the same tokenizer drafts k tokens autoregressively (Leviathan et al.) in its own static
-    cache; rejected drafts are rolled back by truncating that cache. At T > 0 it samples from, and reports, the
-    same filtered distribution that verification applies to the target."""
+    """A smaller model of the same tokenizer drafts k tokens autoregressively (Leviathan et al.) in its own runner
+    (static cache, graph-captured steps on CUDA); rejected drafts are rolled back by truncating it. At T > 0 it
+    samples from, and reports, the same filtered distribution that verification applies to the target."""
 
     def __init__(self, engine, name: str = "model", target_vocab: int | None = None, cuda_graph: bool = True):
         if target_vocab is not None and engine.config.vocab_size != target_vocab:
@@ -89,24 +87,20 @@ class ModelDrafter(Drafter):
         self.engine = engine
         self.name = name
         self.cuda_graph = cuda_graph  # on CUDA, replay its decode step as a CUDA graph
-        self.cache: KVCache | None = None
+        self.runner: Runner | None = None
         self.drafted = 0  # proposals of the last propose() call whose K/V are in the draft cache
 
     def start(self, prompt, features, capacity):
-
-        self.cache = KVCache(self.engine.config, 1, capacity, self.engine.dtype, self.engine.device)
-        prefill(self.engine.model, self.cache, [prompt], 1024)
-        graphed = self.cuda_graph and self.cache.device.type == "cuda"
-        self.graph = CudaGraphDecodeStep(self.engine.model, self.cache) if graphed else None
+        self.runner = Runner(self.engine.model, 1, capacity, cuda_graph=self.cuda_graph)
+        self.runner.prefill([prompt])
 
     @torch.inference_mode()
     def propose(self, history, k, cfg, rng):
-        model, cache = self.engine.model, self.cache
-        n = cache.lengths[0]
-        new = torch.tensor([history[n:]], device=cache.device)  # [1, m]: committed tokens not yet drafted on
-        positions = torch.arange(n, len(history), device=cache.device)[None]
-        logits = model.logits(model(new, positions, cache, kv_len=len(history))[0, -1])  # [V]
-        cache.truncate([len(history)])
+        runner = self.runner
+        n = runner.cache.lengths[0]
+        hidden = runner.forward(torch.tensor([history[n:]], device=runner.device))  # committed, not yet drafted on
+        logits = self.engine.model.logits(hidden[0, -1])  # [V]
+        runner.truncate([len(history)])
         proposals, probs = [], []
         for i in range(k):
             if cfg.greedy:
@@ -117,11 +111,11 @@ class ModelDrafter(Drafter):
                 probs.append(p)
             proposals.append(token)
             if i < k - 1:
-                logits = decode_step(model, cache, token.view(1), self.graph)[0]
+                logits = runner.decode(token.view(1))[0]
         self.drafted = max(k - 1, 0)
         return torch.stack(proposals).tolist() if proposals else [], torch.stack(probs) if probs else None
 
     def commit(self, history, accepted, features):
         # the cache holds the old history and the first `drafted` proposals; keep only what was accepted
         old = len(history) - accepted - 1
-        self.cache.truncate([old + min(accepted, self.drafted)])
+        self.runner.truncate([old + min(accepted, self.drafted)])
