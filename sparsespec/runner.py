@@ -17,6 +17,7 @@ step eagerly. Dense decoding replays the dense graph as before.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -178,13 +179,14 @@ class Runner:
         return logits
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, observer: Callable | None = None) -> torch.Tensor:
         """tokens [B, W] written at each row's length (dense attention, eager) -> hidden [B, W, H]. Lengths do not
-        move: commit with `truncate` (e.g. a drafter catching up on tokens another model committed)."""
+        move: commit with `truncate` (e.g. a drafter catching up on tokens another model committed).
+        `observer(layer, q, k)` sees each layer's post-RoPE q and k (measurements of teacher-forced steps)."""
         positions = torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(
             tokens.shape[1], device=self.device)  # [B, W]
         with sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext():
-            return self.model(tokens, positions, self.cache, kv_len=int(positions.max()) + 1)
+            return self.model(tokens, positions, self.cache, kv_len=int(positions.max()) + 1, observer=observer)
 
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, width: int | None = None):

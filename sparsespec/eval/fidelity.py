@@ -26,7 +26,7 @@ from ..attention.dense import causal_mask, dense_attention
 from ..attention.policy import attend_selected
 from ..cache import KVCache
 from ..errors import SparseSpecError
-from ..generate import prefill
+from ..runner import Runner
 from ..models.transformer import Transformer
 from ..progress import track
 
@@ -109,17 +109,16 @@ def record_queries(model: Transformer, context: list[int], continuation: list[in
 
     -> (cache holding every token, queries[step][layer] [1, Hq, 1, D])."""
     N = len(context)
-    cache = KVCache(model.cfg, 1, N + steps, model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
-    prefill(model, cache, [context], chunk=1024)
+    runner = Runner(model, 1, N + steps, cuda_graph=False)
+    runner.prefill([context], chunk=1024)
     queries: list[dict[int, torch.Tensor]] = []
     for t in range(steps):
         seen: dict[int, torch.Tensor] = {}
-        positions = torch.tensor([[N + t]], device=cache.device)
-        model(torch.tensor([[continuation[t]]], device=cache.device), positions, cache, kv_len=N + t + 1,
-              observer=lambda layer, q, k, seen=seen: seen.__setitem__(layer, q.clone()))
-        cache.truncate([N + t + 1])
+        runner.forward(torch.tensor([[continuation[t]]], device=runner.device),
+                       observer=lambda layer, q, k, seen=seen: seen.__setitem__(layer, q.clone()))
+        runner.truncate([N + t + 1])
         queries.append(seen)
-    return cache, queries
+    return runner.cache, queries
 
 
 def _dense_reference(q: torch.Tensor, cache: KVCache, layer: int, pos: int):
