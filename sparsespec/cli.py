@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="policy option, e.g. budget=0.02 sinks=4 (repeatable)")
     g.add_argument("--draft", default="none",
-                   help="speculative drafter: none, ngram, dflash (shipped for the model), dflash:PATH, model:NAME")
+                   help="speculative drafter: none, ngram, dflash (shipped for the model), dflash:PATH, model:NAME, "
+                   "self:POLICY[:key=value,...] (the model drafts for itself with sparse attention, e.g. "
+                   "self:binarypc:budget=0.02; the dense model verifies)")
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                    "shipped drafter; a packaged model's own file is recognised)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="speculation: tokens verified per step")
@@ -160,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder")
     sp.add_argument("--target-name", default=None, help="registry name of a --target given as a path (to find "
                     "its shipped drafter)")
-    sp.add_argument("--drafters", nargs="+", default=["ngram", "dflash"], help="ngram, dflash[:PATH], model:NAME")
+    sp.add_argument("--drafters", nargs="+", default=["ngram", "dflash"],
+                    help="ngram, dflash[:PATH], model:NAME, self:POLICY[:key=value,...]")
     sp.add_argument("--prompts", type=_positive_int, default=8, help="held-out prompts per kind")
     sp.add_argument("--kinds", default="code,text")
     sp.add_argument("--temperatures", default="0,1")

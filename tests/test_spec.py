@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sparsespec.cache import KVCache
+from sparsespec.attention import make_policy
 from sparsespec.config import ModelConfig
 from sparsespec.generate import Engine, GenerationConfig
 from sparsespec.models.loading import LoadedModel
@@ -17,7 +18,7 @@ from sparsespec.spec import verify
 from sparsespec.spec import decode
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter, block_labels, block_mask, loss_weights
-from sparsespec.spec.drafters import ModelDrafter, NgramDrafter
+from sparsespec.spec.drafters import ModelDrafter, NgramDrafter, SelfDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,7 +59,12 @@ def test_ngram_drafter_copies_the_latest_continuation():
     assert d.propose([1, 2, 9, 2], 2, SamplingConfig(), None) == ([9, 2], None)  # falls back to n = 1
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash"])
+def self_drafter(policy: str = "binarypc", **options) -> SelfDrafter:
+    """The target drafting for itself under a sparse policy: a small budget, no floor, every layer sparse."""
+    return SelfDrafter(make_policy(policy, {"budget": 0.1, "min_tokens": 0, "dense_layers": 0, **options}))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self"])
 @pytest.mark.parametrize("block", [2, 5])
 def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
     target = tiny_engine(0)
@@ -68,6 +74,8 @@ def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
             d = NgramDrafter()
         elif drafter == "model":
             d = ModelDrafter(tiny_engine(100 + p, layers=1), target_vocab=64)
+        elif drafter == "self":
+            d = self_drafter(("binarypc", "streaming", "quest")[p])
         else:
             d = DFlashDrafter(tiny_dflash(target, block=block), target.model)
         ref = target.generate([prompt], gen).token_ids[0]
@@ -106,7 +114,7 @@ def _chi2_pvalue(counts: torch.Tensor, ref: torch.Tensor) -> float:
     return float(1 - torch.special.gammainc(torch.tensor(dof / 2.0), stat / 2))
 
 
-@pytest.mark.parametrize("drafter", ["model", "dflash"])
+@pytest.mark.parametrize("drafter", ["model", "dflash", "self"])
 def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypatch):
     # vocabulary of 4, three new tokens: 64 possible sequences, compared with a chi-square homogeneity test
     target = tiny_engine(3, vocab=4, scale=4.0)
@@ -114,6 +122,8 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypat
     prompt = [1, 2, 3, 0]
 
     def make():
+        if drafter == "self":
+            return self_drafter("topk", budget=2)
         return ModelDrafter(draft) if drafter == "model" else DFlashDrafter(tiny_dflash(target, block=3), target.model)
 
     def spec(i):
@@ -209,6 +219,15 @@ def test_bad_drafter_requests_are_one_line_errors(tmp_path):
     other.save(tmp_path / "other")
     with pytest.raises(SparseSpecError, match="another target"):
         make_drafter(f"dflash:{tmp_path}/other", target, "tiny")
+    with pytest.raises(SparseSpecError, match="unknown attention policy"):
+        make_drafter("self:nosuch", target, "tiny")
+    with pytest.raises(SparseSpecError, match="sparse policy"):
+        make_drafter("self:dense", target, "tiny")
+    with pytest.raises(SparseSpecError, match="budget"):
+        make_drafter("self:binarypc:budget=-1", target, "tiny")
+    with pytest.raises(SparseSpecError, match="unknown drafter"):
+        make_drafter("self", target, "tiny")
+    assert make_drafter("self:binarypc:budget=0.05,sinks=4", target, "tiny").policy.options.sinks == 4
 
 
 @pytest.mark.slow

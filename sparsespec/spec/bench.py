@@ -16,13 +16,14 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..attention import make_policy, parse_spec
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
 from ..results import read_rows
 from ..sampling import SamplingConfig
 from .decode import speculative_generate
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from .prompts import KINDS, make_prompts
 
 
@@ -31,7 +32,8 @@ ROW_FILES = ("spec.jsonl",)  # in a results folder, beside spec.settings.json (r
 
 def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu", dtype: str = "float32",
                  progress: bool = False, cuda_graph: bool = True) -> Drafter | None:
-    """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME"."""
+    """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME" |
+    "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy)."""
     from ..models.loading import DTYPES
     from .dflash import DFlash, DFlashDrafter
     from .registry import drafter_path
@@ -49,7 +51,14 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
     if kind == "model" and arg:
         draft = Engine.from_name(arg, device=device, dtype=dtype, progress=progress)
         return ModelDrafter(draft, f"model:{arg}", target_vocab=engine.config.vocab_size, cuda_graph=cuda_graph)
-    raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME)")
+    if kind == "self" and arg:
+        name, options = parse_spec(arg)
+        if name == "dense":
+            raise SparseSpecError("--draft self:POLICY drafts with a sparse policy (dense drafts would be the "
+                                  "target itself)")
+        return SelfDrafter(make_policy(name, options), f"self:{arg}")
+    raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME, "
+                          "self:POLICY[:key=value,...])")
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,9 @@ def speculative_generate(engine: Engine, prompt: list[int], drafter: Drafter, ge
     L = len(prompt)
     # room for a whole block past the last new token (else the last steps run eagerly at their own width)
     capacity = min(L + gen.max_new_tokens + block_size, engine.config.max_position)
-    runner = Runner(engine.model, 1, capacity, cuda_graph=gen.cuda_graph, compile=gen.compile, taps=drafter.taps)
+    runner = Runner(engine.model, 1, capacity, drafter.policy, cuda_graph=gen.cuda_graph, compile=gen.compile,
+                    taps=drafter.taps)
+    drafter.bind(runner)
     rng = make_generator(gen.sampling, engine.device)
 
     start = time.perf_counter()

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..attention.policy import Policy
 from ..errors import SparseSpecError
 from ..runner import Runner
 from ..sampling import SamplingConfig
@@ -27,6 +28,10 @@ from .verify import draft_distribution
 class Drafter(ABC):
     name: str = ""
     taps: tuple[int, ...] = ()  # target decoder layers whose outputs the drafter conditions on
+    policy: Policy | None = None  # drafts with the target itself under this attention policy (see `bind`)
+
+    def bind(self, runner: Runner) -> None:
+        """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
 
     @abstractmethod
     def start(self, prompt: list[int], features: torch.Tensor | None, capacity: int) -> None:
@@ -119,3 +124,41 @@ class ModelDrafter(Drafter):
         # the cache holds the old history and the first `drafted` proposals; keep only what was accepted
         old = len(history) - accepted - 1
         self.runner.truncate([old + min(accepted, self.drafted)])
+
+
+class SelfDrafter(Drafter):
+    """The target drafts for itself under a sparse attention policy (e.g. BinaryPC at 2%): k decode steps on the
+    target's own runner — its weights and KV cache, no copies; graph-captured sparse steps on CUDA — then the dense
+    verify step of the loop writes the block again with dense attention, so the output is the dense model's. At
+    long context a sparse step reads a small part of the KV cache and the verify about what one dense step reads.
+    The drafted slots are rolled back before the verify: the index never keeps a sparse step's keys."""
+
+    def __init__(self, policy: Policy, name: str = "self"):
+        self.policy = policy
+        self.name = name
+        self.runner: Runner | None = None
+
+    def bind(self, runner):
+        self.runner = runner
+
+    def start(self, prompt, features, capacity):
+        if self.runner is None:
+            raise SparseSpecError("the self drafter drafts through the target's runner: bind it first")
+
+    @torch.inference_mode()
+    def propose(self, history, k, cfg, rng):
+        runner = self.runner
+        n = runner.cache.lengths[0]  # the pending token (history[-1]) goes to slot n
+        token = torch.tensor([history[-1]], device=runner.device)
+        proposals, probs = [], []
+        for _ in range(k):
+            logits = runner.decode(token)[0]  # [V]: a sparse step
+            if cfg.greedy:
+                token = logits.argmax(-1, keepdim=True)
+            else:
+                p = draft_distribution(logits, cfg)
+                token = torch.multinomial(p, 1, generator=rng)
+                probs.append(p)
+            proposals.append(token)
+        runner.truncate([n])  # the verify step writes the block again, densely
+        return torch.cat(proposals).tolist() if proposals else [], torch.stack(probs) if probs else None
