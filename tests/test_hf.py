@@ -1,0 +1,169 @@
+"""sparsespec.hf: the sparse policies as transformers attention implementations and the speculative loop as
+generate's custom_generate, on real weights (smollm2-135m) and tiny random models."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import sparsespec.hf as hf
+from sparsespec import GenerationConfig, SparseSpecError, corpora
+from sparsespec.attention import POLICIES, make_policy
+from sparsespec.attention.binarypc import BinaryPCOptions
+from sparsespec.attention.doublesparse import save_labels
+from sparsespec.attention.policy import PolicyOptions
+from sparsespec.generate import Engine
+from sparsespec.models.loading import load
+from sparsespec.spec.drafters import ModelDrafter, NgramDrafter
+
+from .conftest import tiny_hf_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def hf_twin(engine: Engine) -> torch.nn.Module:
+    """The engine's model as a transformers model (config from its GGUF file, q/k/v and gate/up split apart):
+    the same weights and rotary frequencies. transformers computes its inverse frequencies a last bit apart from
+    ours, and BinaryPC's greedy basis fit amplifies such differences in its later bits; with them shared, the two
+    engines' keys are the same and a sparse selection can be compared token for token."""
+    src = engine.loaded.source
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name),
+                                             dtype=engine.dtype)
+    ours = engine.model
+    split = ours.layers[0].self_attn.split
+    state = {}
+    for name, t in ours.state_dict().items():
+        if ".qkv_proj." in name:
+            state.update({"model." + name.replace("qkv", n): w for n, w in zip("qkv", t.split(split))})
+        elif ".gate_up_proj." in name:
+            state.update({"model." + name.replace("gate_up", n): w for n, w in zip(("gate", "up"), t.chunk(2))})
+        elif name != "inv_freq":
+            state[name if name == "lm_head.weight" else "model." + name] = t
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    rotary = model.model.rotary_emb
+    rotary.inv_freq.copy_(ours.inv_freq)
+    rotary.original_inv_freq.copy_(ours.inv_freq)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def twin(smollm2_engine):
+    return hf_twin(smollm2_engine)
+
+
+@pytest.fixture(scope="module")
+def wiki(smollm2_engine):
+    return smollm2_engine.tokenizer(corpora.text("wiki", 800, seed=1))["input_ids"]
+
+
+def generate(model, prompt: list[int], attn: str = "sdpa", cache=None, **kwargs) -> list[int]:
+    """Greedy new tokens of `model.generate` with attention implementation `attn`."""
+    model.set_attn_implementation(attn)
+    out = model.generate(torch.tensor([prompt]), do_sample=False, cache=cache, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def sparse_cache(model, policy: str, capacity: int, options=None, **kwargs) -> hf.SparseCache:
+    """`model` switched to attn_implementation sparsespec_<policy>, and a SparseCache for it."""
+    model.set_attn_implementation(f"sparsespec_{policy}")
+    return hf.SparseCache(model.config, capacity, options, **kwargs)
+
+
+def assert_same_or_near_tie(model, prompt: list[int], ref: list[int], got: list[int], gap: float = 1e-3) -> None:
+    """Equal tokens, or the first step where they differ is a near-tie of the reference's top-2 logits."""
+    if got == ref:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        top = model(torch.tensor([prompt + ref[:i]])).logits[0, -1].topk(2).values
+    assert float(top[0] - top[1]) < gap, f"token {i}: {got[i]} instead of {ref[i]} without a near-tie"
+
+
+FULL = {  # each policy's options that attend to every key
+    "dense": {}, "topk": {"budget": 1.0}, "streaming": {"budget": 1.0}, "quest": {"budget": 1.0},
+    "doublesparse": {"budget": 1.0}, "magicpig": {"budget": 1.0, "min_collisions": 0},
+    "binarypc": {"budget": 1.0}, "topp": {"p": 1.0}, "twilight": {"p": 1.0, "candidates": 1.0},
+    "doublep": {"p1": 1.0, "p2": 1.0},
+}
+
+
+def test_every_policy_is_registered_with_a_full_budget_case():
+    assert set(FULL) == set(POLICIES)
+    assert hf.ATTENTION_IMPLEMENTATIONS == [f"sparsespec_{name}" for name in POLICIES]
+
+
+SHORT = 200, 10  # prompt tokens, new tokens
+
+
+@pytest.fixture(scope="module")
+def sdpa_short(twin, wiki):
+    return generate(twin, wiki[:SHORT[0]], max_new_tokens=SHORT[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FULL))
+def test_full_budget_equals_sdpa_on_smollm2(name, twin, wiki, sdpa_short, tmp_path):
+    prompt, new = wiki[:SHORT[0]], SHORT[1]
+    options = dict(FULL[name])
+    if name == "doublesparse":  # at full budget any label channels select every key
+        save_labels(tmp_path / "labels.safetensors", {f"layer{i}": torch.arange(16).expand(3, 16)
+                                                      for i in range(twin.config.num_hidden_layers)})
+        options["labels"] = str(tmp_path / "labels.safetensors")
+    cache = sparse_cache(twin, name, len(prompt) + new, POLICIES[name].Options(**options))
+    got = generate(twin, prompt, f"sparsespec_{name}", cache, max_new_tokens=new)
+    assert_same_or_near_tie(twin, prompt, sdpa_short, got)
+    if name != "dense":
+        assert cache.mean_attended == pytest.approx(len(prompt) + (new - 2) / 2, rel=0.01)
+
+
+@pytest.mark.slow
+def test_binarypc_at_2_percent_gives_the_engines_tokens(smollm2_engine, twin, wiki):
+    """600 prompt tokens at 2%: 12 keys per step and KV head (min_tokens=0: the default floor of 256 keys would
+    attend almost everything at this length)."""
+    prompt, new = wiki[:600], 12
+    options = BinaryPCOptions(budget=0.02, min_tokens=0)
+    ours = smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=new),
+                                   policy=make_policy("binarypc", {"budget": 0.02, "min_tokens": 0})).token_ids[0]
+    for fixed in (False, True):  # eager steps, and fixed-width ones through the kernels' torch references
+        cache = sparse_cache(twin, "binarypc", len(prompt) + new, options, fixed=fixed)
+        assert generate(twin, prompt, "sparsespec_binarypc", cache, max_new_tokens=new) == ours
+        assert cache.mean_attended < 0.03 * (len(prompt) + new)  # 2%, the safeguard and the decoded tokens
+
+
+@pytest.mark.slow
+def test_speculative_greedy_equals_plain_greedy(smollm2_engine, twin, wiki):
+    prompt = wiki[:150] + wiki[:40]  # a repeat: the n-gram drafter finds matches
+    draft = tiny_hf_model("llama")  # a random draft model of the same vocabulary: mostly rejected proposals
+    draft.resize_token_embeddings(twin.config.vocab_size)
+    drafters = {"ngram": NgramDrafter(), "hf-model": hf.HFModelDrafter(draft, twin.config.vocab_size),
+                "engine": ModelDrafter(smollm2_engine, target_vocab=twin.config.vocab_size)}
+    runs = [(name, {"max_new_tokens": 24}) for name in drafters]
+    runs.append(("ngram", {"max_new_tokens": 16, "repetition_penalty": 1.3}))  # processors see every row's prefix
+    refs = {}
+    for name, kwargs in runs:
+        key = tuple(kwargs.items())
+        if key not in refs:
+            refs[key] = generate(twin, prompt, **kwargs)
+        got = generate(twin, prompt, custom_generate=hf.speculative_generate, drafter=drafters[name], block_size=6,
+                       **kwargs)
+        assert got == refs[key], (name, kwargs)
+
+
+@pytest.mark.slow
+def test_tapped_features_are_the_engines(smollm2_engine, twin, wiki):
+    from sparsespec.cache import KVCache
+
+    tokens = torch.tensor([wiki[:64]])
+    taps = (1, 14, 27)
+    with torch.no_grad():
+        states = twin(tokens, output_hidden_states=True).hidden_states
+        cache = KVCache(smollm2_engine.config, 1, 64, torch.float32, "cpu")
+        _, ours = smollm2_engine.model.forward_tapped(tokens, torch.arange(64)[None], cache, 64, taps)
+    got = hf.tapped_features(states, taps)
+    assert ((got - ours).abs().max() / ours.abs().max()).item() < 1e-5
