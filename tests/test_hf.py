@@ -17,6 +17,7 @@ from sparsespec.attention.doublesparse import save_labels
 from sparsespec.attention.policy import PolicyOptions
 from sparsespec.generate import Engine
 from sparsespec.models.loading import load
+from sparsespec.runner import Runner
 from sparsespec.spec.drafters import ModelDrafter, NgramDrafter
 
 from .conftest import tiny_hf_model
@@ -167,3 +168,95 @@ def test_tapped_features_are_the_engines(smollm2_engine, twin, wiki):
         _, ours = smollm2_engine.model.forward_tapped(tokens, torch.arange(64)[None], cache, 64, taps)
     got = hf.tapped_features(states, taps)
     assert ((got - ours).abs().max() / ours.abs().max()).item() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_tiny_batch_of_equal_prompts_matches_the_engine(kind, tmp_path):
+    """Two rows of one length decode sparsely as the engine does (a model converted by our loader from the HF
+    folder); oracle top-k at 8 keys of ~40."""
+    model = tiny_hf_model(kind)
+    model.save_pretrained(tmp_path)
+    ours = load(tmp_path, with_tokenizer=False).model
+    model.model.rotary_emb.inv_freq.copy_(ours.inv_freq)
+    model.generation_config.eos_token_id = None
+    prompts = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
+    new = 8
+    cache = sparse_cache(model, "topk", 32 + new, PolicyOptions(budget=8, min_tokens=0, dense_layers=1))
+    got = model.generate(prompts, do_sample=False, max_new_tokens=new, cache=cache)[:, 32:]
+    runner = Runner(ours, 2, 32 + new, make_policy("topk", {"budget": 8, "min_tokens": 0, "dense_layers": 1}))
+    tokens = [ours.logits(runner.prefill(prompts.tolist())).argmax(-1)]
+    while len(tokens) < new:
+        tokens.append(runner.decode(tokens[-1]).argmax(-1))
+    assert torch.equal(got, torch.stack(tokens, 1))
+    assert cache.mean_attended == 8
+
+
+def test_crop_rolls_the_index_back():
+    """After a crop, decoding the cropped tokens again gives the same logits (the index follows the rollback)."""
+    model = tiny_hf_model("llama")
+    cache = sparse_cache(model, "binarypc", 40, BinaryPCOptions(budget=6, min_tokens=0, dense_layers=1, bits=16,
+                                                                encode_decoded=True))
+    prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(prompt, cache=cache)
+        tokens = [3, 14, 15, 92, 65]
+        first = [model(torch.tensor([[t]]), cache=cache).logits[0, -1] for t in tokens]
+        cache.crop(-3)
+        again = [model(torch.tensor([[t]]), cache=cache).logits[0, -1] for t in tokens[2:]]
+    assert cache.get_seq_length() == 29
+    for a, b in zip(first[2:], again):
+        torch.testing.assert_close(a, b)
+
+
+def test_clear_errors():
+    model = tiny_hf_model("llama")
+    with pytest.raises(SparseSpecError, match="attn_implementation set to one of sparsespec_dense"):
+        hf.SparseCache(model.config, 16)  # an eager model
+    model.set_attn_implementation("sparsespec_binarypc")
+    with pytest.raises(SparseSpecError, match="takes BinaryPCOptions, got PolicyOptions"):
+        hf.SparseCache(model.config, 16, PolicyOptions())
+    with pytest.raises(SparseSpecError, match=r"max_cache_len must be in \[1, 256\]"):
+        hf.SparseCache(model.config, 1000)
+    ids = torch.randint(0, 200, (2, 6), generator=torch.Generator().manual_seed(6))
+    with pytest.raises(SparseSpecError, match="decodes through a sparsespec.hf.SparseCache"):
+        model.generate(ids, do_sample=False, max_new_tokens=3)
+    with pytest.raises(SparseSpecError, match="holds 8 positions; writing 1 more after 8"):
+        model.generate(ids, do_sample=False, max_new_tokens=4, cache=hf.SparseCache(model.config, 8))
+    padded = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]).flip(-1)
+    with pytest.raises(SparseSpecError, match="rows without padding"):
+        model.generate(ids, attention_mask=padded, do_sample=False, max_new_tokens=3, pad_token_id=0,
+                       cache=hf.SparseCache(model.config, 16, BinaryPCOptions(min_tokens=0, budget=2)))
+    with pytest.raises(SparseSpecError, match="does not support beam search|expanding the batch"):
+        model.generate(ids, do_sample=False, num_beams=2, max_new_tokens=3, cache=hf.SparseCache(model.config, 16))
+    model.set_attn_implementation("sdpa")
+    spec = dict(custom_generate=hf.speculative_generate, max_new_tokens=3)
+    with pytest.raises(SparseSpecError, match="needs drafter="):
+        model.generate(ids[:1], **spec)
+    with pytest.raises(SparseSpecError, match="one row at a time, got a batch of 2"):
+        model.generate(ids, drafter=NgramDrafter(), **spec)
+    with pytest.raises(SparseSpecError, match="is greedy"):
+        model.generate(ids[:1], drafter=NgramDrafter(), do_sample=True, **spec)
+    with pytest.raises(SparseSpecError, match="block size must be >= 2"):
+        model.generate(ids[:1], drafter=NgramDrafter(), block_size=1, **spec)
+    with pytest.raises(SparseSpecError, match="must share the target's tokenizer"):
+        hf.HFModelDrafter(model, target_vocab=500)
+
+
+def test_mistral_sliding_window_is_refused():
+    model = tiny_hf_model("mistral")
+    model.set_attn_implementation("sparsespec_topk")
+    with pytest.raises(SparseSpecError, match="sliding-window"):
+        hf.SparseCache(model.config, 16)
+
+
+def test_transformers_range_is_stated_and_checked():
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    low, high = hf.TRANSFORMERS_RANGE
+    assert re.search(rf'hf = \["transformers>={low},<{high}"\]', text)
+    hf.check_version()  # the installed one
+    for outside in (str(low).rsplit(".", 1)[0] + f".{int(str(low).rsplit('.', 1)[1]) - 1}.0", str(high)):
+        with pytest.raises(SparseSpecError, match=f"needs transformers >={low},<{high}; {outside} is installed"):
+            hf.check_version(outside)
