@@ -62,8 +62,9 @@ def main() -> None:
     options = parse_options(POLICIES[args.policy].Options, {"budget": args.budget, "min_tokens": args.min_tokens})
     cache = hf.SparseCache(model.config, ids.shape[1] + new, options)
     sparse = run(f"sparsespec_{args.policy}, {options.budget:g} budget", cache=cache)
+    n = min(len(sparse), len(plain))
     print(f"keys attended per step and KV head: {cache.mean_attended:.1f} of ~{ids.shape[1] + new // 2}; "
-          f"{int((sparse == plain).cumprod(0).sum())} leading tokens equal to sdpa's")
+          f"{int((sparse[:n] == plain[:n]).cumprod(0).sum())} leading tokens equal to sdpa's")
 
     model.set_attn_implementation("sdpa")
     drafter = NgramDrafter() if args.drafter == "ngram" else hf.dflash_drafter(model, drafter_path(args.model))
