@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import sparsespec.hf as hf
 from sparsespec import GenerationConfig, SparseSpecError, corpora
@@ -260,3 +260,35 @@ def test_transformers_range_is_stated_and_checked():
     for outside in (str(low).rsplit(".", 1)[0] + f".{int(str(low).rsplit('.', 1)[1]) - 1}.0", str(high)):
         with pytest.raises(SparseSpecError, match=f"needs transformers >={low},<{high}; {outside} is installed"):
             hf.check_version(outside)
+
+
+# ---------------------------------------------------------------------------------------------- qwen2.5-coder-0.5b
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from sparsespec.models.registry import REGISTRY, is_installed, resolve
+
+    if not is_installed(REGISTRY["qwen2.5-coder-0.5b"]):
+        pytest.skip("qwen2.5-coder-0.5b is not installed (`sparsespec models install qwen2.5-coder-0.5b`)")
+    if os.environ.get("SPARSESPEC_TEST_QWEN") != "1":
+        pytest.skip("qwen2.5-coder-0.5b takes ~40 s to load through transformers' GGUF reader on CPU, past this "
+                    "file's time budget: set SPARSESPEC_TEST_QWEN=1 to run it")
+    path = resolve("qwen2.5-coder-0.5b")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.slow
+def test_qwen_full_budget_and_dflash(qwen):
+    from sparsespec.spec.registry import drafter_path
+
+    model, tokenizer = qwen
+    prompt = tokenizer(corpora.text("stdlib", 300, seed=2))["input_ids"][:256]
+    ref = generate(model, prompt, max_new_tokens=24)
+    cache = sparse_cache(model, "binarypc", len(prompt) + 24, BinaryPCOptions(budget=1.0))
+    assert_same_or_near_tie(model, prompt, ref, generate(model, prompt, "sparsespec_binarypc", cache,
+                                                         max_new_tokens=24))
+    drafter = hf.dflash_drafter(model, drafter_path("qwen2.5-coder-0.5b"))
+    got = generate(model, prompt, custom_generate=hf.speculative_generate, drafter=drafter, max_new_tokens=24)
+    assert got == ref
