@@ -165,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drafters", nargs="+", default=["ngram", "dflash"],
                     help="ngram, dflash[:PATH], model:NAME, self:POLICY[:key=value,...]")
     sp.add_argument("--prompts", type=_positive_int, default=8, help="held-out prompts per kind")
-    sp.add_argument("--kinds", default="code,text")
+    sp.add_argument("--kinds", default="code,text", help="prompt kinds: code, text, long-code (repository-level "
+                    "completion), long-text (questions on long documents)")
+    sp.add_argument("--long-chars", type=_positive_int, default=64_000,
+                    help="context size of the long kinds in characters (about 4 per token)")
     sp.add_argument("--temperatures", default="0,1")
     sp.add_argument("--max-new-tokens", type=_positive_int, default=128)
     sp.add_argument("--block-size", type=_positive_int, default=16)
@@ -428,7 +431,7 @@ def cmd_bench(args) -> None:
         raise SparseSpecError(f"invalid --temperatures {args.temperatures!r} (use e.g. 0,1)") from None
     cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts,
                       kinds=tuple(k.strip() for k in args.kinds.split(",")), temperatures=temps,
-                      max_new_tokens=args.max_new_tokens, block_size=args.block_size)
+                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     name = args.target_name or args.target
     settings = {"target": args.target, "target_name": args.target_name, "dtype": dtype, "device": args.device,

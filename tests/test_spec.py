@@ -295,3 +295,18 @@ def test_bench_writes_each_row_as_measured_and_a_rerun_resumes(tmp_path):
     assert (a.starts, b.starts) == (0, 1) and [(r["kind"], r["drafter"]) for r in rows] == kept + [("text", "b")]
     assert all(r["identical"] for r in rows)
     assert run_bench(engine, {"a": a}, cfg, tmp_path) == rows[::2] and a.starts == 0  # only the drafters asked
+
+
+def test_long_prompts_fill_their_context_and_hide_what_they_ask_for():
+    from sparsespec.spec.prompts import make_prompts
+
+    prompts = make_prompts(4, "heldout", ("long-code", "long-text"), long_chars=20_000)
+    assert [p.kind for p in prompts] == ["long-code", "long-code", "long-text", "long-text"]
+    assert prompts == make_prompts(4, "heldout", ("long-code", "long-text"), long_chars=20_000)  # deterministic
+    for p in prompts:
+        assert 8_000 < len(p.text) < 24_000, (p.kind, len(p.text))
+    for p in prompts[:2]:  # the function to continue is named, and its source stops after its first lines
+        name = p.text.rsplit("`", 2)[1]
+        last = p.text.rsplit("(being written)\n", 1)[1]
+        assert f"def {name}(" in last and last.count(f"def {name}(") == 1
+    assert make_prompts(1, "heldout", ("long-code",), long_chars=40_000)[0].text != prompts[0].text

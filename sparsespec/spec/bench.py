@@ -65,15 +65,17 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
 class BenchConfig:
     drafters: tuple[str, ...] = ("ngram", "dflash")
     prompts: int = 8  # per kind
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = ("code", "text")  # of KINDS; the long ones: contexts of about `long_chars` characters
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_new_tokens: int = 128
     block_size: int = 16
     seed: int = 0
+    long_chars: int = 64_000
 
     def __post_init__(self):
-        if self.prompts < 1 or self.max_new_tokens < 2 or self.block_size < 2:
-            raise SparseSpecError("bench needs prompts >= 1, max-new-tokens >= 2 and block-size >= 2")
+        if self.prompts < 1 or self.max_new_tokens < 2 or self.block_size < 2 or self.long_chars < 1000:
+            raise SparseSpecError("bench needs prompts >= 1, max-new-tokens >= 2, block-size >= 2 and "
+                                  "long-chars >= 1000")
         if any(t < 0 for t in self.temperatures):
             raise SparseSpecError("temperatures must be >= 0")
         if not self.kinds or set(self.kinds) - set(KINDS):
@@ -82,7 +84,9 @@ class BenchConfig:
     def settings(self) -> dict:
         """What a results folder's rows depend on besides the target and device: everything but the drafters and
         temperatures, which only select rows (the prompts and their sampling seeds depend on prompts and kinds)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("drafters", "temperatures")}
+        skip = {"drafters", "temperatures"} | ({"long_chars"} if not any(k.startswith("long") for k in self.kinds)
+                                                else set())
+        return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
 def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, out: Path | None = None,
@@ -90,7 +94,8 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
     """One row per (prompt, temperature, drafter); with `out`, each row is appended to out/spec.jsonl as it is
     measured and the rows already there are skipped (plain decoding too where every drafter's row is there).
     Returns the rows of `drafters` and `cfg.temperatures`."""
-    prompts = [p for kind in cfg.kinds for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed)]
+    prompts = [p for kind in cfg.kinds for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed,
+                                                                cfg.long_chars)]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     rows = read_rows(out / "spec.jsonl") if out is not None else []

@@ -3,6 +3,10 @@
     code: functions of the Python standard library's own source — complete a function from its first lines,
           explain a function, write a function from its signature and docstring
     text: Wikipedia leads, Shakespeare and the King James Bible — summarise, write about a topic, paraphrase
+    long-code: repository-level completion — whole standard-library modules as context (about `long_chars`
+          characters), then a module's source up to one of its functions, whose first lines are to be continued
+    long-text: long-document questions — Wikipedia articles, Bible chapters and play excerpts up to `long_chars`
+          characters, then a request to summarise or answer about one of them
 
 Every source item is assigned to `train` or `heldout` by a hash of its identity (file + function name, article
 title), so held-out prompts never share a function or an article with training prompts.
@@ -19,12 +23,12 @@ from .. import corpora
 from ..errors import SparseSpecError
 
 SPLITS = ("train", "heldout")
-KINDS = ("code", "text")
+KINDS = ("code", "text", "long-code", "long-text")
 
 
 @dataclass(frozen=True)
 class Prompt:
-    kind: str  # code | text
+    kind: str  # one of KINDS
     text: str
 
 
@@ -33,7 +37,7 @@ def _split_of(identity: str) -> str:
 
 
 def _functions(split: str, rng: random.Random):
-    """(identity, source lines) of stdlib functions of 6-40 lines in `split`, in a seeded order."""
+    """(identity, source lines, node, module source) of stdlib functions of 6-40 lines in `split`, seeded order."""
     for module in corpora.documents("stdlib", rng.randrange(1 << 30)):
         try:
             tree = ast.parse(module)
@@ -47,7 +51,7 @@ def _functions(split: str, rng: random.Random):
             indent = len(body[0]) - len(body[0].lstrip())
             identity = f"{body[0].strip()}|{len(body)}|{lines[0][:40]}"
             if _split_of(identity) == split:
-                yield identity, [line[indent:] for line in body], n
+                yield identity, [line[indent:] for line in body], n, module
 
 
 def _code_prompt(lines: list[str], node: ast.FunctionDef, rng: random.Random) -> str:
@@ -92,8 +96,51 @@ def _text_prompt(title: str, passage: str, rng: random.Random) -> str:
     return f"Rewrite this passage in plain modern English.\n\n{passage}"
 
 
-def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = KINDS, seed: int = 0) -> list[Prompt]:
-    """n prompts, split evenly over `kinds` (code first when n is odd), deterministic in (n, split, kinds, seed)."""
+def _long_code(split: str, rng: random.Random, long_chars: int):
+    """Repository-level completion prompts: other modules as context, then a module up to one function's head."""
+    for _, lines, node, module in _functions(split, rng):
+        source = module.splitlines()[:node.lineno - 1 + max(2, len(lines) // 3)]  # up to the function's first lines
+        keep, size = 0, 0  # at most half the context from the module being written: its end
+        for line in reversed(source):
+            if keep and size + len(line) + 1 > long_chars // 2:
+                break
+            keep, size = keep + 1, size + len(line) + 1
+        before = "\n".join(source[-keep:])
+        parts, size = [], len(before)
+        for other in corpora.documents("stdlib", rng.randrange(1 << 30)):
+            if size >= 0.9 * long_chars:
+                break
+            if other != module and size + len(other) <= long_chars:
+                parts.append(other)
+                size += len(other)
+        files = "".join(f"# file {i}\n{m}\n\n" for i, m in enumerate(parts))
+        yield ("These Python modules are part of one code base.\n\n" + files +
+               f"# file {len(parts)} (being written)\n{before}\n\n"
+               f"Continue the function `{node.name}` of the last file; reply with its complete code.")
+
+
+def _long_text(split: str, rng: random.Random, long_chars: int):
+    """Long-document prompts: articles, chapters and play excerpts up to `long_chars`, then a question on one."""
+    texts = _texts(split, rng)
+    while True:
+        chosen, size = [], 0
+        for title, passage in texts:
+            if size + len(passage) > long_chars:
+                break
+            chosen.append((title, passage))
+            size += len(passage) + len(title) + 2
+        if not chosen:
+            return
+        title = rng.choice(chosen)[0]
+        body = "\n\n".join(f"{t}\n{p}" for t, p in chosen)
+        yield rng.choice((f"{body}\n\nSummarise what the texts above say about {title} in five sentences.",
+                          f"{body}\n\nWhich of the texts above mention {title}, and what do they say?"))
+
+
+def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code", "text"), seed: int = 0,
+                 long_chars: int = 64_000) -> list[Prompt]:
+    """n prompts, split evenly over `kinds` (in KINDS order, the first ones one more when n does not divide),
+    deterministic in (n, split, kinds, seed, long_chars). `long_chars`: the context size of the long kinds."""
     if split not in SPLITS:
         raise SparseSpecError(f"unknown prompt split {split!r} (choose from {', '.join(SPLITS)})")
     unknown = set(kinds) - set(KINDS)
@@ -103,11 +150,14 @@ def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = KINDS, s
     counts = {k: n // len(kinds) + (i < n % len(kinds)) for i, k in enumerate(kinds)}
     out: list[Prompt] = []
     if counts.get("code"):
-        for _, (_, lines, node) in zip(range(counts["code"]), _functions(split, rng)):
+        for _, (_, lines, node, _) in zip(range(counts["code"]), _functions(split, rng)):
             out.append(Prompt("code", _code_prompt(lines, node, rng)))
     if counts.get("text"):
         for _, (title, passage) in zip(range(counts["text"]), _texts(split, rng)):
             out.append(Prompt("text", _text_prompt(title, passage, rng)))
+    for kind, make in (("long-code", _long_code), ("long-text", _long_text)):
+        if counts.get(kind):
+            out += [Prompt(kind, text) for _, text in zip(range(counts[kind]), make(split, rng, long_chars))]
     if len(out) < n:
         raise SparseSpecError(f"only {len(out)} {split} prompts could be made, {n} requested")
     return out
