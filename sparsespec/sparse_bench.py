@@ -154,7 +154,8 @@ def report(out: Path | None, name: str, bandwidth: float, rows: list[dict], line
 
 
 def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]:
-    """Scoring (probe + popcount keys), selection and attention of BinaryPC's fixed-width step, timed apart."""
+    """Scoring (probe tables + table-scored keys), selection and attention of BinaryPC's fixed-width step, timed
+    apart."""
     from .kernels.attend import sparse_decode_attention
     from .kernels.select import select_topk
 

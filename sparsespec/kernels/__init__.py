@@ -1,6 +1,8 @@
 """Triton kernels of the graph-captured sparse decode step, each beside the torch reference it is tested against.
 
-    binarypc.py  probe (quantised bit-planes), popcount scoring with the group max fused in, residual encoding
+    binarypc.py  probe (quantised, tabulated per code byte), table scoring with the group max fused in, residual
+                 encoding
+    scores.py    oracle top-k (q·k group max) and Quest (page bounds) scorers writing the select's keys
     select.py    fixed-width top-k by radix select over integer keys, forced slots first
     attend.py    split-K flash-decoding over the selected slots (GQA: each K/V row read once per KV head)
 
