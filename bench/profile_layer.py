@@ -46,7 +46,7 @@ def main() -> None:
         for e in sorted(events, key=lambda e: -e.device_time_total):
             print(f"  {e.device_time_total / args.steps:9.1f} us  x{e.count // args.steps:<3d} {e.key[:90]}")
         print(f"  {total:9.1f} us  total")
-        if name == "binarypc":  # the scorer's two ways of reading its tables, timed alone
+        if name == "binarypc":  # the scorer and the select at several tuning settings, timed alone
             from sparsespec.kernels.binarypc import probe_tables, score_keys
             from sparsespec.kernels.select import select_topk
             from sparsespec.sparse_bench import time_ms
@@ -54,11 +54,10 @@ def main() -> None:
             state, o = cache.policy_state[0], policy.options
             _, tables = probe_tables(q.view(batch, cfg.num_heads, -1), state.basis, o.probe_bits)
             G = cfg.num_heads // cfg.num_kv_heads
-            for gather, block, warps in ((True, 2048, 8), (False, 2048, 8), (True, 1024, 4), (True, 4096, 8),
-                                         (True, 1024, 8)):
+            for block, warps in ((2048, 8), (1024, 4), (4096, 8), (1024, 8)):
                 ms = time_ms(lambda: score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G,
-                                                gather=gather, block=block, num_warps=warps))
-                print(f"  score_keys gather={gather} block={block} warps={warps}: {ms * 1e3:.1f} us")
+                                                block=block, num_warps=warps))
+                print(f"  score_keys block={block} warps={warps}: {ms * 1e3:.1f} us")
             keys = score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G)
             plan = policy.fixed
             for block, waves, warps in ((2048, 4, 8), (1024, 4, 4), (1024, 16, 4), (2048, 16, 8), (4096, 4, 8),

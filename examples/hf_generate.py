@@ -63,7 +63,8 @@ def main() -> None:
     cache = hf.SparseCache(model.config, ids.shape[1] + new, options)
     sparse = run(f"sparsespec_{args.policy}, {options.budget:g} budget", cache=cache)
     n = min(len(sparse), len(plain))
-    print(f"keys attended per step and KV head: {cache.mean_attended:.1f} of ~{ids.shape[1] + new // 2}; "
+    attended = "all" if cache.mean_attended is None else f"{cache.mean_attended:.1f}"  # dense counts none
+    print(f"keys attended per step and KV head: {attended} of ~{ids.shape[1] + new // 2}; "
           f"{int((sparse[:n] == plain[:n]).cumprod(0).sum())} leading tokens equal to sdpa's")
 
     model.set_attn_implementation("sdpa")

@@ -142,9 +142,8 @@ class Runner:
             self.capture()
             logits = self.graph(tokens, positions)
         else:
-            # eager CUDA steps keep cuDNN out of dense attention (it plans anew for every key count, ~40 ms a
-            # step); an eager policy is told the step's positions so it reads none back from the device
-            with sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext(), \
+            # an eager policy is told the step's positions so it reads none back from the device
+            with self._eager_attention(), \
                     policy.stepping(cache.lengths) if policy is not None and policy.fixed is None else nullcontext():
                 hidden = self.model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1,
                                     policy=policy)
@@ -173,7 +172,9 @@ class Runner:
             logits = self.decode(torch.cat([tokens, tokens.new_zeros(B - n)]))[:n]
         else:
             positions = torch.tensor(lengths[:n], device=self.device)
-            hidden = self.model(tokens[:, None], positions[:, None], self._rows(0, n), kv_len=max(lengths[:n]) + 1)
+            with self._eager_attention():
+                hidden = self.model(tokens[:, None], positions[:, None], self._rows(0, n),
+                                    kv_len=max(lengths[:n]) + 1)
             logits = self.model.logits(hidden[:, -1])
         self.cache.truncate([x + 1 for x in lengths[:n]] + lengths[n:])
         return logits
@@ -183,10 +184,7 @@ class Runner:
         """tokens [B, W] written at each row's length (dense attention, eager) -> hidden [B, W, H]. Lengths do not
         move: commit with `truncate` (e.g. a drafter catching up on tokens another model committed).
         `observer(layer, q, k)` sees each layer's post-RoPE q and k (measurements of teacher-forced steps)."""
-        positions = torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(
-            tokens.shape[1], device=self.device)  # [B, W]
-        with sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext():
-            return self.model(tokens, positions, self.cache, kv_len=int(positions.max()) + 1, observer=observer)
+        return self._eager(tokens, (), observer)[0]
 
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, width: int | None = None):
@@ -200,16 +198,26 @@ class Runner:
             if width not in self.verify_graphs:
                 self.verify_graphs[width] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile)
                 self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
-            positions = torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(
-                width, device=self.device)  # [B, width]
             logits, features = self.verify_graphs[width](torch.cat([tokens, tokens.new_zeros(B, width - w)], 1),
-                                                         positions)
+                                                         self._positions(width))
             return logits[:, :w], None if features is None else features[:, :w]
-        positions = torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(w, device=self.device)
-        with sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext():
-            hidden, features = self.model.forward_tapped(tokens, positions, self.cache, int(positions.max()) + 1,
-                                                         self.taps)
+        hidden, features = self._eager(tokens, self.taps)
         return self.model.logits(hidden), features
+
+    def _positions(self, width: int) -> torch.Tensor:
+        """[B, width]: the next `width` positions of every row, from its length on."""
+        return torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)
+
+    def _eager(self, tokens: torch.Tensor, taps: tuple[int, ...], observer: Callable | None = None):
+        """tokens [B, W] at each row's length, dense attention, eager -> (hidden [B, W, H], features or None)."""
+        kv_len = max(self.cache.lengths) + tokens.shape[1]  # on the host: no read-back
+        with self._eager_attention():
+            return self.model.forward_tapped(tokens, self._positions(tokens.shape[1]), self.cache, kv_len, taps,
+                                             observer=observer)
+
+    def _eager_attention(self):
+        """Eager CUDA steps keep cuDNN out of dense attention (it plans anew for every key count, ~40 ms a step)."""
+        return sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext()
 
     def truncate(self, lengths: list[int]) -> None:
         """Roll rows back (or forward after a multi-token commit) to `lengths`; the policy's index follows."""

@@ -260,8 +260,9 @@ class SelectionPolicy(Policy):
 
     def fixed_selection(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, 1, D] -> the step's selection into the plan's buffers: (idx [B * Hkv, width] int32 in slot
-        order, count [B * Hkv] int32), its mean count per row added to `attended`. Default: the policy's keys (`fixed_keys`), then radix top-k; the Triton
-        kernel on CUDA (or under TRITON_INTERPRET=1), its torch reference otherwise."""
+        order, count [B * Hkv] int32), its mean count per row added to `attended`. Default: the policy's keys
+        (`fixed_keys`), then radix top-k; the Triton kernel on CUDA (or under TRITON_INTERPRET=1), its torch
+        reference otherwise."""
         from ..kernels import triton_ready
 
         plan = self.fixed

@@ -8,6 +8,8 @@ the SparseCache that holds the policy's index (see cache.py).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -32,12 +34,8 @@ def sparse_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if attention_mask is not None and not _attends_everything(attention_mask):
         raise SparseSpecError("sparse decoding needs rows without padding (batch 1, or prompts of one length)")
     policy = step.policy
-    positions = torch.tensor(step.positions, device=query.device)
-    if policy.fixed is not None:
-        out = policy.decode(step.layer, query, step.cache, positions)
-    else:
-        with policy.stepping(step.positions):
-            out = policy.decode(step.layer, query, step.cache, positions)
+    with policy.stepping(step.positions) if policy.fixed is None else nullcontext():
+        out = policy.decode(step.layer, query, step.cache, step.positions_dev)
     return out.transpose(1, 2).contiguous(), None
 
 

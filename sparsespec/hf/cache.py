@@ -18,6 +18,7 @@ fixed width (`Policy.plan_fixed` / `begin_step`: sparsespec's Triton kernels); e
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ class DecodeStep:
     cache: KVCache  # every layer's K/V and the policy's index (policy_state)
     layer: int
     positions: list[int]  # each row's query position (= its slot)
+    positions_dev: torch.Tensor  # the same [B] on the device, made once per step for every layer
 
     @property
     def sparse(self) -> bool:
@@ -86,6 +88,7 @@ class SparseCache(Cache):
         self.kv: KVCache | None = None  # allocated at the first update (batch, dtype and device are known then)
         self.built = False
         self.indexed = 0  # the committed length the policy's index was last brought to
+        self.step: DecodeStep | None = None  # the single-token step in progress (made by `begin_decode`)
         self.sparse_layers = sum(self.policy.is_sparse(i) for i in range(self.model_config.num_layers))
         super().__init__(layers=[SparseLayer(self, i) for i in range(self.model_config.num_layers)])
 
@@ -121,8 +124,9 @@ class SparseCache(Cache):
             for layer in range(len(self.layers)):
                 policy.append(layer, kv, lengths)
         self.indexed = n
+        self.step = DecodeStep(policy, kv, 0, lengths, device_ints(lengths, kv.device))  # shared by every layer
         if self.fixed:
-            policy.begin_step(device_ints(lengths, kv.device))
+            policy.begin_step(self.step.positions_dev)
             policy.stepped(self.sparse_layers)
             self.indexed = n + 1  # a fixed-width step takes its own token into the index (the Runner appends none)
 
@@ -162,7 +166,7 @@ class SparseLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
-        owner.allocate(key_states)
+        owner.allocate(key_states)  # checks the batch of every write
         n, T = self.length, key_states.shape[-2]
         if n + T > owner.max_cache_len:
             raise SparseSpecError(f"this SparseCache holds {owner.max_cache_len} positions; writing {T} more after "
@@ -174,7 +178,7 @@ class SparseLayer(CacheLayerMixin):
                                       "SparseCache cannot reach its attention function")
             if self.index == 0:
                 owner.begin_decode(n)
-            attention_kwargs[STEP_KEY] = DecodeStep(owner.policy, owner.kv, self.index, [n] * owner.kv.batch)
+            attention_kwargs[STEP_KEY] = dataclasses.replace(owner.step, layer=self.index)
         self.keys[:, :, n:n + T] = key_states
         self.values[:, :, n:n + T] = value_states
         self.length = n + T

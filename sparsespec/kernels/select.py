@@ -23,6 +23,8 @@ keys, then the write.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -178,10 +180,14 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
             tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -> int:
     """Programs that share one row's blocks: `waves` programs per SM over all rows, never more than blocks."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(blocks, -(-waves * sms // rows)))
+    return max(1, min(blocks, -(-waves * _multiprocessors(device) // rows)))
 
 
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
@@ -190,8 +196,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 attended: torch.Tensor | None = None, block: int = 2048, waves: int = 4, num_warps: int = 8):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
-    (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. Tuning: `block` slots per step of a program (a power of two), `waves` programs per SM,
-    `num_warps` per program. Shapes alone fix the launches: capturable in a CUDA graph."""
+    (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. Tuning:
+    `block` slots per step of a program (a power of two), `waves` programs per SM, `num_warps` per program.
+    Shapes alone fix the launches: capturable in a CUDA graph."""
     R, S = keys.shape
     assert key_bits in (16, 32) and keys.dtype == (torch.int16 if key_bits == 16 else torch.int32)
     B = positions.shape[0]

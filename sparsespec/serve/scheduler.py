@@ -109,12 +109,12 @@ class _Slot:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig, metrics: Metrics | None = None):
+    def __init__(self, engine: Engine, config: SchedulerConfig):
         if config.max_context > engine.config.max_position:
             raise SparseSpecError(f"max-context {config.max_context} exceeds the model's context of "
                                   f"{engine.config.max_position} tokens")
         self.engine, self.config = engine, config
-        self.metrics = metrics or Metrics(self.queue_length, self.running_rows, config.max_batch)
+        self.metrics = Metrics(self.queue_length, self.running_rows, config.max_batch)
         self.runner = Runner(engine.model, config.max_batch, config.max_context, None, config.cuda_graph)
         self.slots: list[_Slot | None] = [None] * config.max_batch
         self._waiting: deque[Job] = deque()
