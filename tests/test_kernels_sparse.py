@@ -77,7 +77,8 @@ def test_score_keys_equal_popcount_reference(G, bits, m, S):
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
     assert torch.equal(keys[live], ref[live])
     offset, key_bits = key_range(bits, m)
-    assert key_bits == (16 if ref.dtype == torch.int16 else 32) and int(ref[live].min()) >= 1
+    assert (key_bits <= 15) == (ref.dtype == torch.int16) and int(ref[live].min()) >= 1
+    assert int(ref[live].max()) < (1 << key_bits) - 1  # below the forced key
     # the same numbers as the float reference: the group max of p̃ · h, shifted by the offset
     h = ((codes[..., None] >> torch.arange(64, device=DEVICE)) & 1).flatten(-2)[..., :bits] * 2 - 1  # [B,Hkv,S,b]
     direct = (probe.view(B, Hkv, G, 1, bits).double() * h[:, :, None].double()).sum(-1).amax(2).flatten(0, 1)
@@ -131,14 +132,15 @@ def _check_selection(keys, positions, tokens, forced_from, k, key_bits, blocks=(
     return idx, count
 
 
-@pytest.mark.parametrize("S,Hkv,key_bits,spread", [(37, 1, 16, 3), (300, 2, 16, 16000), (129, 3, 32, 0),
-                                                     (1000, 2, 16, 40), (77, 2, 32, 2)])
+@pytest.mark.parametrize("S,Hkv,key_bits,spread", [(37, 1, 16, 3), (300, 2, 14, 16000), (129, 3, 32, 0),
+                                                     (1000, 2, 13, 40), (77, 2, 32, 2), (90, 2, 8, 200),
+                                                     (200, 1, 15, 30000), (150, 2, 16, 65000)])
 def test_select_topk_equals_reference(S, Hkv, key_bits, spread):
     g = torch.Generator().manual_seed(S + Hkv + key_bits)
     B = 3
     positions = torch.tensor([S - 1, S // 2, 3], dtype=torch.int32, device=DEVICE)
-    if key_bits == 16:  # few distinct values: many ties at the threshold
-        keys = torch.randint(1, max(2, spread), (B * Hkv, S), generator=g).to(DEVICE, torch.int16)
+    if key_bits <= 16:  # few distinct values: many ties at the threshold (int16 keys of up to 16 bits)
+        keys = torch.randint(1, max(2, spread), (B * Hkv, S), generator=g).to(torch.int16).to(DEVICE)
         keys[0, 5:9] = 0  # never attended
     else:  # fp32 scores with ties and infinities, through the order-preserving map
         scores = torch.randn(B * Hkv, S, generator=g).round(decimals=spread).to(DEVICE)

@@ -30,9 +30,16 @@ from ..attention.binarypc import encode, pack_bits, packed_scores, quantize_prob
 
 
 def key_range(bits: int, magnitude_bits: int) -> tuple[int, int]:
-    """(offset that makes the lowest score 1, key bits: 16 when the keys fit int16's 15 value bits, else 32)."""
+    """(offset that makes the lowest score 1, key bits for `select_topk`: the fewest that hold every score below
+    the all-ones forced key, 8 or at least 13 (its digits' rule), stored as int16 up to 15 bits, else as int32 keys
+    of 32 bits). Fewer key bits, cheaper selection: 7-bit probes of 64-bit codes take 14 (digits of 8 and 6 bits)."""
     offset = ((1 << magnitude_bits) - 1) * bits + 1
-    return offset, 16 if 2 * offset < (1 << 15) else 32
+    need = (2 * offset).bit_length()  # scores lie in [1, 2 * offset - 1] < 2^need - 1
+    return offset, 8 if need <= 8 else max(13, need) if need <= 15 else 32
+
+
+def key_dtype(key_bits: int) -> torch.dtype:
+    return torch.int16 if key_bits <= 16 else torch.int32
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,7 @@ def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV
 
 
 def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, magnitude_bits: int, bits: int,
-               group: int, out: torch.Tensor | None = None, block: int = 2048, num_warps: int = 8) -> torch.Tensor:
+               group: int, out: torch.Tensor | None = None, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, tables from `probe_tables` (`group` query heads per KV head), positions [B]
     -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written). Tuning:
     `block` slots and `num_warps` a program."""
@@ -182,7 +189,7 @@ def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tenso
     lay = TableLayout.of(group, bits, magnitude_bits)
     offset, key_bits = key_range(bits, magnitude_bits)
     if out is None:
-        out = torch.empty(B * Hkv, S, dtype=torch.int16 if key_bits == 16 else torch.int32, device=codes.device)
+        out = torch.empty(B * Hkv, S, dtype=key_dtype(key_bits), device=codes.device)
     block = min(block, triton.next_power_of_2(S))
     _score_kernel[(B * Hkv, triton.cdiv(S, block))](
         codes, tables, positions, out, S, offset, HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb,
@@ -198,7 +205,7 @@ def score_keys_ref(codes: torch.Tensor, probe: torch.Tensor, positions: torch.Te
     offset, key_bits = key_range(bits, magnitude_bits)
     keys = packed_scores(codes, probe.long().view(B, Hkv, -1, bits), magnitude_bits).amax(2).flatten(0, 1) + offset
     live = torch.arange(S, device=codes.device) <= positions.long().repeat_interleave(Hkv)[:, None]
-    return torch.where(live, keys, 0).to(torch.int16 if key_bits == 16 else torch.int32)
+    return torch.where(live, keys, 0).to(key_dtype(key_bits))
 
 
 # ---------------------------------------------------------------------------------------------- encoding

@@ -31,11 +31,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _keys_block(row_ptr, start, n, pos, forced_from, SINKS, WINDOW, KEY_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    """Keys of slots [start, start + BLOCK) as int64, forced slots at KEY_MASK, slots past the query at 0."""
+def _keys_block(row_ptr, start, n, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Keys of slots [start, start + BLOCK) (int32 up to 16 key bits, else int64), forced slots at the maximal key,
+    slots past the query at 0."""
+    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     s = start + tl.arange(0, BLOCK)
     inb = s < n
-    key = tl.load(row_ptr + s, mask=inb, other=0).to(tl.int64) & KEY_MASK
+    key = tl.load(row_ptr + s, mask=inb, other=0)
+    key = (key.to(tl.int32) if KEY_BITS <= 16 else key.to(tl.int64)) & KEY_MASK
     forced = (s < SINKS) | (s > pos - WINDOW) | (s >= forced_from)
     key = tl.where(forced, KEY_MASK, key)
     return s, tl.where(inb, key, 0)
@@ -67,75 +70,86 @@ def _force_kernel(keys_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, E, HKV: tl
 
 
 @triton.jit
-def _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS: tl.constexpr, UPTO: tl.constexpr):
-    """From the histograms of digits 0..UPTO-1 (top first) -> (key prefix of those digits, how many keys wanted
-    among those matching it, how many wanted in all)."""
+def _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS: tl.constexpr, LAST: tl.constexpr,
+               UPTO: tl.constexpr):
+    """From the histograms of digits 0..UPTO-1 (top first; the last digit has LAST bits, the others 8) -> (key
+    prefix of those digits, how many keys wanted among those matching it, how many wanted in all)."""
     hist = tl.load(hist_ptr + (r * DIGITS) * 256 + tl.arange(0, 256))
     n_forced = tl.load(stats_ptr + r)
     want = tl.minimum(tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), tl.sum(hist, 0)), K)
     prefix, k = _crossing(hist, tl.maximum(want, 1))
     for d in tl.static_range(1, UPTO):
         t, k = _crossing(tl.load(hist_ptr + (r * DIGITS + d) * 256 + tl.arange(0, 256)), k)
-        prefix = prefix * 256 + t
+        prefix = (prefix << (LAST if d == DIGITS - 1 else 8)) + t
     return prefix, k, want
 
 
 @triton.jit
+def _key_type(x, KEY_BITS: tl.constexpr):
+    """A scalar in the keys' arithmetic type (int32 up to 16 key bits, else int64)."""
+    return x.to(tl.int32) if KEY_BITS <= 16 else x.to(tl.int64)
+
+
+@triton.jit
 def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, S, K,
-                      SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, D: tl.constexpr,
-                      P: tl.constexpr, BLOCK: tl.constexpr):
+                      SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
+                      D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
     """Digit D's histogram over this program's run of BPP blocks, among the keys matching the digits above, added
     atomically to the row's. The last digit's pass also keeps the program's own histogram and how many of its keys
-    lie above the prefix (part_ptr [R, P, 257]): the write pass takes its offsets from them."""
+    lie above the prefix (part_ptr [R, P, 2^LAST + 1]): the write pass takes its offsets from them."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    DIGITS: tl.constexpr = KEY_BITS // 8
-    shift: tl.constexpr = KEY_BITS - 8 * (D + 1)
+    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    BINS: tl.constexpr = (1 << LAST) if D == DIGITS - 1 else 256
+    shift: tl.constexpr = 0 if D == DIGITS - 1 else KEY_BITS - 8 * (D + 1)  # of this digit
+    high: tl.constexpr = LAST if D == DIGITS - 1 else shift + 8  # of the digits above it
     if D > 0:
-        prefix, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, D)
-    hist = tl.zeros([256], dtype=tl.int32)
+        prefix, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, LAST, D)
+        prefix = _key_type(prefix, KEY_BITS)
+    hist = tl.zeros([BINS], dtype=tl.int32)
     n_forced = 0
     above = 0
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
             s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos, forced_from, SINKS, WINDOW,
-                                 KEY_MASK, BLOCK)
+                                 KEY_BITS, BLOCK)
             match = key > 0
             if D == 0:
                 n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 0)
             else:
-                above += tl.sum(((key >> (shift + 8)) > prefix).to(tl.int32), 0)
-                match = match & ((key >> (shift + 8)) == prefix)
-            part = tl.histogram(tl.where(match, (key >> shift) & 255, 0).to(tl.int32), 256)
-            hist += part - tl.where(tl.arange(0, 256) == 0, tl.sum((~match).to(tl.int32), 0), 0)
+                above += tl.sum(((key >> high) > prefix).to(tl.int32), 0)
+                match = match & ((key >> high) == prefix)
+            part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
+            hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
     if D == 0:
         tl.atomic_add(stats_ptr + r, n_forced)
-    tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, 256), hist)
+    tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, BINS), hist)
     if D == DIGITS - 1:
-        own = part_ptr + (r * P + p).to(tl.int64) * 257
-        tl.store(own + tl.arange(0, 256), hist)
-        tl.store(own + 256, above)
+        own = part_ptr + (r * P + p).to(tl.int64) * (BINS + 1)
+        tl.store(own + tl.arange(0, BINS), hist)
+        tl.store(own + BINS, above)
 
 
 @triton.jit
 def _offsets_kernel(hist_ptr, stats_ptr, tokens_ptr, part_ptr, offsets_ptr, K, HKV: tl.constexpr,
-                    KEY_BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
+                    KEY_BITS: tl.constexpr, LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
     """Per row, from the threshold and each program's last-digit histogram: where each program's selected slots
     start, and how many keys equal to the threshold the earlier programs hold (offsets_ptr [R, P, 2])."""
     r = tl.program_id(0)
-    DIGITS: tl.constexpr = KEY_BITS // 8
-    threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, r // HKV, K, DIGITS, DIGITS)
-    t = threshold & 255
+    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    BINS: tl.constexpr = 1 << LAST
+    threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, r // HKV, K, DIGITS, LAST, DIGITS)
+    t = threshold & (BINS - 1)
     prog = tl.arange(0, PP)
-    parts = part_ptr + (r * P).to(tl.int64) * 257 + prog * 257  # [PP]
-    hists = tl.load(parts[:, None] + tl.arange(0, 256)[None, :], mask=(prog < P)[:, None], other=0)  # [PP, 256]
-    digit = tl.arange(0, 256)[None, :]
-    above = tl.load(parts + 256, mask=prog < P, other=0) + tl.sum(tl.where(digit > t, hists, 0), 1)  # [PP]
+    parts = part_ptr + (r * P).to(tl.int64) * (BINS + 1) + prog * (BINS + 1)  # [PP]
+    hists = tl.load(parts[:, None] + tl.arange(0, BINS)[None, :], mask=(prog < P)[:, None], other=0)  # [PP, BINS]
+    digit = tl.arange(0, BINS)[None, :]
+    above = tl.load(parts + BINS, mask=prog < P, other=0) + tl.sum(tl.where(digit > t, hists, 0), 1)  # [PP]
     ties = tl.sum(tl.where(digit == t, hists, 0), 1)  # [PP]
     before = tl.cumsum(above, 0) - above
     ties_before = tl.cumsum(ties, 0) - ties
@@ -147,17 +161,18 @@ def _offsets_kernel(hist_ptr, stats_ptr, tokens_ptr, part_ptr, offsets_ptr, K, H
 @triton.jit
 def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, offsets_ptr, idx_ptr,
                   count_ptr, attended_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
-                  P: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr):
+                  LAST: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr):
     """Write this program's selected slots in slot order from its offset: every key above the threshold, and the
-    keys equal to it while the row still wants them."""
+    keys equal to it while the row still wants them. One scan a block: the running counts of keys above the
+    threshold and of keys equal to it, packed as the low and high 16 bits of one int32 (BLOCK < 2^16)."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
-    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    DIGITS: tl.constexpr = KEY_BITS // 8
-    threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, DIGITS)
+    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, LAST, DIGITS)
+    threshold = _key_type(threshold, KEY_BITS)
     offsets = offsets_ptr + (r * P + p).to(tl.int64) * 2
     out = tl.load(offsets)  # slots written before this program's
     ties = tl.load(offsets + 1)  # keys equal to the threshold before this program's
@@ -165,19 +180,31 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
         start = (p * BPP + i) * BLOCK
         if start <= pos:
             s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos, forced_from, SINKS, WINDOW,
-                                 KEY_MASK, BLOCK)
+                                 KEY_BITS, BLOCK)
             above = (key > 0) & (key > threshold)
             eq = (key > 0) & (key == threshold)
-            rank = ties + tl.cumsum(eq.to(tl.int32), 0) - 1  # among the row's keys equal to the threshold
-            take = above | (eq & (rank < k))
-            dst = out + tl.cumsum(take.to(tl.int32), 0) - 1
+            run = tl.cumsum(above.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # inclusive
+            eq_upto = run >> 16
+            room = tl.maximum(k - ties, 0)  # keys equal to the threshold this row still takes
+            take = above | (eq & (eq_upto <= room))
+            dst = out + (run & 0xFFFF) + tl.minimum(eq_upto, room) - 1
             tl.store(idx_ptr + r.to(tl.int64) * K + dst, s, mask=take & (dst < want))
-            out += tl.sum(take.to(tl.int32), 0)
-            ties += tl.sum(eq.to(tl.int32), 0)
+            total = tl.max(run, 0)  # the running counts only grow: the last is the largest
+            out += (total & 0xFFFF) + tl.minimum(total >> 16, room)
+            ties += total >> 16
     if p == 0:
         tl.store(count_ptr + r, want)
         if ATTENDED:
             tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
+
+
+def key_digits(key_bits: int) -> tuple[int, int]:
+    """Radix digits of `key_bits`-bit keys, top first: (how many, bits of the last); every other digit has 8 bits.
+    The last digit has at least 5 bits: 8 bits or 13 and more (scorers round their widths up to those)."""
+    digits = -(-key_bits // 8)
+    last = key_bits - 8 * (digits - 1)
+    assert digits == 1 or last >= 5, f"{key_bits}-bit keys: use 8 or 13 bits and more"
+    return digits, last
 
 
 @functools.cache
@@ -200,9 +227,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     `block` slots per step of a program (a power of two), `waves` programs per SM, `num_warps` per program.
     Shapes alone fix the launches: capturable in a CUDA graph."""
     R, S = keys.shape
-    assert key_bits in (16, 32) and keys.dtype == (torch.int16 if key_bits == 16 else torch.int32)
+    assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
     B = positions.shape[0]
-    hkv, digits = R // B, key_bits // 8
+    hkv, digits, last = R // B, *key_digits(key_bits)
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
                                               torch.empty(R, dtype=torch.int32, device=keys.device))
     if extra is not None and extra.shape[1] > 0:
@@ -215,16 +242,16 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     bpp = triton.cdiv(nb, P)
     counts = torch.zeros(R * digits * 256 + R, dtype=torch.int32, device=keys.device)  # one memset
     hist, stats = counts[:R * digits * 256].view(R, digits, 256), counts[R * digits * 256:]
-    part = torch.empty(R, P, 257, dtype=torch.int32, device=keys.device)
+    part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
     offsets = torch.empty(R, P, 2, dtype=torch.int32, device=keys.device)
     common = (keys, positions, tokens, forced_from, hist, stats)
     for d in range(digits):
-        _histogram_kernel[(R, P)](*common, part, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, D=d,
-                                  P=P, BLOCK=block, num_warps=num_warps)
-    _offsets_kernel[(R,)](hist, stats, tokens, part, offsets, k, HKV=hkv, KEY_BITS=key_bits, P=P,
+        _histogram_kernel[(R, P)](*common, part, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits,
+                                  LAST=last, D=d, P=P, BLOCK=block, num_warps=num_warps)
+    _offsets_kernel[(R,)](hist, stats, tokens, part, offsets, k, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P,
                           PP=triton.next_power_of_2(P), num_warps=4)
     _write_kernel[(R, P)](*common, offsets, idx, count, count if attended is None else attended, S, k, sinks,
-                          max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, P=P, BLOCK=block,
+                          max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P, BLOCK=block,
                           ATTENDED=attended is not None, num_warps=num_warps)
     return idx, count
 
