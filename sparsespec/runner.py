@@ -117,8 +117,7 @@ class Runner:
             return
         policy.end_fixed()
         policy.reset_attended()
-        for layer in range(self.model.cfg.num_layers):
-            policy.build(layer, self.cache, self.cache.lengths)
+        policy.build_all(self.cache, self.cache.lengths)
         if self.fixed:
             policy.plan_fixed(self.cache, self.cache.lengths)
             self.graph = None  # the plan's buffers are new: capture again

@@ -181,3 +181,17 @@ def test_graphed_sparse_runner_matches_the_eager_fixed_path(name, budget, tmp_pa
     assert runs["graph"] == runs["eager"]
     if budget == "1.0":
         assert runs["graph"] == runs["dense"]
+
+
+@cuda
+@pytest.mark.parametrize("counts", [None, [300, 77, 1]])
+def test_graphed_basis_fit_equals_eager(counts):
+    from sparsespec.attention.binarypc import fit_basis
+
+    keys = torch.randn(3, 2, 300, 64, device="cuda")
+    graphs = {}
+    for seed in (0, 1):  # the second replays the graph the first captured
+        eager = fit_basis(keys, 16, 3, torch.Generator().manual_seed(seed), counts)
+        graphed = fit_basis(keys, 16, 3, torch.Generator().manual_seed(seed), counts, graphs)
+        assert len(graphs) == 1 and torch.equal(eager, graphed)
+        keys = torch.randn_like(keys)

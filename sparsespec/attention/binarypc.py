@@ -55,29 +55,69 @@ class BinaryPCOptions(PolicyOptions):
 # ---------------------------------------------------------------------------------------------- fitting, encoding
 
 def fit_basis(keys: torch.Tensor, bits: int, iters: int, generator: torch.Generator,
-              counts: list[int] | None = None) -> torch.Tensor:
+              counts: list[int] | None = None, graphs: dict | None = None) -> torch.Tensor:
     """keys [..., G, N, D] (independent heads; the leading dims, e.g. rows, share the random starts of their G
     heads) -> basis P [..., G, bits, D] fp32, fitted greedily one bit at a time. `counts` (one per leading index,
-    keys [R, G, N, D]): only the first counts[r] keys of index r are fitted, the rest is padding."""
+    keys [R, G, N, D]): only the first counts[r] keys of index r are fitted, the rest is padding. `graphs` (CUDA):
+    a dict in which the fit's CUDA graph is kept per shape and replayed (the same kernels, one launch instead of
+    bits x iters x ~6; every layer of a build shares one)."""
     *_, G, N, D = keys.shape
     residual = keys.float().clone()
-    n: int | torch.Tensor = N
+    keep: torch.Tensor | None = None
     if counts is not None:
         n = torch.tensor(counts, dtype=torch.float32, device=keys.device).view(-1, 1, 1, 1)
         keep = (torch.arange(N, device=keys.device) < n).float().transpose(-1, -2)  # [R, 1, N, 1]
         residual *= keep
-    basis = torch.empty(*keys.shape[:-2], bits, D, device=keys.device)
     starts = torch.randn(bits, G, D, 1, generator=generator).to(keys.device)  # one copy to the device, not one a bit
+    if graphs is None or keys.device.type != "cuda":
+        return _fit(residual, starts, keep, iters)
+    shape = (tuple(residual.shape), bits, iters, keep is not None)
+    if shape not in graphs:
+        graphs[shape] = _FitGraph(residual, starts, keep, iters)
+    return graphs[shape](residual, starts, keep)
+
+
+def _fit(residual: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor | None, iters: int) -> torch.Tensor:
+    """The greedy fit on device tensors alone (capturable): residual [..., G, N, D] fp32 (padding zeroed; updated
+    in place), starts [bits, G, D, 1], keep [R, 1, N, 1] or None -> basis [..., G, bits, D]."""
+    *lead, G, N, D = residual.shape
+    bits = starts.shape[0]
+    n = N if keep is None else keep.sum(-2, keepdim=True).clamp_min(1)  # [R, 1, 1, 1]
+    basis = torch.empty(*lead, G, bits, D, device=residual.device)
     for i in range(bits):
         v = starts[i] / starts[i].norm(dim=-2, keepdim=True)
         for _ in range(iters):
             u = _sign(residual @ v)  # [..., G, N, 1]
-            if counts is not None:
+            if keep is not None:
                 u = u * keep  # padding stays zero
             v = residual.transpose(-1, -2) @ u / n  # [..., G, D, 1]: least squares for fixed u
         residual -= u * v.transpose(-1, -2)
         basis[..., i, :] = v.squeeze(-1)
     return basis
+
+
+class _FitGraph:
+    """`_fit` captured once for a shape (after a warm-up on a side stream), then replayed on copied inputs."""
+
+    def __init__(self, residual: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor | None, iters: int):
+        self.residual, self.starts = residual.clone(), starts.clone()
+        self.keep = None if keep is None else keep.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # cuBLAS sets itself up outside the capture
+            _fit(residual.clone(), starts, keep, iters)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.basis = _fit(self.residual, self.starts, self.keep, iters)  # updates self.residual when replayed
+
+    def __call__(self, residual: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        self.residual.copy_(residual)
+        self.starts.copy_(starts)
+        if keep is not None:
+            self.keep.copy_(keep)
+        self.graph.replay()
+        return self.basis.clone()
 
 
 def encode(keys: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +214,7 @@ class BinaryPC(SelectionPolicy):
     def __init__(self, options: BinaryPCOptions | None = None):
         super().__init__(options)
         self.calibrated = load_basis(self.options.basis) if self.options.basis else None
+        self._fit_graphs: dict | None = None  # during `build_all`: the basis fit's CUDA graph per shape
 
     def build(self, layer, cache, lengths):
         if not self.is_sparse(layer):
@@ -195,7 +236,7 @@ class BinaryPC(SelectionPolicy):
         elif n > 0:  # every row at once, each from the same random starts (as alone), shorter rows padded
             gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)
             sample, counts = fit_sample(k, lengths, opts.fit_tokens)
-            state.basis[:] = fit_basis(sample, opts.bits, opts.iters, gen, counts)
+            state.basis[:] = fit_basis(sample, opts.bits, opts.iters, gen, counts, self._fit_graphs)
         if n > 0:
             encode_range(k, state, torch.zeros_like(state.encoded_dev), state.encoded_dev, n)
             # the safeguard's candidates: the keys encoded now, worst described first (ties: lower slot)
@@ -204,6 +245,13 @@ class BinaryPC(SelectionPolicy):
             order = torch.sort(error, dim=-1, descending=True, stable=True).indices
             state.safe = order[..., :min(S, self._safeguarded([S - 1])[0])].int()
         cache.policy_state[layer] = state
+
+    def build_all(self, cache, lengths):
+        self._fit_graphs = {}  # every layer's fit replays one graph; dropped after (it holds the fit's buffers)
+        try:
+            super().build_all(cache, lengths)
+        finally:
+            self._fit_graphs = None
 
     def _calibrated_basis(self, layer: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
         basis = self.calibrated.get(f"layer{layer}")

@@ -183,6 +183,11 @@ class Policy(ABC):
     def build(self, layer: int, cache: KVCache, lengths: list[int]) -> None:
         """End of prefill: `cache` holds slots [0, lengths[b]) of every row."""
 
+    def build_all(self, cache: KVCache, lengths: list[int]) -> None:
+        """`build` for every layer of the cache (what a prefill is followed by)."""
+        for layer in range(len(cache.k)):
+            self.build(layer, cache, lengths)
+
     def append(self, layer: int, cache: KVCache, lengths: list[int]) -> None:
         """Slots [0, lengths[b]) are now committed (after each decode step; smaller after a rollback)."""
 

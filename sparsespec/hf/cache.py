@@ -115,8 +115,7 @@ class SparseCache(Cache):
         if not self.built:
             policy.end_fixed()
             policy.reset_attended()
-            for layer in range(len(self.layers)):
-                policy.build(layer, kv, lengths)
+            policy.build_all(kv, lengths)
             if self.fixed:
                 policy.plan_fixed(kv, lengths)
             self.built = True
