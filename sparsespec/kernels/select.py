@@ -12,13 +12,13 @@ e.g. BinaryPC's safeguard). The row attends to count = min(max(tokens[b], forced
 forced ones, then the highest keys, ties to the lower slot — the same set `select_top` picks.
 
 Radix select, every pass spread over (row, run of blocks) programs, a few per row so that the GPU is full at any
-batch: one pass per 8-bit digit adds the run's histogram of that digit (among the keys matching the digits chosen
-so far) to the row's; every program finds the chosen digits itself from the row's histograms (where the count from
-the top crosses the budget). The last digit's pass also keeps each program's own histogram and its count of keys
-above the prefix; a small kernel turns those into each program's offset (the earlier programs' keys above the
-threshold, and their keys equal to it, taken in slot order until the row has its count), and a last pass writes
-the selection compacted in slot order. Every pass reads the keys once (2 or 4 bytes a slot): two passes for int16
-keys, then the write.
+batch: one pass per digit (8 bits; the last takes the rest, `key_digits`) adds the run's histogram of that digit
+(among the keys matching the digits chosen so far) to the row's; every program finds the chosen digits itself from
+the row's histograms (where the count from the top crosses the budget). The last digit's pass also keeps each
+program's own histogram and its count of keys above the prefix; the write pass takes its program's offset from
+the earlier programs' (their keys above the threshold, and their keys equal to it, taken in slot order until the
+row has its count) and writes the selection compacted in slot order. Every pass reads the keys once (2 or 4 bytes
+a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then the write.
 """
 
 from __future__ import annotations
@@ -136,46 +136,33 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
 
 
 @triton.jit
-def _offsets_kernel(hist_ptr, stats_ptr, tokens_ptr, part_ptr, offsets_ptr, K, HKV: tl.constexpr,
-                    KEY_BITS: tl.constexpr, LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
-    """Per row, from the threshold and each program's last-digit histogram: where each program's selected slots
-    start, and how many keys equal to the threshold the earlier programs hold (offsets_ptr [R, P, 2])."""
-    r = tl.program_id(0)
-    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
-    BINS: tl.constexpr = 1 << LAST
-    threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, r // HKV, K, DIGITS, LAST, DIGITS)
-    t = threshold & (BINS - 1)
-    prog = tl.arange(0, PP)
-    parts = part_ptr + (r * P).to(tl.int64) * (BINS + 1) + prog * (BINS + 1)  # [PP]
-    hists = tl.load(parts[:, None] + tl.arange(0, BINS)[None, :], mask=(prog < P)[:, None], other=0)  # [PP, BINS]
-    digit = tl.arange(0, BINS)[None, :]
-    above = tl.load(parts + BINS, mask=prog < P, other=0) + tl.sum(tl.where(digit > t, hists, 0), 1)  # [PP]
-    ties = tl.sum(tl.where(digit == t, hists, 0), 1)  # [PP]
-    before = tl.cumsum(above, 0) - above
-    ties_before = tl.cumsum(ties, 0) - ties
-    out = offsets_ptr + (r * P).to(tl.int64) * 2 + prog * 2
-    tl.store(out, before + tl.minimum(ties_before, k), mask=prog < P)
-    tl.store(out + 1, ties_before, mask=prog < P)
-
-
-@triton.jit
-def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, offsets_ptr, idx_ptr,
+def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
                   count_ptr, attended_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
-                  LAST: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr):
-    """Write this program's selected slots in slot order from its offset: every key above the threshold, and the
-    keys equal to it while the row still wants them. One scan a block: the running counts of keys above the
-    threshold and of keys equal to it, packed as the low and high 16 bits of one int32 (BLOCK < 2^16)."""
+                  LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
+                  ATTENDED: tl.constexpr):
+    """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
+    while the row still wants them. Where they start, from the earlier programs' last-digit histograms: their keys
+    above the threshold, and their keys equal to it as far as the row takes those. One scan a block: the running
+    counts of keys above the threshold and of keys equal to it, packed as the low and high 16 bits of one int32
+    (BLOCK < 2^16)."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    BINS: tl.constexpr = 1 << LAST
     threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, LAST, DIGITS)
+    t = threshold & (BINS - 1)
     threshold = _key_type(threshold, KEY_BITS)
-    offsets = offsets_ptr + (r * P + p).to(tl.int64) * 2
-    out = tl.load(offsets)  # slots written before this program's
-    ties = tl.load(offsets + 1)  # keys equal to the threshold before this program's
+    prog = tl.arange(0, PP)
+    earlier = prog < p
+    parts = part_ptr + (r * P).to(tl.int64) * (BINS + 1) + prog * (BINS + 1)  # [PP]
+    hists = tl.load(parts[:, None] + tl.arange(0, BINS)[None, :], mask=earlier[:, None], other=0)  # [PP, BINS]
+    digit = tl.arange(0, BINS)[None, :]
+    ties = tl.sum(tl.sum(tl.where(digit == t, hists, 0), 1), 0)  # keys equal to the threshold before this program's
+    out = (tl.sum(tl.load(parts + BINS, mask=earlier, other=0), 0) + tl.sum(tl.sum(tl.where(digit > t, hists, 0), 1), 0)
+           + tl.minimum(ties, k))  # slots written before this program's
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
@@ -243,16 +230,14 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     counts = torch.zeros(R * digits * 256 + R, dtype=torch.int32, device=keys.device)  # one memset
     hist, stats = counts[:R * digits * 256].view(R, digits, 256), counts[R * digits * 256:]
     part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
-    offsets = torch.empty(R, P, 2, dtype=torch.int32, device=keys.device)
     common = (keys, positions, tokens, forced_from, hist, stats)
     for d in range(digits):
         _histogram_kernel[(R, P)](*common, part, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits,
                                   LAST=last, D=d, P=P, BLOCK=block, num_warps=num_warps)
-    _offsets_kernel[(R,)](hist, stats, tokens, part, offsets, k, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P,
-                          PP=triton.next_power_of_2(P), num_warps=4)
-    _write_kernel[(R, P)](*common, offsets, idx, count, count if attended is None else attended, S, k, sinks,
-                          max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P, BLOCK=block,
-                          ATTENDED=attended is not None, num_warps=num_warps)
+    _write_kernel[(R, P)](*common, part, idx, count, count if attended is None else attended, S, k, sinks,
+                          max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P,
+                          PP=triton.next_power_of_2(P), BLOCK=block, ATTENDED=attended is not None,
+                          num_warps=num_warps)
     return idx, count
 
 
