@@ -162,10 +162,10 @@ def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]
     plan, opts = policy.fixed, policy.options
     B, Hq, _, D = q.shape
     Hkv = cache.k[0].shape[1]
-    keys = policy.fixed_keys(0, q, cache)
-    select = lambda: select_topk(keys[0], plan.positions, plan.tokens, keys[2], plan.width, keys[1],  # noqa: E731
-                                 sinks=opts.sinks, window=opts.window, extra=keys[3], extra_n=keys[4],
-                                 out=(plan.idx, plan.count))
+    sk = policy.fixed_keys(0, q, cache)
+    select = lambda: select_topk(sk.keys, plan.positions, plan.tokens, sk.forced_from, plan.width,  # noqa: E731
+                                 sk.key_bits, sinks=opts.sinks, window=opts.window, extra=sk.extra,
+                                 extra_n=sk.extra_n, out=(plan.idx, plan.count))
     select()
     attend = lambda: sparse_decode_attention(q.view(B, Hq, D), cache.k[0], cache.v[0],  # noqa: E731
                                              plan.idx.view(B, Hkv, -1), plan.count.view(B, Hkv))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, device_ints, group_max, option
+from .policy import PolicyOptions, SelectKeys, SelectionPolicy, device_ints, group_max, option
 
 WORD = 64
 
@@ -320,6 +320,7 @@ class BinaryPC(SelectionPolicy):
             state.encoded_dev.copy_(torch.minimum(end, state.encoded_dev + PENDING))
         B, Hq, _, D = q.shape
         Hkv = state.basis.shape[1]
+        key_bits = kernels.key_range(opts.bits, opts.probe_bits)[1]
         if fast:  # byte tables of the quantised probe, then one table read per code byte
             _, tables = kernels.probe_tables(q.view(B, Hq, D), state.basis, opts.probe_bits)
             keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv)
@@ -328,8 +329,8 @@ class BinaryPC(SelectionPolicy):
             keys = kernels.score_keys_ref(state.codes, quantize_probe(probe, opts.probe_bits).flatten(0, 1),
                                           plan.positions, opts.probe_bits, opts.bits)
         safe = opts.safeguard > 0
-        return (keys, kernels.key_range(opts.bits, opts.probe_bits)[1], state.encoded_dev,
-                state.safe.flatten(0, 1) if safe else None, plan.listed if safe else None)
+        return SelectKeys(keys, key_bits, state.encoded_dev, state.safe.flatten(0, 1) if safe else None,
+                          plan.listed if safe else None)
 
     def listed_forced(self, tokens):
         # the safeguard: the worst-described keys, a share of the budget (once per step, for every layer)

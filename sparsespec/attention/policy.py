@@ -33,6 +33,18 @@ def option(default: Any, help: str) -> Any:
 
 
 @dataclass(frozen=True)
+class SelectKeys:
+    """A fixed-width step's selection keys of one layer, as `select_topk` takes them: keys [B * Hkv, S] int16/int32
+    of `key_bits` bits; slots from forced_from [B] on forced (None: after the query); a forced list extra
+    [B * Hkv, E] of which extra_n [B] count."""
+    keys: torch.Tensor
+    key_bits: int
+    forced_from: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
+    extra_n: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class PolicyOptions:
     """Options every policy shares. `budget` ≤ 1 is a fraction of the context (0.02 = 2%); a larger value is a
     token count. The budget counts every attended token: sinks, window and the current token included."""
@@ -252,16 +264,15 @@ class SelectionPolicy(Policy):
         """Per row's budget [B], how many slots of the policy's own forced list a step takes (None: no list)."""
         return None
 
-    def fixed_keys(self, layer: int, q: torch.Tensor, cache: KVCache):
-        """q [B, Hq, 1, D] -> (keys [B * Hkv, S] int16/int32 for `select_topk`, key bits, forced_from [B] or None,
-        extra forced slots [B * Hkv, E] or None, how many of them count [B] or None). Default: the policy's
-        scores over the whole capacity, in IEEE order."""
+    def fixed_keys(self, layer: int, q: torch.Tensor, cache: KVCache) -> SelectKeys:
+        """q [B, Hq, 1, D] -> the layer's selection keys. Default: the policy's scores over the whole capacity, in
+        IEEE order."""
         from ..kernels.select import ordered_keys
 
         S = cache.capacity
         with self.stepping([S - 1] * cache.batch):
             scores = self.scores(layer, q, cache, self.fixed.positions.long())  # [B, Hkv, S]
-        return ordered_keys(scores).flatten(0, 1), 32, None, None, None
+        return SelectKeys(ordered_keys(scores).flatten(0, 1), 32)
 
     def fixed_selection(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, 1, D] -> the step's selection into the plan's buffers: (idx [B * Hkv, width] int32 in slot
@@ -271,10 +282,10 @@ class SelectionPolicy(Policy):
         from ..kernels import triton_ready
 
         plan = self.fixed
-        keys, key_bits, forced_from, extra, extra_n = self.fixed_keys(layer, q, cache)
-        forced_from = plan.positions + 1 if forced_from is None else forced_from
-        args = (keys, plan.positions, plan.tokens, forced_from, plan.width, key_bits)
-        opts = dict(sinks=self.options.sinks, window=self.options.window, extra=extra, extra_n=extra_n)
+        sk = self.fixed_keys(layer, q, cache)
+        forced_from = plan.positions + 1 if sk.forced_from is None else sk.forced_from
+        args = (sk.keys, plan.positions, plan.tokens, forced_from, plan.width, sk.key_bits)
+        opts = dict(sinks=self.options.sinks, window=self.options.window, extra=sk.extra, extra_n=sk.extra_n)
         if triton_ready(q.device):
             from ..kernels.select import select_topk
 

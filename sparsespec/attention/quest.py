@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, device_ints, option
+from .policy import PolicyOptions, SelectKeys, SelectionPolicy, device_ints, option
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Quest(SelectionPolicy):
         B, Hq, _, D = q.shape
         keys = (quest_keys if triton_ready(q.device) else quest_keys_ref)(
             q.view(B, Hq, D), state.kmin, state.kmax, self.fixed.positions, self.options.page, cache.capacity)
-        return keys, 32, None, None, None
+        return SelectKeys(keys, 32)
 
 
 def refresh_last_page(state: QuestState, k: torch.Tensor, positions: torch.Tensor, page: int) -> None:

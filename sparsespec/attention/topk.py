@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .policy import SelectionPolicy, group_max
+from .policy import SelectKeys, SelectionPolicy, group_max
 
 
 class OracleTopK(SelectionPolicy):
@@ -23,4 +23,4 @@ class OracleTopK(SelectionPolicy):
         B, Hq, _, D = q.shape
         keys = (topk_keys if triton_ready(q.device) else topk_keys_ref)(q.view(B, Hq, D), cache.k[layer],
                                                                         self.fixed.positions)
-        return keys, 32, None, None, None
+        return SelectKeys(keys, 32)
