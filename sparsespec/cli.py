@@ -324,12 +324,10 @@ def cmd_generate(args) -> None:
     progress = args.progress or sys.stderr.isatty()
     if args.draft != "none" and policy is not None:
         raise SparseSpecError("--draft with a sparse --attention policy is not supported yet: use one of them")
-    if args.draft != "none" and len(prompts) > 1:
-        raise SparseSpecError("--draft generates for one prompt at a time: use --prompt or --prompt-file")
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     ids = [engine.encode(p, chat=args.chat, system=args.system) for p in prompts]
     if args.draft != "none":
-        _speculate(args, engine, ids[0], gen, dtype, progress)
+        _speculate(args, engine, ids, gen, dtype, progress)
         return
     stream = len(ids) == 1 and not args.json  # show the text as it is generated
     result = engine.generate(ids, gen, progress=progress, policy=policy,
@@ -352,23 +350,24 @@ def cmd_generate(args) -> None:
               "the budget (--attention-opt budget=...) or min_tokens", file=sys.stderr)
 
 
-def _speculate(args, engine, ids, gen, dtype, progress) -> None:
+def _speculate(args, engine, ids: list[list[int]], gen, dtype, progress) -> None:
     from .spec.bench import make_drafter
     from .spec.decode import speculative_generate
 
     drafter = make_drafter(args.draft, engine, args.target_name or args.model, args.device, dtype, progress)
-    result = speculative_generate(engine, ids, drafter, gen, args.block_size)
-    tps = (len(result.token_ids) - 1) / result.decode_s if result.decode_s > 0 else float("nan")
-    record = {"token_ids": result.token_ids, "text": result.text, "prompt_tokens": result.prompt_tokens,
-              "ttft_s": round(result.ttft_s, 6), "decode_tokens_per_s": round(tps, 3), "tau": result.tau,
-              "committed_histogram": result.histogram()}
-    if args.json:
-        print(json.dumps(record))
-    else:
-        print(result.text)
-        print(f"[{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated | time to first token "
-              f"{result.ttft_s:.3f} s | decode {tps:.1f} tok/s | drafter {args.draft}: tau {result.tau:.2f} tokens "
-              f"per verify step | {args.model} on {args.device} ({dtype})]", file=sys.stderr)
+    results = speculative_generate(engine, ids, drafter, gen, args.block_size)  # the prompts as one batch
+    for result in results:
+        tps = (len(result.token_ids) - 1) / result.decode_s if result.decode_s > 0 else float("nan")
+        record = {"token_ids": result.token_ids, "text": result.text, "prompt_tokens": result.prompt_tokens,
+                  "ttft_s": round(result.ttft_s, 6), "decode_tokens_per_s": round(tps, 3), "tau": result.tau,
+                  "committed_histogram": result.histogram()}
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(result.text)
+            print(f"[{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated | time to first token "
+                  f"{result.ttft_s:.3f} s | decode {tps:.1f} tok/s | drafter {args.draft}: tau {result.tau:.2f} "
+                  f"tokens per verify step | {args.model} on {args.device} ({dtype})]", file=sys.stderr)
 
 
 def cmd_serve(args) -> None:

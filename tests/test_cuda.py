@@ -119,7 +119,7 @@ def test_graphed_speculation_on_cuda_is_identical_to_plain_greedy(drafter):
             d = ModelDrafter(draft)
         else:
             d = DFlashDrafter(tiny_dflash(target, block=6).cuda(), target.model)
-        out = speculative_generate(target, prompt, d, gen, 6)
+        out = speculative_generate(target, [prompt], d, gen, 6)[0]
         assert out.token_ids == target.generate([prompt], gen).token_ids[0]
         if drafter == "model":
             assert max(out.committed) == 6
@@ -144,7 +144,7 @@ def test_many_graph_captures_in_a_row_survive_garbage_collection():
     try:
         for i in range(30):
             ref = target.generate([[1, 2, 3 + i % 5]], gen).token_ids[0]
-            assert speculative_generate(target, [1, 2, 3 + i % 5], NgramDrafter(), gen, 4).token_ids == ref
+            assert speculative_generate(target, [[1, 2, 3 + i % 5]], NgramDrafter(), gen, 4)[0].token_ids == ref
     finally:
         gc.set_threshold(*old)
 

@@ -48,7 +48,7 @@ def test_correct_offsets_train_a_drafter_that_the_loop_accepts(setup):
     # the estimate is what the real loop achieves on a held-out prompt's greedy continuation
     prompt = data.tokens[0, : int(data.starts[0])].tolist()
     gen = GenerationConfig(max_new_tokens=40)
-    out = speculative_generate(target, prompt, DFlashDrafter(drafter, target.model), gen, 4)
+    out = speculative_generate(target, [prompt], DFlashDrafter(drafter, target.model), gen, 4)[0]
     assert out.token_ids == target.generate([prompt], GenerationConfig(max_new_tokens=40)).token_ids[0]
     assert out.tau > 1.5
 

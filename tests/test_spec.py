@@ -51,12 +51,14 @@ def tiny_dflash(target: Engine, seed: int = 1, block: int = 5) -> DFlash:
 
 def test_ngram_drafter_copies_the_latest_continuation():
     d = NgramDrafter(max_n=3, min_n=1)
-    d.start([], None, 0)
+    d.start([[]], None, 0)
     history = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]
-    assert d.propose(history, 3, SamplingConfig(), None) == ([2, 3, 5], None)  # the latest "5 6 7" wins
-    assert d.propose(history + [4], 3, SamplingConfig(), None) == ([], None)  # 4 never occurred before
-    d.start([], None, 0)
-    assert d.propose([1, 2, 9, 2], 2, SamplingConfig(), None) == ([9, 2], None)  # falls back to n = 1
+    propose = lambda h, k: d.propose([h], [k], SamplingConfig(), [None])  # noqa: E731
+    assert propose(history, 3) == ([[2, 3, 5]], [None])  # the latest "5 6 7" wins
+    assert propose(history + [4], 3) == ([[]], [None])  # 4 never occurred before
+    d.start([[], []], None, 0)
+    assert d.propose([[1, 2, 9, 2], None], [2, 2], SamplingConfig(), [None, None]) == ([[9, 2], []], [None, None])
+    # falls back to n = 1; a stopped row proposes nothing
 
 
 def self_drafter(policy: str = "binarypc", **options) -> SelfDrafter:
@@ -79,20 +81,48 @@ def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
         else:
             d = DFlashDrafter(tiny_dflash(target, block=block), target.model)
         ref = target.generate([prompt], gen).token_ids[0]
-        out = speculative_generate(target, prompt, d, gen, block)
+        out = speculative_generate(target, [prompt], d, gen, block)[0]
         assert out.token_ids == ref
         assert sum(out.committed) == len(ref) - 1 and all(1 <= c <= block for c in out.committed)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self"])
+def test_a_batch_speculates_for_each_row_what_it_would_alone(drafter):
+    """Rows of different lengths accept different numbers of proposals, roll back independently and stop at
+    different steps (one at an early EOS): each row's tokens, greedy and sampled, equal the row run alone."""
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50)), [5]]
+    eos = tiny_engine(0).generate([prompts[1]], GenerationConfig(max_new_tokens=6)).token_ids[0][3]
+    target = tiny_engine(0, eos=(eos,))
+
+    def make():
+        if drafter == "ngram":
+            return NgramDrafter()
+        if drafter == "model":
+            return ModelDrafter(tiny_engine(100, layers=1), target_vocab=64)
+        if drafter == "self":
+            return self_drafter("binarypc")
+        return DFlashDrafter(tiny_dflash(target, block=5), target.model)
+
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=7)):
+        gen = GenerationConfig(max_new_tokens=24, sampling=sampling)
+        batch = speculative_generate(target, prompts, make(), gen, 5)
+        alone = [speculative_generate(target, [p], make(), gen, 5)[0] for p in prompts]
+        assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
+        assert [b.committed for b in batch] == [a.committed for a in alone]
+        if sampling.greedy:
+            assert [b.token_ids for b in batch] == target.generate(prompts, gen).token_ids
+            assert batch[1].token_ids[-1] == eos and len(batch[1].token_ids) < 24  # a row stopped early
 
 
 def test_a_drafter_that_is_the_target_is_always_accepted_and_stops_at_eos():
     target = tiny_engine(0)
     gen = GenerationConfig(max_new_tokens=33)
-    out = speculative_generate(target, [1, 2, 3], ModelDrafter(target), gen, 8)
+    out = speculative_generate(target, [[1, 2, 3]], ModelDrafter(target), gen, 8)[0]
     assert out.token_ids == target.generate([[1, 2, 3]], gen).token_ids[0]
     assert out.committed[:4] == [8, 8, 8, 8]
     eos = out.token_ids[10]
     stopping = tiny_engine(0, eos=(eos,))
-    cut = speculative_generate(stopping, [1, 2, 3], ModelDrafter(stopping), gen, 8).token_ids
+    cut = speculative_generate(stopping, [[1, 2, 3]], ModelDrafter(stopping), gen, 8)[0].token_ids
     assert cut == out.token_ids[: out.token_ids.index(eos) + 1]
 
 
@@ -129,7 +159,7 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypat
     def spec(i):
         g = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=10_000 + i),
                          stop_on_eos=False)
-        return speculative_generate(target, prompt, make(), g, 3).token_ids
+        return speculative_generate(target, [prompt], make(), g, 3)[0].token_ids
 
     ref = _sequence_counts(lambda i: target.generate([prompt], GenerationConfig(
         max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=i), stop_on_eos=False)).token_ids[0], 3000)
@@ -240,7 +270,7 @@ def test_greedy_speculation_on_the_real_model_is_identical(smollm2_engine):
         ids = smollm2_engine.encode(p.text, chat=True)
         ref = smollm2_engine.generate([ids], gen).token_ids[0]
         for drafter in (NgramDrafter(), ModelDrafter(smollm2_engine)):
-            out = speculative_generate(smollm2_engine, ids, drafter, gen, 8)
+            out = speculative_generate(smollm2_engine, [ids], drafter, gen, 8)[0]
             assert out.token_ids == ref
             accepted += sum(out.committed) - out.steps
     assert accepted > 0
@@ -252,8 +282,12 @@ def test_a_drafter_block_larger_than_the_loop_block_and_a_prompt_near_the_contex
     gen = GenerationConfig(max_new_tokens=40)
     prompt = [(7 * i) % 64 for i in range(prompt_len)]
     ref = target.generate([prompt], gen).token_ids[0]
-    out = speculative_generate(target, prompt, DFlashDrafter(tiny_dflash(target, block=6), target.model), gen, 3)
+    out = speculative_generate(target, [prompt], DFlashDrafter(tiny_dflash(target, block=6), target.model), gen, 3)[0]
     assert out.token_ids == ref
+    # beside a short row: every row's block must fit from its own length on
+    batch = speculative_generate(target, [prompt, [1, 2, 3]], DFlashDrafter(tiny_dflash(target, block=6),
+                                                                          target.model), gen, 3)
+    assert [b.token_ids for b in batch] == target.generate([prompt, [1, 2, 3]], gen).token_ids
 
 
 def test_a_garbage_drafter_file_is_a_one_line_error(tmp_path):
@@ -272,11 +306,11 @@ class _Counted(NgramDrafter):
         super().__init__()
         self.starts, self.interrupt = 0, interrupt
 
-    def start(self, prompt, features, capacity):
+    def start(self, prompts, features, capacity):
         self.starts += 1
         if self.starts == self.interrupt:
             raise KeyboardInterrupt
-        super().start(prompt, features, capacity)
+        super().start(prompts, features, capacity)
 
 
 def test_bench_writes_each_row_as_measured_and_a_rerun_resumes(tmp_path):

@@ -69,13 +69,13 @@ def speculative_generate(model, input_ids: torch.LongTensor, logits_processor: L
     ids = input_ids
     out = model(ids, cache=cache, output_hidden_states=bool(taps), logits_to_keep=1)
     capacity = generation_config.max_length + block_size  # the most positions the target and drafter reach
-    drafter.start(ids[0].tolist(), tapped_features(out.hidden_states, taps)[0] if taps else None, capacity)
+    drafter.start([ids[0].tolist()], [tapped_features(out.hidden_states, taps)[0]] if taps else None, capacity)
     first = logits_processor(ids, out.logits[:, -1].float()).argmax(-1).tolist()
     ids, done = _commit(ids, first, stopping_criteria)
     while not done:
         n = ids.shape[1] - 1  # committed tokens in the target's cache; the pending one (ids[-1]) goes to slot n
         k = min(block_size - 1, generation_config.max_length - ids.shape[1] - 1)
-        proposals = drafter.propose(ids[0].tolist(), k, GREEDY, None)[0][:max(k, 0)]
+        proposals = drafter.propose([ids[0].tolist()], [max(k, 0)], GREEDY, [None])[0][0][:max(k, 0)]
         block = torch.cat([ids[:, -1:], torch.tensor([proposals], dtype=ids.dtype, device=ids.device)], dim=1)
         out = model(block, cache=cache, output_hidden_states=bool(taps))
         processed = torch.cat([logits_processor(torch.cat([ids, block[:, 1:i + 1]], dim=1), out.logits[:, i].float())
@@ -85,8 +85,8 @@ def speculative_generate(model, input_ids: torch.LongTensor, logits_processor: L
         cache.crop(accepted + 1 - block.shape[1])
         ids, done = _commit(ids, new, stopping_criteria)
         if not done:
-            drafter.commit(ids[0].tolist(), accepted,
-                           tapped_features(out.hidden_states, taps)[0, :accepted + 1] if taps else None)
+            drafter.commit([ids[0].tolist()], [accepted],
+                           [tapped_features(out.hidden_states, taps)[0, :accepted + 1]] if taps else None)
     return ids
 
 
@@ -116,14 +116,19 @@ class HFModelDrafter(Drafter):
         self.drafted = 0  # proposals of the last propose() call whose K/V are in the draft cache
 
     @torch.no_grad()
-    def start(self, prompt, features, capacity):
+    def start(self, prompts, features, capacity):
+        if len(prompts) != 1:
+            raise SparseSpecError(f"HFModelDrafter drafts for one row, got {len(prompts)}")
         self.cache = DynamicCache(config=self.model.config)
-        self.model(torch.tensor([prompt], device=self.model.device), cache=self.cache, logits_to_keep=1)
+        self.model(torch.tensor(prompts, device=self.model.device), cache=self.cache, logits_to_keep=1)
 
     @torch.no_grad()
-    def propose(self, history, k, cfg, rng):
+    def propose(self, histories, ks, cfg, rngs):
         if not cfg.greedy:
             raise SparseSpecError("HFModelDrafter drafts greedily")
+        (history,), (k,) = histories, ks
+        if history is None:
+            return [[]], [None]
         n = self.cache.get_seq_length()
         new = torch.tensor([history[n:]], device=self.model.device)  # committed tokens not yet drafted on
         logits = self.model(new, cache=self.cache, logits_to_keep=1).logits[0, -1]
@@ -134,12 +139,14 @@ class HFModelDrafter(Drafter):
                 token = torch.tensor([[proposals[-1]]], device=self.model.device)
                 logits = self.model(token, cache=self.cache).logits[0, -1]
         self.drafted = max(k - 1, 0)
-        return proposals, None
+        return [proposals], [None]
 
-    def commit(self, history, accepted, features):
+    def commit(self, histories, accepted, features):
         # the cache holds the old history and the first `drafted` proposals; keep only what was accepted
-        keep = len(history) - accepted - 1 + min(accepted, self.drafted)
-        self.cache.crop(keep - self.cache.get_seq_length())
+        (history,), (a,) = histories, accepted
+        if a is not None:
+            keep = len(history) - a - 1 + min(a, self.drafted)
+            self.cache.crop(keep - self.cache.get_seq_length())
 
 
 class _TargetHead:

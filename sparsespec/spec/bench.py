@@ -116,7 +116,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                 plain_tps = plain.decode_tokens_per_s
                 bar.advance(task, 1 + len(drafters) - len(todo))
                 for name, drafter in todo.items():
-                    s = speculative_generate(engine, ids, drafter, gen, cfg.block_size)
+                    s = speculative_generate(engine, [ids], drafter, gen, cfg.block_size)[0]
                     tps = (len(s.token_ids) - 1) / s.decode_s if s.decode_s > 0 else float("nan")
                     speedup = tps / plain_tps if plain_tps > 0 else float("nan")
                     rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,

@@ -1,14 +1,17 @@
-"""The speculative decoding loop: draft up to B − 1 tokens, verify them in one target forward, commit, roll back.
+"""The speculative decoding loop: draft up to B − 1 tokens per row, verify them in one target forward, commit, roll
+back — for a batch of rows of any lengths.
 
-    runner.prefill_tapped(prompt) -> features of the tapped layers -> drafter.start; sample t0
-    loop: proposals = drafter.propose(history)                       (history ends with the pending token)
-          logits [k+1, V] = runner.verify([pending, *proposals])     (one forward at n..n+k; a graph of B slots)
-          committed = verify(proposals, logits)                      (accepted prefix + one target token)
-          runner.truncate(n + accepted + 1)                          (the rollback is "don't advance")
-          drafter.commit(history, accepted, features of the newly cached tokens)
+    runner.prefill_tapped(prompts) -> features of the tapped layers -> drafter.start; sample t0 per row
+    loop: proposals = drafter.propose(histories)                (each history ends with its pending token)
+          logits [B, w, V] = runner.verify(blocks)             (row r's [pending, *proposals] at its length;
+                                                                one forward, a graph of block_size slots on CUDA)
+          committed = verify(proposals[r], logits[r])          (per row: accepted prefix + one target token)
+          runner.truncate(n_r + accepted_r + 1)                (the rollback is "don't advance", row by row)
+          drafter.commit(histories, accepted, features of the newly cached tokens)
 
-The target's cache slots past the committed length hold rejected drafts: dead, rewritten by the next step. Output
-stops exactly where plain decoding would (max new tokens, EOS, stop strings), so greedy output is identical.
+The target's cache slots past a row's committed length hold rejected drafts or padding: dead, rewritten by the
+next step. Output stops exactly where plain decoding would (max new tokens, EOS, stop strings), so greedy output is
+identical; each row draws from its own generator as it would alone.
 """
 
 from __future__ import annotations
@@ -50,55 +53,83 @@ class SpecGeneration:
 
 
 @torch.inference_mode()
-def speculative_generate(engine: Engine, prompt: list[int], drafter: Drafter, gen: GenerationConfig,
-                         block_size: int = 16) -> SpecGeneration:
-    """Generate for one prompt (token ids) with `drafter` proposing up to block_size − 1 tokens per step."""
+def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Drafter, gen: GenerationConfig,
+                         block_size: int = 16) -> list[SpecGeneration]:
+    """Generate for a batch of prompts (token ids, any lengths) with `drafter` proposing up to block_size − 1 tokens
+    per row and step. Each row keeps its own length (rows accept different numbers of proposals and roll back
+    independently), its own random generator (seeded as a row alone), and its own proposal count (the one it
+    would have alone), so each row's output is the one it gets alone; a stopped row is parked at slot 0 and rides
+    along until every row has stopped."""
     if block_size < 2:
         raise SparseSpecError(f"block size must be >= 2 (one pending token + proposals), got {block_size}")
     if engine.config.sliding_window is not None:
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
-    engine.check_fits(len(prompt), gen.max_new_tokens)
-    L = len(prompt)
-    # room for a whole block past the last new token (else the last steps run eagerly at their own width)
-    capacity = min(L + gen.max_new_tokens + block_size, engine.config.max_position)
-    runner = Runner(engine.model, 1, capacity, drafter.policy, cuda_graph=gen.cuda_graph, compile=gen.compile,
-                    taps=drafter.taps)
+    if not prompts:
+        return []
+    for prompt in prompts:
+        engine.check_fits(len(prompt), gen.max_new_tokens)
+    # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
+    rooms = [min(len(p) + gen.max_new_tokens + block_size, engine.config.max_position) for p in prompts]
+    capacity = max(rooms)
+    runner = Runner(engine.model, len(prompts), capacity, drafter.policy, cuda_graph=gen.cuda_graph,
+                    compile=gen.compile, taps=drafter.taps)
     drafter.bind(runner)
-    rng = make_generator(gen.sampling, engine.device)
+    rngs = [make_generator(gen.sampling, engine.device) for _ in prompts]
+    device = engine.device
 
     start = time.perf_counter()
-    hidden, features = runner.prefill_tapped([prompt], gen.prefill_chunk)
-    drafter.start(prompt, None if features is None else features[0], capacity)
-    first = int(sample(engine.model.logits(hidden), gen.sampling, rng)[0])
+    hidden, features = runner.prefill_tapped(prompts, gen.prefill_chunk)  # [B, H], [B, T, taps * H] or None
+    drafter.start(prompts, None if features is None else [features[r, :len(p)] for r, p in enumerate(prompts)],
+                  capacity)
+    logits = engine.model.logits(hidden)  # [B, V]
+    firsts = [int(sample(logits[r:r + 1], gen.sampling, rngs[r])[0]) for r in range(len(prompts))]
     ttft = time.perf_counter() - start
 
-    history = list(prompt) + [first]
-    out = [first]
-    committed_per_step: list[int] = []
+    histories = [list(p) + [f] for p, f in zip(prompts, firsts)]
+    outs = [[f] for f in firsts]
+    live = [not engine._stopped(out, gen) for out in outs]
+    committed_per_step: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()
-    while not engine._stopped(out, gen):
-        n = runner.cache.lengths[0]  # = len(history) - 1: the pending token goes to slot n
-        k = min(block_size - 1, capacity - n - 1)
-        proposals, draft_probs = drafter.propose(history, k, gen.sampling, rng)
-        proposals = proposals[:k]
-        block = [history[-1]] + proposals
-        logits, feats = runner.verify(torch.tensor([block], device=engine.device), block_size)  # [1, w, V]
-        props = torch.tensor(proposals, dtype=torch.long, device=engine.device)
-        if draft_probs is not None:
-            draft_probs = draft_probs[: len(proposals)]
-        new = verify_sampling(props, draft_probs, logits[0], gen.sampling, rng)
-        accepted = len(new) - 1
-        runner.truncate([n + accepted + 1])
-        history += new
-        drafter.commit(history, accepted, None if feats is None else feats[0, : accepted + 1])
-        used = 0  # tokens of this step that reach the output (a stop may cut the step short)
-        for t in new:
-            out.append(t)
-            used += 1
-            if engine._stopped(out, gen):
-                break
-        committed_per_step.append(used)
+    while any(live):
+        lengths = runner.cache.lengths  # row r's pending token goes to slot lengths[r] (= len(history) - 1)
+        ks = [min(block_size - 1, room - n - 1) if on else 0 for room, n, on in zip(rooms, lengths, live)]
+        proposals, draft_probs = drafter.propose([h if on else None for h, on in zip(histories, live)], ks,
+                                                 gen.sampling, rngs)
+        # every row's block is written from its length on: near the context's end the widest block must fit too
+        width = min(1 + max(len(p) for p in proposals), capacity - max(lengths))
+        proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
+        blocks = [[h[-1]] + p + [h[-1]] * (width - 1 - len(p)) for h, p in zip(histories, proposals)]
+        logits, feats = runner.verify(torch.tensor(blocks, device=device), block_size)  # [B, width, V]
+        accepted: list[int | None] = []
+        commits = []
+        for r, (p, on) in enumerate(zip(proposals, live)):
+            if not on:
+                accepted.append(None)
+                commits.append([])
+                continue
+            probs = None if draft_probs[r] is None else draft_probs[r][:len(p)]
+            new = verify_sampling(torch.tensor(p, dtype=torch.long, device=device), probs, logits[r, :len(p) + 1],
+                                  gen.sampling, rngs[r])
+            accepted.append(len(new) - 1)
+            commits.append(new)
+            histories[r] += new
+        # the accepted prefix of each live row is committed; a stopped row is parked at slot 0
+        runner.truncate([n + a + 1 if a is not None else 0 for n, a in zip(lengths, accepted)])
+        drafter.commit([h if a is not None else None for h, a in zip(histories, accepted)], accepted,
+                       None if feats is None else [feats[r, :width] for r in range(len(prompts))])
+        for r, new in enumerate(commits):
+            if not live[r]:
+                continue
+            used = 0  # tokens of this step that reach the output (a stop may cut the step short)
+            for t in new:
+                outs[r].append(t)
+                used += 1
+                if engine._stopped(outs[r], gen):
+                    live[r] = False
+                    break
+            committed_per_step[r].append(used)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     decode_s = time.perf_counter() - start
-    return SpecGeneration(out, engine._text(out, gen), L, ttft, decode_s, committed_per_step)
+    return [SpecGeneration(out, engine._text(out, gen), len(p), ttft, decode_s, steps)
+            for out, p, steps in zip(outs, prompts, committed_per_step)]

@@ -219,8 +219,9 @@ def loss_weights(B: int, gamma: float | None = None, device=None) -> torch.Tenso
 
 
 class DFlashDrafter(Drafter):
-    """The DFlash model driven by the speculative loop: its own context cache gets only newly committed features;
-    one forward drafts a block; proposals are the argmax (point masses, lossless under verification at any T)."""
+    """The DFlash model driven by the speculative loop: its own context cache (a row per batch row) gets only newly
+    committed features; one forward drafts a block for every row; proposals are the argmax (point masses, lossless
+    under verification at any T)."""
 
     name = "dflash"
 
@@ -230,30 +231,47 @@ class DFlashDrafter(Drafter):
         self.taps = model.cfg.taps
         self.cache: KVCache | None = None
 
-    def start(self, prompt, features, capacity):
+    def start(self, prompts, features, capacity):
         device = self.model.fc.weight.device
         # a whole block is written past the context even when fewer proposals are wanted: room for B more slots
         # (never committed, so they may lie past the model's context)
         B = self.model.cfg.block_size
         cfg = dataclasses.replace(self.model.cfg.layer_config, max_position=capacity + B)
-        self.cache = KVCache(cfg, 1, capacity + B, self.model.fc.weight.dtype, device)
-        self.model.ingest(features[None], torch.arange(len(prompt), device=device)[None], self.cache)
-        self.cache.truncate([len(prompt)])
+        self.cache = KVCache(cfg, len(prompts), capacity + B, self.model.fc.weight.dtype, device)
+        self._ingest(features, [0] * len(prompts))
+        self.cache.truncate([len(p) for p in prompts])
+
+    def _ingest(self, features: list[torch.Tensor | None], starts: list[int]) -> None:
+        """Row r's features [T_r, ·] at positions starts[r] .. (rows padded to one length; a row without features
+        writes nothing of use, its length is set by the caller)."""
+        T = max(1 if f is None else f.shape[0] for f in features)
+        like = next(f for f in features if f is not None)
+        device = like.device
+        padded = torch.zeros(len(features), T, like.shape[-1], dtype=like.dtype, device=device)
+        for r, f in enumerate(features):
+            if f is not None:
+                padded[r, :f.shape[0]] = f
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # [N, T]
+        self.model.ingest(padded, positions, self.cache)
 
     @torch.inference_mode()
-    def propose(self, history, k, cfg: SamplingConfig, rng):
-        if k < 1:
-            return [], None
-        s = len(history) - 1  # the pending token's position: context covers [0, s)
+    def propose(self, histories, ks, cfg: SamplingConfig, rng):
+        B = self.model.cfg.block_size
+        if all(h is None or k < 1 for h, k in zip(histories, ks)):
+            return [[] for _ in histories], [None] * len(histories)
         device = self.model.fc.weight.device
-        tokens = torch.tensor([history[-1]], device=device)
-        hidden = self.model.draft_hidden(self.target, tokens, torch.tensor([s], device=device), self.cache)
-        hidden = hidden[0, 1 : 1 + min(k, self.model.cfg.block_size - 1)]  # [k, H]
-        logits = self.target.logits(hidden.to(self.target.embed_tokens.weight.dtype))
-        return logits.argmax(-1).tolist(), None
+        # row r's pending token sits at len(history) - 1, its context covers [0, that); a stopped row drafts at 0
+        tokens = torch.tensor([0 if h is None else h[-1] for h in histories], device=device)
+        starts = torch.tensor([0 if h is None else len(h) - 1 for h in histories], device=device)
+        hidden = self.model.draft_hidden(self.target, tokens, starts, self.cache)  # [N, B, H]
+        best = self.target.logits(hidden[:, 1:].to(self.target.embed_tokens.weight.dtype)).argmax(-1).tolist()
+        return [[] if h is None else row[:min(k, B - 1)] for h, k, row in zip(histories, ks, best)], \
+            [None] * len(histories)
 
-    def commit(self, history, accepted, features):
-        n = self.cache.lengths[0]  # context covers [0, n); the newly cached target tokens sit at n..n+accepted
-        positions = torch.arange(n, n + accepted + 1, device=features.device)[None]
-        self.model.ingest(features[None], positions, self.cache)
-        self.cache.truncate([n + accepted + 1])
+    def commit(self, histories, accepted, features):
+        # row r's context covers [0, n); its newly cached target tokens sit at n..n + accepted
+        lengths = list(self.cache.lengths)
+        live = [a is not None for a in accepted]
+        if any(live):
+            self._ingest([f[:a + 1] if a is not None else None for f, a in zip(features, accepted)], lengths)
+        self.cache.truncate([n + a + 1 if a is not None else 0 for n, a in zip(lengths, accepted)])

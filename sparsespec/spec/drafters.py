@@ -1,15 +1,20 @@
 """Drafters behind one interface: n-gram prompt lookup and a smaller draft model (DFlash lives in dflash.py).
 
-The speculative loop (decode.py) drives a drafter through three calls:
+The speculative loop (decode.py) drives a drafter through three calls, for every row of a batch at once:
 
-    start(prompt, features, capacity)  after the target's prefill; features [L, taps * hidden] of the prompt
-                                     positions when the drafter asked for target layers (`taps`), else None;
-                                     capacity = the most positions the generation can reach
-    propose(history, k, cfg, rng)    history = every committed token, the last one not yet seen by the target;
-                                     -> up to k proposed continuations, and the distributions they were drawn
-                                     from ([k, V]) or None for point-mass proposals (argmax drafts, copies)
-    commit(history, accepted, features)  after verification: `accepted` proposals were kept (then one target
-                                     token); features of the tokens the target has just cached, [accepted + 1, ·]
+    start(prompts, features, capacity)  after the target's prefill; features[r] [L_r, taps * hidden] of row r's
+                                     prompt positions when the drafter asked for target layers (`taps`), else
+                                     None; capacity = the most positions a row reaches
+    propose(histories, ks, cfg, rngs)  histories[r] = every committed token of row r, the last one not yet seen by
+                                     the target, or None for a row that has stopped (propose nothing, keep its
+                                     state); -> per row up to ks[r] proposed continuations, and the distributions
+                                     they were drawn from ([k_r, V], drawn with rngs[r]) or None for point-mass
+                                     proposals (argmax drafts, copies)
+    commit(histories, accepted, features)  after verification: row r kept accepted[r] proposals (then one target
+                                     token; None for a stopped row); features[r] of the tokens the target has just
+                                     cached, [accepted[r] + 1, ·]
+
+A row's proposals and random draws depend on that row alone, so a batch drafts for each row what it would alone.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from ..runner import Runner
 from ..sampling import SamplingConfig
 from .verify import draft_distribution
 
+Rows = list[list[int] | None]  # per row its history, None for a row that has stopped
+
 
 class Drafter(ABC):
     name: str = ""
@@ -34,21 +41,42 @@ class Drafter(ABC):
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
 
     @abstractmethod
-    def start(self, prompt: list[int], features: torch.Tensor | None, capacity: int) -> None:
-        """`capacity`: the most positions the generation will reach (prompt + new tokens + a block)."""
+    def start(self, prompts: list[list[int]], features: list[torch.Tensor] | None, capacity: int) -> None:
+        """`capacity`: the most positions any row will reach (prompt + new tokens + a block)."""
 
     @abstractmethod
-    def propose(self, history: list[int], k: int, cfg: SamplingConfig,
-                rng: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+    def propose(self, histories: Rows, ks: list[int], cfg: SamplingConfig,
+                rngs: list[torch.Generator | None]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         ...
 
-    def commit(self, history: list[int], accepted: int, features: torch.Tensor | None) -> None:
+    def commit(self, histories: Rows, accepted: list[int | None],
+               features: list[torch.Tensor | None] | None) -> None:
         """Default: nothing to update (stateless drafters)."""
+
+
+def _sampled(logits: torch.Tensor, cfg: SamplingConfig, rng: torch.Generator | None):
+    """logits [V] -> (the drafted token [1], the distribution it came from [V] or None when greedy)."""
+    if cfg.greedy:
+        return logits.argmax(-1, keepdim=True), None
+    p = draft_distribution(logits, cfg)
+    return torch.multinomial(p, 1, generator=rng), p
+
+
+def _drafted(tokens: list[list[torch.Tensor]], probs: list[list[torch.Tensor]]):
+    """Per row its drafted tokens ([1] each) and distributions -> (lists of ints, [k_r, V] or None) per row, with
+    one host read-back for the whole batch."""
+    flat = torch.cat([t for row in tokens for t in row]).tolist() if any(tokens) else []
+    out, i = [], 0
+    for row in tokens:
+        out.append(flat[i:i + len(row)])
+        i += len(row)
+    return out, [torch.stack(p) if p else None for p in probs]
 
 
 class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the history's last n tokens (longest n first, from
-    `max_n` down to `min_n`) and propose the k tokens that followed it. Point-mass proposals, no model."""
+    `max_n` down to `min_n`) and propose the k tokens that followed it. Point-mass proposals, no model; one index
+    per row."""
 
     name = "ngram"
 
@@ -56,34 +84,44 @@ class NgramDrafter(Drafter):
         if not 1 <= min_n <= max_n:
             raise SparseSpecError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.sizes = range(max_n, min_n - 1, -1)
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
+        self.rows: list[_Lookup] = []
+
+    def start(self, prompts, features, capacity):
+        self.rows = [_Lookup(self.sizes) for _ in prompts]
+
+    def propose(self, histories, ks, cfg, rngs):
+        return [[] if h is None else row.propose(h, k) for row, h, k in zip(self.rows, histories, ks)], \
+            [None] * len(histories)
+
+
+class _Lookup:
+    """One row's n-gram index: n-gram -> end (exclusive) of its latest occurrence."""
+
+    def __init__(self, sizes: range):
+        self.sizes = sizes
+        self.index: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # history[:indexed] has every n-gram ending before it in `index`
 
-    def start(self, prompt, features, capacity):
-        self.index, self.indexed = {}, 0
-
-    def _extend(self, history: list[int]) -> None:
+    def propose(self, history: list[int], k: int) -> list[int]:
         # index n-grams that end at or before len(history) - 1, so the current suffix never matches itself
         for end in range(max(self.indexed, 1), len(history)):
             for n in self.sizes:
                 if end >= n:
                     self.index[tuple(history[end - n:end])] = end
         self.indexed = max(self.indexed, len(history))
-
-    def propose(self, history, k, cfg, rng):
-        self._extend(history)
         for n in self.sizes:
             if len(history) > n:
                 end = self.index.get(tuple(history[-n:]))
                 if end is not None:
-                    return history[end:end + k], None
-        return [], None
+                    return history[end:end + k]
+        return []
 
 
 class ModelDrafter(Drafter):
     """A smaller model of the same tokenizer drafts k tokens autoregressively (Leviathan et al.) in its own runner
-    (static cache, graph-captured steps on CUDA); rejected drafts are rolled back by truncating it. At T > 0 it
-    samples from, and reports, the same filtered distribution that verification applies to the target."""
+    (static cache of the batch's rows, graph-captured steps on CUDA); rejected drafts are rolled back by truncating
+    it. At T > 0 it samples from, and reports, the same filtered distribution that verification applies to the
+    target."""
 
     def __init__(self, engine, name: str = "model", target_vocab: int | None = None, cuda_graph: bool = True):
         if target_vocab is not None and engine.config.vocab_size != target_vocab:
@@ -93,45 +131,52 @@ class ModelDrafter(Drafter):
         self.name = name
         self.cuda_graph = cuda_graph  # on CUDA, replay its decode step as a CUDA graph
         self.runner: Runner | None = None
-        self.drafted = 0  # proposals of the last propose() call whose K/V are in the draft cache
+        self.drafted: list[int] = []  # per row: proposals of the last propose() whose K/V are in the draft cache
 
-    def start(self, prompt, features, capacity):
-        self.runner = Runner(self.engine.model, 1, capacity, cuda_graph=self.cuda_graph)
-        self.runner.prefill([prompt])
+    def start(self, prompts, features, capacity):
+        self.runner = Runner(self.engine.model, len(prompts), capacity, cuda_graph=self.cuda_graph)
+        self.runner.prefill(prompts)
 
     @torch.inference_mode()
-    def propose(self, history, k, cfg, rng):
+    def propose(self, histories, ks, cfg, rngs):
         runner = self.runner
-        n = runner.cache.lengths[0]
-        hidden = runner.forward(torch.tensor([history[n:]], device=runner.device))  # committed, not yet drafted on
-        logits = self.engine.model.logits(hidden[0, -1])  # [V]
-        runner.truncate([len(history)])
-        proposals, probs = [], []
-        for i in range(k):
-            if cfg.greedy:
-                token = logits.argmax(-1)
-            else:
-                p = draft_distribution(logits, cfg)
-                token = torch.multinomial(p, 1, generator=rng)[0]
-                probs.append(p)
-            proposals.append(token)
-            if i < k - 1:
-                logits = runner.decode(token.view(1))[0]
-        self.drafted = max(k - 1, 0)
-        return torch.stack(proposals).tolist() if proposals else [], torch.stack(probs) if probs else None
+        # the committed tokens each row has not drafted on yet, padded to one width (the padding is rolled back);
+        # a stopped row is parked at slot 0 (its cache is not needed again)
+        news = [[0] if h is None else h[n:] for h, n in zip(histories, runner.cache.lengths)]
+        width = max(len(t) for t in news)
+        block = torch.tensor([t + t[-1:] * (width - len(t)) for t in news], device=runner.device)  # [B, width]
+        hidden = runner.forward(block)  # [B, width, H]
+        last = torch.tensor([len(t) - 1 for t in news], device=runner.device)
+        logits = self.engine.model.logits(hidden[torch.arange(len(news), device=runner.device), last])  # [B, V]
+        runner.truncate([0 if h is None else len(h) for h in histories])
+        kmax = max((k for h, k in zip(histories, ks) if h is not None), default=0)
+        tokens, probs = [[] for _ in histories], [[] for _ in histories]
+        for i in range(kmax):
+            step = []
+            for r, (h, k) in enumerate(zip(histories, ks)):
+                if h is not None and i < k:
+                    token, p = _sampled(logits[r], cfg, rngs[r])
+                    tokens[r].append(token)
+                    if p is not None:
+                        probs[r].append(p)
+                step.append(tokens[r][-1] if tokens[r] else logits.new_zeros(1, dtype=torch.long))
+            if i < kmax - 1:
+                logits = runner.decode(torch.cat(step))  # [B, V]
+        self.drafted = [max(min(k, kmax) - 1, 0) for k in ks]
+        return _drafted(tokens, probs)
 
-    def commit(self, history, accepted, features):
-        # the cache holds the old history and the first `drafted` proposals; keep only what was accepted
-        old = len(history) - accepted - 1
-        self.runner.truncate([old + min(accepted, self.drafted)])
+    def commit(self, histories, accepted, features):
+        # row r's cache holds its old history and its first `drafted` proposals; keep only what was accepted
+        self.runner.truncate([0 if a is None else len(h) - a - 1 + min(a, drafted)
+                              for h, a, drafted in zip(histories, accepted, self.drafted)])
 
 
 class SelfDrafter(Drafter):
-    """The target drafts for itself under a sparse attention policy (e.g. BinaryPC at 2%): k decode steps on the
-    target's own runner — its weights and KV cache, no copies; graph-captured sparse steps on CUDA — then the dense
-    verify step of the loop writes the block again with dense attention, so the output is the dense model's. At
-    long context a sparse step reads a small part of the KV cache and the verify about what one dense step reads.
-    The drafted slots are rolled back before the verify: the index never keeps a sparse step's keys."""
+    """The target drafts for itself under a sparse attention policy (e.g. BinaryPC at 2%): k decode steps of every
+    row on the target's own runner — its weights and KV cache, no copies; graph-captured sparse steps on CUDA —
+    then the dense verify step of the loop writes the block again with dense attention, so the output is the dense
+    model's. At long context a sparse step reads a small part of the KV cache and the verify about what one dense
+    step reads. The drafted slots are rolled back before the verify: the index never keeps a sparse step's keys."""
 
     def __init__(self, policy: Policy, name: str = "self"):
         self.policy = policy
@@ -141,24 +186,28 @@ class SelfDrafter(Drafter):
     def bind(self, runner):
         self.runner = runner
 
-    def start(self, prompt, features, capacity):
+    def start(self, prompts, features, capacity):
         if self.runner is None:
             raise SparseSpecError("the self drafter drafts through the target's runner: bind it first")
 
     @torch.inference_mode()
-    def propose(self, history, k, cfg, rng):
+    def propose(self, histories, ks, cfg, rngs):
         runner = self.runner
-        n = runner.cache.lengths[0]  # the pending token (history[-1]) goes to slot n
-        token = torch.tensor([history[-1]], device=runner.device)
-        proposals, probs = [], []
-        for _ in range(k):
-            logits = runner.decode(token)[0]  # [V]: a sparse step
-            if cfg.greedy:
-                token = logits.argmax(-1, keepdim=True)
-            else:
-                p = draft_distribution(logits, cfg)
-                token = torch.multinomial(p, 1, generator=rng)
-                probs.append(p)
-            proposals.append(token)
-        runner.truncate([n])  # the verify step writes the block again, densely
-        return torch.cat(proposals).tolist() if proposals else [], torch.stack(probs) if probs else None
+        lengths = list(runner.cache.lengths)  # row r's pending token (histories[r][-1]) goes to slot lengths[r]
+        step = torch.tensor([0 if h is None else h[-1] for h in histories], device=runner.device)  # [B]
+        kmax = max((k for h, k in zip(histories, ks) if h is not None), default=0)
+        tokens, probs = [[] for _ in histories], [[] for _ in histories]
+        for i in range(kmax):
+            logits = runner.decode(step)  # [B, V]: a sparse step of every row
+            drawn = []
+            for r, (h, k) in enumerate(zip(histories, ks)):
+                token = step[r:r + 1]
+                if h is not None and i < k:
+                    token, p = _sampled(logits[r], cfg, rngs[r])
+                    tokens[r].append(token)
+                    if p is not None:
+                        probs[r].append(p)
+                drawn.append(token)
+            step = torch.cat(drawn)
+        runner.truncate(lengths)  # the verify step writes the block again, densely
+        return _drafted(tokens, probs)
