@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from sparsespec.kernels.attend import (  # noqa: E402
-    MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, _block_n, num_splits, sparse_decode_attention, sparse_decode_attention_ref,
+    MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, _block_n, block_attention, block_attention_ref, num_splits,
+    sparse_decode_attention, sparse_decode_attention_ref,
 )
 
 CUDA = torch.cuda.is_available()
@@ -139,3 +140,29 @@ def test_cuda_graph_replay_follows_new_selection():
         count.copy_(new_count)
         graph.replay()
         assert rel_err(out, sparse_decode_attention_ref(q, k, v, idx, count)) < 1e-2
+
+
+@pytest.mark.parametrize("B,Hkv,G,T,S,D,dtype", [(2, 2, 4, 16, 100, 64, torch.bfloat16), (1, 1, 7, 3, 37, 16, torch.float32),
+                                                 (3, 2, 1, 5, 130, 128, torch.float16), (2, 3, 6, 2, 65, 32, torch.float32)])
+def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
+    """Verify blocks at each row's own offset (one ending at the last slot, one at the first slots), and positions
+    in any order; q strided as the model projects it; one split and several."""
+    gen = torch.Generator().manual_seed(B * 100 + T * 10 + D)
+    q = torch.randn(B, T, Hkv * G, D, generator=gen).to(DEVICE, dtype).transpose(1, 2)  # [B, Hq, T, D] strided
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    starts = torch.randint(0, S - T + 1, (B,), generator=gen)
+    starts[0] = S - T
+    if B > 1:
+        starts[1] = 0
+    positions = (starts[:, None] + torch.arange(T)).to(DEVICE)  # [B, T]
+    if B > 2:
+        positions[2] = torch.randint(0, S, (T,), generator=gen).to(DEVICE)
+    ref = block_attention_ref(q, k, v, positions)
+    mask = torch.arange(S, device=DEVICE) <= positions[:, None, :, None]
+    sdpa = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=G > 1)
+    assert torch.allclose(ref.float(), sdpa, atol=TOL[dtype], rtol=TOL[dtype])
+    for splits in (None, 1, 3):
+        out = block_attention(q, k, v, positions, splits=splits)
+        assert out.shape == (B, Hkv * G, T, D) and out.dtype == dtype
+        assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), splits

@@ -173,3 +173,104 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     logits = qg @ ks.transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G, K]
     probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1).nan_to_num(0.0)  # count 0 -> 0
     return (probs @ vs).view(B, Hq, D).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- block queries
+
+@triton.jit
+def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale, chunk,
+                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                          stride_vs, stride_pb,
+                          HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // HKV).to(tl.int64)
+    h = pid % HKV
+    offs_r = tl.arange(0, BLOCK_R)  # rows (query head g of the group, query t of the block): r = g * T + t
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    live = offs_r < G * T
+    g, t = offs_r // T, offs_r % T
+    q_ptrs = q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=live[:, None], other=0.0).to(DOT)  # [BLOCK_R, D]
+    pos = tl.load(positions + b * stride_pb + t, mask=live, other=-1)  # [BLOCK_R]: row r sees slots <= pos
+    k_base = k + b * stride_kb + h * stride_kh
+    v_base = v + b * stride_vb + h * stride_vh
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, tl.max(pos, 0) + 1)  # slots [lo, hi) of this program that any row sees
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        slots = start + offs_n
+        valid = slots < hi
+        k_tile = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=valid[:, None],
+                         other=0.0).to(DOT)  # [BLOCK_N, D]
+        v_tile = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=valid[:, None],
+                         other=0.0).to(DOT)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
+        seen = valid[None, :] & (slots[None, :] <= pos[:, None])
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees none of this block yet
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype.element_ty).to(DOT)
+        acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")  # [BLOCK_R, D]
+        m_i = m_new
+
+    part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(1) + split  # [BLOCK_R]
+    tl.store(m_part + part, m_i, mask=live)
+    tl.store(l_part + part, l_i, mask=live)
+    tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=live[:, None])
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    scale: float | None = None, splits: int | None = None) -> torch.Tensor:
+    """A few query positions per row over the KV cache (a speculative verify block, GQA), split-K in Triton: every
+    query head of a KV head and every position of the block in one tile, so each K/V row is read once per KV head.
+
+    q          [B, Hq, T, D]   bf16/fp16/fp32 (any strides but the last); query head h uses KV head h // (Hq // Hkv)
+    k, v       [B, Hkv, S, D]  q's dtype; slots [0, max(positions[b]) + 1) of row b are read
+    positions  [B, T]          int; query t of row b sees slots 0..positions[b, t] (causal over the cache)
+    -> out     [B, Hq, T, D]   q's dtype (contiguous), fp32 accumulation
+    Launches depend on shapes alone: capturable in a CUDA graph."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    assert Hq == G * Hkv and k.shape == v.shape and k.shape[0] == B and k.shape[-1] == D
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and positions.shape == (B, T)
+    scale = D**-0.5 if scale is None else scale
+    block_n = _block_n(D)
+    splits = num_splits(S, B * Hkv, D, q.device) if splits is None else splits
+    chunk = triton.cdiv(triton.cdiv(max(S, 1), block_n), splits) * block_n
+    positions = positions.contiguous()
+    m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
+    acc_part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
+    _block_partial_kernel[(B * Hkv, splits)](
+        q, k, v, positions, m_part, l_part, acc_part, scale * LOG2E, chunk,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), positions.stride(0),
+        HKV=Hkv, G=G, T=T, D=D, BLOCK_R=max(16, triton.next_power_of_2(G * T)), BLOCK_N=block_n,
+        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=3)
+    out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
+    _merge_kernel[(B * Hq * T,)](m_part, l_part, acc_part, out, splits, D=D,
+                                 BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(splits)), num_warps=4)
+    return out
+
+
+def block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        scale: float | None = None) -> torch.Tensor:
+    """Torch reference of `block_attention` (fp32 math, the causal mask over slots)."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv * T, D)  # rows g * T + t
+    logits = qg @ k.float().transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G*T, S]
+    seen = torch.arange(S, device=q.device) <= positions[:, None, :, None].long()  # [B, 1, T, S]
+    seen = seen.expand(B, Hq // Hkv, T, S).reshape(B, 1, Hq // Hkv * T, S)
+    probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
+    return (probs @ v.float()).view(B, Hq, T, D).to(q.dtype)

@@ -17,6 +17,7 @@ from ..attention.dense import causal_mask, dense_attention
 from ..attention.policy import Policy
 from ..cache import KVCache
 from ..config import ModelConfig
+from ..kernels import triton_ready
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
@@ -43,6 +44,7 @@ class StepPlan:
     mask: torch.Tensor  # bool [B, 1, T, kv_len]
     policy: Policy | None = None  # decode attention of the sparse layers (single-token steps only)
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # sees (layer, q, k) after RoPE
+    block: bool = False  # a few queries a row (a speculative verify block): the Triton block attention
 
 
 class Attention(nn.Module):
@@ -77,6 +79,9 @@ class Attention(nn.Module):
         cache.write(layer, plan.positions, k, v)
         if plan.policy is not None and T == 1 and plan.policy.is_sparse(layer):
             out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
+        elif plan.block:
+            keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
+            out = block_attention(q, keys, values, plan.positions)  # [B, Hq, T, D]
         else:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
@@ -88,6 +93,25 @@ class Attention(nn.Module):
 @torch.compiler.disable
 def sparse_decode(policy: Policy, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor):
     return policy.decode(layer, q, cache, positions)
+
+
+# Up to this many queries a row (a speculative verify block, a short chunk), CUDA steps attend with the Triton block
+# attention: each K/V row read once per KV head for every query of the block (SDPA's masked kernels re-read the
+# cache per query tile: a 16-token verify cost ~8x a decode step's attention). A custom op, so that torch.compile
+# keeps it whole inside its graph (no graph break) and the CUDA graph captures its launches.
+BLOCK_QUERIES = 32
+
+
+@torch.library.custom_op("sparsespec::block_attention", mutates_args=())
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    from ..kernels.attend import block_attention as kernel
+
+    return kernel(q, k, v, positions)
+
+
+@block_attention.register_fake
+def _(q, k, v, positions):
+    return q.new_empty(q.shape)
 
 
 @torch.compiler.disable
@@ -141,7 +165,9 @@ class Transformer(nn.Module):
             begin_sparse_step(policy, positions[:, 0])  # the sparse layers' per-step metadata, built once
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
         mask = causal_mask(positions, kv_len, self.cfg.sliding_window)
-        return StepPlan(positions, kv_len, cos, sin, mask, policy, observer)
+        block = (1 < positions.shape[1] <= BLOCK_QUERIES and self.cfg.sliding_window is None
+                 and triton_ready(positions.device))
+        return StepPlan(positions, kv_len, cos, sin, mask, policy, observer, block)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 kv_len: int | None = None, policy: Policy | None = None,

@@ -1,0 +1,109 @@
+"""A speculative verify step (W tokens a row) against the decode step (1 token) on the GPU: random bf16 weights in
+real shapes, CUDA-graph replays of the project's own `CudaGraphStep` (plain and torch.compile'd), the weights-read
+floor beside them, and with --profile where each step's time goes (torch.profiler over eager steps, kernels by
+total device time).
+
+    python bench/verify_cost.py [--models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b] [--widths 1,4,8,16]
+                                [--context 2048] [--batch 1] [--profile] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sparsespec.cache import KVCache
+from sparsespec.config import ModelConfig
+from sparsespec.graphs import CudaGraphStep, _step
+from sparsespec.sparse_bench import LLAMA31_8B, copy_bandwidth, random_model, time_ms
+
+QWEN = dict(arch="qwen2", vocab_size=151936, max_position=32768, rope_theta=1e6, qkv_bias=True, tie_embeddings=True)
+SHAPES = {
+    "qwen2.5-coder-1.5b": ModelConfig(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                                      num_kv_heads=2, head_dim=128, **QWEN),
+    "qwen2.5-coder-0.5b": ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                                      num_kv_heads=2, head_dim=64, **QWEN),
+    "llama-3.1-8b": LLAMA31_8B,
+}
+
+
+def kernel_table(model, cache, tokens, positions, steps: int = 10, top: int = 12) -> list[tuple[str, float, int]]:
+    """Eager steps under torch.profiler -> [(kernel name, us per step, launches per step)] by total time."""
+    with torch.inference_mode():
+        for _ in range(3):
+            _step(model, cache, tokens, positions, (), None)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                _step(model, cache, tokens, positions, (), None)
+            torch.cuda.synchronize()
+    total, calls = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time_total
+            calls[e.name] += 1
+    rows = sorted(total, key=total.get, reverse=True)
+    return [(name[:90], total[name] / steps, calls[name] // steps) for name in rows[:top]] + [
+        ("(all kernels)", sum(total.values()) / steps, sum(calls.values()) // steps)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b")
+    ap.add_argument("--widths", default="1,4,8,16")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="kernel tables of the widest and the 1-token step")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch._dynamo.config.recompile_limit = 64
+    bw = copy_bandwidth()
+    widths = [int(w) for w in args.widths.split(",")]
+    results = []
+    for name in args.models.split(","):
+        cfg = SHAPES[name]
+        model = random_model(cfg)
+        weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+        cache = KVCache(cfg, args.batch, args.context + max(widths), torch.bfloat16, "cuda")
+        for t in cache.k + cache.v:
+            t.normal_()
+        cache.truncate([args.context] * args.batch)
+        print(f"{name}, batch {args.batch}, context {args.context}: weights floor {weights / bw * 1e3:.3f} ms")
+        row = {"model": name, "batch": args.batch, "context": args.context, "weights_floor_ms": weights / bw * 1e3,
+               "steps": {}}
+        for w in widths:
+            tokens = torch.randint(0, cfg.vocab_size, (args.batch, w), device="cuda")
+            positions = args.context + torch.arange(w, device="cuda").expand(args.batch, -1)
+            cell = {}
+            for label, compiled in (("graph", False), ("compiled", True)):
+                step = CudaGraphStep(model, cache, w, compile=compiled)
+                cell[label] = time_ms(lambda: step(tokens, positions))
+                del step
+            row["steps"][w] = cell
+            base = row["steps"][widths[0]]
+            print(f"  width {w:3d}: graph {cell['graph']:.3f} ms ({cell['graph'] / base['graph']:.2f}x), compiled "
+                  f"{cell['compiled']:.3f} ms ({cell['compiled'] / base['compiled']:.2f}x)", flush=True)
+        if args.profile:
+            for w in (widths[0], widths[-1]):
+                tokens = torch.randint(0, cfg.vocab_size, (args.batch, w), device="cuda")
+                positions = args.context + torch.arange(w, device="cuda").expand(args.batch, -1)
+                table = kernel_table(model, cache, tokens, positions)
+                row[f"kernels_width_{w}"] = table
+                print(f"  eager width {w}, kernels by device time (us per step, launches):")
+                for kname, us, n in table:
+                    print(f"    {us:9.1f} {n:4d}  {kname}")
+        results.append(row)
+        del model, cache
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "verify_cost.json").write_text(json.dumps({"bandwidth": bw, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
