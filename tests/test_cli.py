@@ -286,6 +286,9 @@ def test_prompts_file_is_one_batch(capsys, tmp_path, byte_model):
     assert [json.loads(line)["token_ids"] for line in lines] == [r["token_ids"] for r in records]
     code, out, err = run_main(capsys, *argv, str(tmp_path / "p.txt"))
     assert code == 0 and out == "".join(r["text"] + "\n" for r in records) and "[3 prompts, " in err
+    # speculative decoding takes the prompts as one batch too, each row as plain greedy decoding gives it
+    lines = run_main(capsys, *argv, str(tmp_path / "p.txt"), "--json", "--draft", "ngram")[1].splitlines()
+    assert [json.loads(line)["token_ids"] for line in lines] == [r["token_ids"] for r in records]
 
 
 def test_bad_prompts_files(capsys, tmp_path):
@@ -293,9 +296,6 @@ def test_bad_prompts_files(capsys, tmp_path):
                                   ("bad.jsonl", '{"prompt": "a"}\n[1]\n', "line 2")):
         (tmp_path / name).write_text(content)
         assert_clear_error(*run_main(capsys, "generate", "--prompts-file", str(tmp_path / name))[::2], needle)
-    (tmp_path / "two.txt").write_text("a\nb\n")
-    assert_clear_error(*run_main(capsys, "generate", "--prompts-file", str(tmp_path / "two.txt"), "--draft",
-                                 "ngram")[::2], "one prompt at a time")
 
 
 def test_stop_token_ids_and_ignore_eos(capsys, monkeypatch, byte_model):
