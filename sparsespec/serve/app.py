@@ -139,12 +139,17 @@ async def _until_disconnected(request: Request, job: Job,
     disconnected = asyncio.ensure_future(_disconnect(request))
     try:
         while True:
-            get = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait((get, disconnected), return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
+            if queue.empty():  # wait for the next event or the client leaving (a task only when waiting)
+                get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait((get, disconnected), return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    return
+                event = get.result()
+            elif disconnected.done():
                 return
-            event = get.result()
+            else:
+                event = queue.get_nowait()
             yield event
             if event.finish_reason is not None:
                 return

@@ -156,13 +156,16 @@ class Scheduler:
             self._cond.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the loop after its current step; every request not finished ends with finish_reason "cancelled"."""
+        """Stop the loop after its current step; every request not finished ends with finish_reason "cancelled"
+        (by the loop as it leaves, or here when it never ran; a step still running after `timeout` keeps its rows
+        until it ends, so no two threads touch the slots at once)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._end_all("cancelled", None)
+        if not self._thread.is_alive():
+            self._end_all("cancelled", None)
 
     def _cancelled(self, job: Job) -> None:
         """A waiting job leaves the queue now; a running one frees its slot at the next iteration."""
@@ -182,7 +185,7 @@ class Scheduler:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping or self._has_work())
                     if self._stopping:
-                        return
+                        break
                     self._admit()
                 self._step()
         except Exception as e:  # a failed step: no request can continue; the server reports unhealthy
@@ -191,6 +194,8 @@ class Scheduler:
             with self._cond:
                 self._stopping = True
             self._end_all("error", self._failure)
+            return
+        self._end_all("cancelled", None)
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self.slots)
