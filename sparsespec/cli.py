@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--temperatures", default="0,1")
     sp.add_argument("--max-new-tokens", type=_positive_int, default=128)
     sp.add_argument("--block-size", type=_positive_int, default=16)
+    sp.add_argument("--batch", type=_positive_int, default=1, help="prompts of a kind decoded together (plain and "
+                    "speculative); tokens/s is the batch's")
     sp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     sp.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     sp.add_argument("--no-cuda-graph", action="store_true", help="cuda: run plain and verify steps eagerly")
@@ -430,7 +432,8 @@ def cmd_bench(args) -> None:
         raise SparseSpecError(f"invalid --temperatures {args.temperatures!r} (use e.g. 0,1)") from None
     cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts,
                       kinds=tuple(k.strip() for k in args.kinds.split(",")), temperatures=temps,
-                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars)
+                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars,
+                      batch=args.batch)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     name = args.target_name or args.target
     settings = {"target": args.target, "target_name": args.target_name, "dtype": dtype, "device": args.device,

@@ -331,6 +331,22 @@ def test_bench_writes_each_row_as_measured_and_a_rerun_resumes(tmp_path):
     assert run_bench(engine, {"a": a}, cfg, tmp_path) == rows[::2] and a.starts == 0  # only the drafters asked
 
 
+def test_bench_decodes_batches_of_prompts_together(tmp_path):
+    from sparsespec.spec.bench import BenchConfig, run_bench
+
+    from .conftest import byte_engine
+
+    engine = byte_engine()
+    cfg = BenchConfig(drafters=("a",), prompts=3, kinds=("code",), temperatures=(0.0,), max_new_tokens=6,
+                      block_size=3, batch=2)
+    drafter = _Counted()
+    rows = run_bench(engine, {"a": drafter}, cfg, tmp_path)
+    assert [r["prompt"] for r in rows] == [0, 1, 2] and [r["batch"] for r in rows] == [2, 2, 1]
+    assert drafter.starts == 2 and all(r["identical"] for r in rows)  # a batch of two, then the last alone
+    assert rows[0]["tokens_per_s"] == rows[1]["tokens_per_s"]  # the batch's rate
+    assert "batch" in cfg.settings() and "batch" not in BenchConfig().settings()
+
+
 def test_long_prompts_fill_their_context_and_hide_what_they_ask_for():
     from sparsespec.spec.prompts import make_prompts
 

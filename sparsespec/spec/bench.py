@@ -1,8 +1,9 @@
 """`sparsespec bench spec`: τ, tokens/s and speedup of each drafter against plain decoding in the same engine.
 
-For every held-out prompt (spec/prompts.py) and temperature, plain decoding runs first (the reference output and
-the speed baseline), then each drafter. Speed is decode tokens per second after the first token (prefill and
-first token excluded on both sides); speedup = speculative tokens/s over plain tokens/s on the same prompt. At
+For every held-out prompt (spec/prompts.py), or batch of prompts of one kind (`batch`), and temperature, plain
+decoding runs first (the reference output and the speed baseline), then each drafter. Speed is output tokens per
+second after each row's first token (prefill and first token excluded on both sides), of the whole batch; speedup
+= speculative tokens/s over plain tokens/s on the same prompts. At
 T = 0 every speculative output is compared with the plain one token for token (`identical` in each row). Rows go
 to `spec.jsonl` as they are measured; a rerun skips the rows already there (`sparsespec bench spec` records the
 settings they were made with, see results.py).
@@ -71,11 +72,14 @@ class BenchConfig:
     block_size: int = 16
     seed: int = 0
     long_chars: int = 64_000
+    batch: int = 1  # prompts decoded together (plain and speculative)
 
     def __post_init__(self):
         if self.prompts < 1 or self.max_new_tokens < 2 or self.block_size < 2 or self.long_chars < 1000:
             raise SparseSpecError("bench needs prompts >= 1, max-new-tokens >= 2, block-size >= 2 and "
                                   "long-chars >= 1000")
+        if self.batch < 1:
+            raise SparseSpecError(f"batch must be >= 1, got {self.batch}")
         if any(t < 0 for t in self.temperatures):
             raise SparseSpecError("temperatures must be >= 0")
         if not self.kinds or set(self.kinds) - set(KINDS):
@@ -84,51 +88,65 @@ class BenchConfig:
     def settings(self) -> dict:
         """What a results folder's rows depend on besides the target and device: everything but the drafters and
         temperatures, which only select rows (the prompts and their sampling seeds depend on prompts and kinds)."""
-        skip = {"drafters", "temperatures"} | ({"long_chars"} if not any(k.startswith("long") for k in self.kinds)
-                                                else set())
+        skip = ({"drafters", "temperatures"} | ({"long_chars"} if not any(k.startswith("long") for k in self.kinds)
+                                                 else set()) | ({"batch"} if self.batch == 1 else set()))
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
 def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, out: Path | None = None,
               progress: bool = False, cuda_graph: bool = True) -> list[dict]:
     """One row per (prompt, temperature, drafter); with `out`, each row is appended to out/spec.jsonl as it is
-    measured and the rows already there are skipped (plain decoding too where every drafter's row is there).
+    measured and the rows already there are skipped (plain decoding too where every drafter's rows are there).
+    Prompts run in batches of `cfg.batch` (of one kind, seeded by their first prompt): plain and speculative
+    decoding each decode the batch together, and a row's tokens/s is its batch's output tokens per second.
     Returns the rows of `drafters` and `cfg.temperatures`."""
-    prompts = [p for kind in cfg.kinds for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed,
-                                                                cfg.long_chars)]
+    prompts = [(kind, [p for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed, cfg.long_chars)])
+               for kind in cfg.kinds]
+    groups, i = [], 0  # (index of the first prompt, prompts)
+    for kind, ps in prompts:
+        for j in range(0, len(ps), cfg.batch):
+            groups.append((i + j, ps[j:j + cfg.batch]))
+        i += len(ps)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     rows = read_rows(out / "spec.jsonl") if out is not None else []
     done = {(r["prompt"], r["temperature"], r["drafter"]) for r in rows}
     with progress_bar() as bar, open(out / "spec.jsonl", "a") if out is not None else nullcontext() as sink:
-        task = bar.add_task("bench spec", total=len(prompts) * len(cfg.temperatures) * (1 + len(drafters)),
+        task = bar.add_task("bench spec", total=len(groups) * len(cfg.temperatures) * (1 + len(drafters)),
                             visible=progress)
-        for i, p in enumerate(prompts):
-            ids = engine.encode(p.text, chat=True)
+        for first, group in groups:
+            ids = [engine.encode(p.text, chat=True) for p in group]
+            members = range(first, first + len(group))
             for T in cfg.temperatures:
-                todo = {name: d for name, d in drafters.items() if (i, T, name) not in done}
+                todo = {name: d for name, d in drafters.items() if any((i, T, name) not in done for i in members)}
                 if not todo:
                     bar.advance(task, 1 + len(drafters))
                     continue
-                sampling = SamplingConfig(temperature=T, seed=cfg.seed + i)
+                sampling = SamplingConfig(temperature=T, seed=cfg.seed + first)
                 gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, cuda_graph=cuda_graph)
-                plain = engine.generate([ids], gen)
-                plain_tps = plain.decode_tokens_per_s
+                plain = engine.generate(ids, gen)
+                plain_tps = _output_rate([len(t) for t in plain.token_ids], plain.decode_s)
                 bar.advance(task, 1 + len(drafters) - len(todo))
                 for name, drafter in todo.items():
-                    s = speculative_generate(engine, [ids], drafter, gen, cfg.block_size)[0]
-                    tps = (len(s.token_ids) - 1) / s.decode_s if s.decode_s > 0 else float("nan")
+                    results = speculative_generate(engine, ids, drafter, gen, cfg.block_size)
+                    tps = _output_rate([len(s.token_ids) for s in results], results[0].decode_s)
                     speedup = tps / plain_tps if plain_tps > 0 else float("nan")
-                    rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,
-                                 "tokens": len(s.token_ids), "steps": s.steps, "tau": s.tau,
-                                 "committed": s.committed, "tokens_per_s": tps, "plain_tokens_per_s": plain_tps,
-                                 "speedup": speedup, "identical": s.token_ids == plain.token_ids[0]
-                                 if T == 0 else None})
-                    if sink is not None:
-                        sink.write(json.dumps(rows[-1]) + "\n")
-                        sink.flush()
+                    for i, p, s, ref in zip(members, group, results, plain.token_ids):
+                        rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,
+                                     "batch": len(group), "tokens": len(s.token_ids), "steps": s.steps,
+                                     "tau": s.tau, "committed": s.committed, "tokens_per_s": tps,
+                                     "plain_tokens_per_s": plain_tps, "speedup": speedup,
+                                     "identical": s.token_ids == ref if T == 0 else None})
+                        if sink is not None:
+                            sink.write(json.dumps(rows[-1]) + "\n")
+                            sink.flush()
                     bar.advance(task)
     return [r for r in rows if r["drafter"] in drafters and r["temperature"] in cfg.temperatures]
+
+
+def _output_rate(tokens: list[int], seconds: float) -> float:
+    """A batch's output tokens per second after each row's first token."""
+    return sum(n - 1 for n in tokens) / seconds if seconds > 0 else float("nan")
 
 
 def report(rows: list[dict], out: Path | None, title: str) -> str:
