@@ -9,6 +9,7 @@ from sparsespec.spec.verify import (
     draft_distribution,
     speculative_step,
     verify_greedy,
+    verify_greedy_rows,
     verify_sampling,
 )
 
@@ -105,6 +106,20 @@ def test_greedy_stops_at_the_first_mismatch(i):
 def test_greedy_without_proposals_takes_the_argmax():
     logits = torch.randn(1, 10, generator=torch.Generator().manual_seed(2))
     assert verify_greedy(torch.empty(0, dtype=torch.long), logits) == [logits.argmax().item()]
+
+
+def test_greedy_rows_equal_verify_greedy_row_by_row():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 6, 4, generator=g)  # few tokens: proposals often match
+    best = logits.argmax(-1)
+    proposals = [best[0, :5].tolist(), best[1, :2].tolist() + [int(best[1, 2]) ^ 1], [], best[3, :3].tolist(),
+                 torch.randint(0, 4, (4,), generator=g).tolist()]
+    rows = verify_greedy_rows(proposals, logits)
+    assert rows == [verify_greedy(torch.tensor(p, dtype=torch.long), logits[r, :len(p) + 1])
+                    for r, p in enumerate(proposals)]
+    assert rows[0] == best[0].tolist() and rows[2] == [int(best[2, 0])] and len(rows[1]) == 3
+    with pytest.raises(ValueError):
+        verify_greedy_rows([[0] * 6] + [[]] * 4, logits)
 
 
 def test_greedy_config_delegates_to_verify_greedy():

@@ -27,7 +27,7 @@ from ..generate import Engine, GenerationConfig
 from ..runner import Runner
 from ..sampling import make_generator, sample
 from .drafters import Drafter
-from .verify import verify_sampling
+from .verify import verify_greedy_rows, verify_sampling
 
 
 @dataclass
@@ -100,19 +100,17 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
         blocks = [[h[-1]] + p + [h[-1]] * (width - 1 - len(p)) for h, p in zip(histories, proposals)]
         logits, feats = runner.verify(torch.tensor(blocks, device=device), block_size)  # [B, width, V]
-        accepted: list[int | None] = []
-        commits = []
-        for r, (p, on) in enumerate(zip(proposals, live)):
-            if not on:
-                accepted.append(None)
-                commits.append([])
-                continue
-            probs = None if draft_probs[r] is None else draft_probs[r][:len(p)]
-            new = verify_sampling(torch.tensor(p, dtype=torch.long, device=device), probs, logits[r, :len(p) + 1],
-                                  gen.sampling, rngs[r])
-            accepted.append(len(new) - 1)
-            commits.append(new)
-            histories[r] += new
+        if gen.sampling.greedy:  # every row at once, one read-back
+            commits = verify_greedy_rows(proposals, logits)
+        else:  # row by row, each with its own generator (as alone)
+            commits = [verify_sampling(torch.tensor(p, dtype=torch.long, device=device),
+                                       None if draft_probs[r] is None else draft_probs[r][:len(p)],
+                                       logits[r, :len(p) + 1], gen.sampling, rngs[r]) if on else []
+                       for r, (p, on) in enumerate(zip(proposals, live))]
+        accepted: list[int | None] = [len(new) - 1 if on else None for new, on in zip(commits, live)]
+        for r, new in enumerate(commits):
+            if live[r]:
+                histories[r] += new
         # the accepted prefix of each live row is committed; a stopped row is parked at slot 0
         runner.truncate([n + a + 1 if a is not None else 0 for n, a in zip(lengths, accepted)])
         drafter.commit([h if a is not None else None for h, a in zip(histories, accepted)], accepted,

@@ -28,6 +28,20 @@ def verify_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> list[
     return out[1:out[0] + 2]  # accepted proposals equal the argmax, so the committed tokens are best[:n+1]
 
 
+def verify_greedy_rows(proposals: list[list[int]], target_logits: torch.Tensor) -> list[list[int]]:
+    """`verify_greedy` for a batch in one host read-back: proposals per row (k_r <= w − 1 each), target_logits
+    [B, w, V] (row r's first k_r + 1 positions used) -> per row its 1..k_r + 1 committed tokens."""
+    B, w, _ = target_logits.shape
+    if len(proposals) != B or any(len(p) > w - 1 for p in proposals):
+        raise ValueError(f"need at most {w - 1} proposals for each of {B} rows")
+    best = target_logits.argmax(-1)  # [B, w]
+    padded = torch.tensor([p + [-1] * (w - 1 - len(p)) for p in proposals], dtype=torch.long,
+                          device=best.device).view(B, w - 1)  # -1 matches no token: a row stops at its k_r
+    n = (best[:, :w - 1] == padded).long().cumprod(1).sum(1)  # [B] accepted proposals
+    out = torch.cat([n[:, None], best], 1).tolist()  # one sync
+    return [row[1:row[0] + 2] for row in out]
+
+
 def draft_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """logits [..., V] -> the filtered sampling distribution [..., V] (one-hot argmax when cfg is greedy).
 
