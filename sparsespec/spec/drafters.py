@@ -153,9 +153,10 @@ class ModelDrafter(Drafter):
         tokens, probs = [[] for _ in histories], [[] for _ in histories]
         for i in range(kmax):
             step = []
+            best = logits.argmax(-1, keepdim=True) if cfg.greedy else None  # [B, 1]: every row's at once
             for r, (h, k) in enumerate(zip(histories, ks)):
                 if h is not None and i < k:
-                    token, p = _sampled(logits[r], cfg, rngs[r])
+                    token, p = (best[r], None) if cfg.greedy else _sampled(logits[r], cfg, rngs[r])
                     tokens[r].append(token)
                     if p is not None:
                         probs[r].append(p)
@@ -199,11 +200,12 @@ class SelfDrafter(Drafter):
         tokens, probs = [[] for _ in histories], [[] for _ in histories]
         for i in range(kmax):
             logits = runner.decode(step)  # [B, V]: a sparse step of every row
+            best = logits.argmax(-1, keepdim=True) if cfg.greedy else None  # [B, 1]: every row's at once
             drawn = []
             for r, (h, k) in enumerate(zip(histories, ks)):
                 token = step[r:r + 1]
                 if h is not None and i < k:
-                    token, p = _sampled(logits[r], cfg, rngs[r])
+                    token, p = (best[r], None) if cfg.greedy else _sampled(logits[r], cfg, rngs[r])
                     tokens[r].append(token)
                     if p is not None:
                         probs[r].append(p)
