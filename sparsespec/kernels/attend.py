@@ -23,6 +23,20 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def _softmax_step(m_i, l_i, acc, s, v_tile, V_DTYPE: tl.constexpr, DOT: tl.constexpr):
+    """One block of the online softmax: scores s [R, N] (log2 domain, -inf where not attended), v_tile [N, D] ->
+    the running max m [R], sum l [R] and unnormalised output acc [R, D] (fp32) after it. A row that has seen no
+    slot yet keeps m = -inf and zeros."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(V_DTYPE).to(DOT)  # rounded to v's dtype (the interpreter then widens it again)
+    return m_new, l_i, acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+
+
+@triton.jit
 def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chunk,
                     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                     stride_ib, stride_ih, stride_cb, stride_ch,
@@ -60,13 +74,7 @@ def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chu
         v_tile = tl.load(v_ptrs, mask=valid[:, None], other=0.0).to(DOT)  # [BLOCK_N, D]
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block holds a valid column
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v.dtype.element_ty).to(DOT)  # rounded to v's dtype (the interpreter then widens it again)
-        acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")  # [BLOCK_G, D]
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
 
     part = (b * (HKV * G) + heads) * tl.num_programs(1) + split  # [BLOCK_G] rows of m_part / l_part
     tl.store(m_part + part, m_i, mask=in_group)
@@ -213,14 +221,7 @@ def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
         seen = valid[None, :] & (slots[None, :] <= pos[:, None])
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees none of this block yet
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v.dtype.element_ty).to(DOT)
-        acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")  # [BLOCK_R, D]
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
 
     part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(1) + split  # [BLOCK_R]
     tl.store(m_part + part, m_i, mask=live)
