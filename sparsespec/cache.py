@@ -10,6 +10,7 @@ Each layer also has a `policy_state` slot where a sparse-attention policy keeps 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -50,6 +51,16 @@ class KVCache:
     def keys(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, kv_len, D] views of slots [0, kv_len)."""
         return self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """The cache of rows [start, stop) alone: views of their slots (written in place), their lengths, and no
+        policy index yet."""
+        view = copy.copy(self)
+        view.k = [k[start:stop] for k in self.k]
+        view.v = [v[start:stop] for v in self.v]
+        view.lengths = self.lengths[start:stop]
+        view.policy_state = [None] * len(view.k)
+        return view
 
     def truncate(self, lengths: list[int]) -> None:
         """Roll rows back (or forward after a commit) to `lengths` tokens."""

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     sv.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    sv.add_argument("--attention", default="dense", help="decode attention of every request: dense or a graphable "
+                    "policy (binarypc, topk, quest, streaming, doublesparse; see `sparsespec policies`)")
+    sv.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
     sv.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoded together (cache slots)")
     sv.add_argument("--max-queue", type=_positive_int, default=256, help="requests waiting for a slot; more are "
                     "answered 429 at once")
@@ -372,6 +375,22 @@ def _speculate(args, engine, ids: list[list[int]], gen, dtype, progress) -> None
                   f"tokens per verify step | {args.model} on {args.device} ({dtype})]", file=sys.stderr)
 
 
+def _serve_policy(spec: str, opts: list[str]):
+    """--attention / --attention-opt of `serve` -> a graphable policy, or None for dense."""
+    from .attention import make_policy, parse_spec
+
+    name, inline = parse_spec(spec)
+    if name == "dense":
+        if inline or opts:
+            raise SparseSpecError("--attention-opt needs a sparse --attention policy (dense attention has no options)")
+        return None
+    policy = make_policy(name, [*inline, *opts])
+    if not policy.graphable:
+        raise SparseSpecError(f"serve runs graphable attention policies (binarypc, topk, quest, streaming, "
+                              f"doublesparse): {name} is not")
+    return policy
+
+
 def cmd_serve(args) -> None:
     import uvicorn
 
@@ -383,18 +402,20 @@ def cmd_serve(args) -> None:
         raise SparseSpecError(f"--port must be in [0, 65535], got {args.port}")
     if not args.shutdown_timeout >= 0:
         raise SparseSpecError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    policy = _serve_policy(args.attention, args.attention_opt)  # refused before the model loads
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=sys.stderr.isatty())
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                 max_context=args.max_context or engine.config.max_position,
                                 prefill_chunk=args.prefill_chunk, cuda_graph=not args.no_cuda_graph)
     config = ServeConfig(args.served_model_name or args.model, scheduler)
-    app = create_app(engine, config)  # refuses a max-context beyond the model's before the port is taken
+    app = create_app(engine, config, policy)  # refuses a max-context beyond the model's before the port is taken
     cfg = engine.config
     kv_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize * scheduler.max_batch
                 * scheduler.max_context)
     print(f"sparsespec: serving {config.model_name} on http://{args.host}:{args.port}/v1 ({args.device}, {dtype}; "
-          f"{scheduler.max_batch} slots of {scheduler.max_context} positions, KV cache {kv_bytes / 2**20:.0f} MiB)",
+          f"{scheduler.max_batch} slots of {scheduler.max_context} positions, KV cache {kv_bytes / 2**20:.0f} MiB; "
+          f"attention {args.attention})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log, log_level="info",
                 timeout_graceful_shutdown=args.shutdown_timeout)

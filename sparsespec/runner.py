@@ -16,7 +16,6 @@ step eagerly. Dense decoding replays the dense graph as before.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -87,28 +86,24 @@ class Runner:
         """Continuous batching: write `tokens`, the chunk of a prompt from position `start` on, into row `row` (whose
         first `start` slots hold the prompt's earlier chunks), attending as `prefill` does, while the other rows
         keep their cache and lengths; the row's length becomes `start + len(tokens)`. -> the chunk's last hidden
-        state [H]. Dense attention only: a policy's index is built for the whole batch at once."""
-        if self.policy is not None:
-            raise ValueError("prefill_row needs dense decoding (no policy)")
+        state [H]. Dense attention (a prefill); with a policy, `index_row` once the prompt is in."""
         end = start + len(tokens)
         if not 0 <= start < end <= self.cache.capacity:
             raise ValueError(f"invalid chunk [{start}, {end}) for capacity {self.cache.capacity}")
         positions = torch.arange(start, end, device=self.device)[None]
-        hidden = self.model(torch.tensor([tokens], device=self.device), positions, self._rows(row, row + 1),
+        hidden = self.model(torch.tensor([tokens], device=self.device), positions, self.cache.rows(row, row + 1),
                             kv_len=end)
         lengths = list(self.cache.lengths)
         lengths[row] = end
         self.cache.truncate(lengths)
         return hidden[0, -1]
 
-    def _rows(self, start: int, stop: int) -> KVCache:
-        """The cache of rows [start, stop) alone: views of their slots (written in place); lengths are not kept."""
-        view = copy.copy(self.cache)
-        view.k = [k[start:stop] for k in self.cache.k]
-        view.v = [v[start:stop] for v in self.cache.v]
-        view.lengths = self.cache.lengths[start:stop]
-        view.policy_state = [None] * len(view.k)
-        return view
+    def index_row(self, row: int) -> None:
+        """Continuous batching with a policy: build row `row`'s index from its committed slots (its prompt), the
+        other rows' kept. The batch's index must exist: `build` it first (e.g. of the empty batch, before the
+        first request)."""
+        if self.policy is not None:
+            self.policy.build_row(self.cache, row, self.cache.lengths[row])
 
     def build(self) -> None:
         """(Re)build the policy's index from the cache's committed tokens, in fixed-width mode where it can."""
@@ -159,23 +154,22 @@ class Runner:
     @torch.inference_mode()
     def decode_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """Continuous batching: a decode step of the first `len(tokens)` rows only (the others keep their cache and
-        lengths); -> their next-token logits. Eager steps compute just those rows; a graphed step runs the whole
-        batch (its shape is fixed), the other rows' tokens 0, and rolls their lengths back. Dense only."""
+        lengths); -> their next-token logits. Eager dense steps compute just those rows; a graphed step, or a step
+        with a policy (whose index holds every row), runs the whole batch, the other rows' tokens 0, and rolls their
+        lengths back."""
         n, B = len(tokens), self.cache.batch
-        if self.policy is not None:
-            raise ValueError("decode_rows needs dense decoding (no policy)")
         if not 0 < n <= B:
             raise ValueError(f"decode_rows of {n} rows in a batch of {B}")
         lengths = list(self.cache.lengths)
-        if self.graphed:
+        if self.graphed or self.policy is not None:
             logits = self.decode(torch.cat([tokens, tokens.new_zeros(B - n)]))[:n]
         else:
             positions = torch.tensor(lengths[:n], device=self.device)
             with self._eager_attention():
-                hidden = self.model(tokens[:, None], positions[:, None], self._rows(0, n),
+                hidden = self.model(tokens[:, None], positions[:, None], self.cache.rows(0, n),
                                     kv_len=max(lengths[:n]) + 1)
             logits = self.model.logits(hidden[:, -1])
-        self.cache.truncate([x + 1 for x in lengths[:n]] + lengths[n:])
+        self.truncate([x + 1 for x in lengths[:n]] + lengths[n:])
         return logits
 
     @torch.inference_mode()

@@ -108,10 +108,51 @@ def test_scheduler_interleaves_prefill_chunks_with_decode_steps(one_thread):
         assert events[k][-1].finish_reason == "length" and events[k][-1].completion_tokens == 24
 
 
+@pytest.mark.parametrize("spec", ["binarypc:budget=0.3,min_tokens=4,sinks=2,window=4,dense_layers=0",
+                                  "quest:budget=0.3,min_tokens=4,page=4,dense_layers=0",
+                                  "streaming:budget=0.3,min_tokens=4,dense_layers=0"])
+def test_scheduler_with_a_sparse_policy_gives_each_request_what_it_gets_alone(one_thread, spec):
+    """Rows join, prefill and leave at different times; each row's index is built as its prompt completes (the
+    other rows' kept, a freed slot's rebuilt): every answer equals `generate` of its prompt alone, same policy."""
+    from sparsespec.attention import make_policy, parse_spec
+
+    engine = byte_engine()
+    policy = lambda: make_policy(parse_spec(spec)[0], parse_spec(spec)[1])  # noqa: E731
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, max_context=256, prefill_chunk=16), policy())
+    texts = ["The quick brown fox jumps over the lazy dog, twice.", "Hello", "Sparse attention, served: a longer "
+             "prompt of some seventy bytes to fill a few pages.", "abc abc abc abc abc"]
+    prompts = [engine.encode(t) for t in texts]
+    gen = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
+    events = {k: [] for k in range(len(prompts))}
+    finished = threading.Event()
+
+    def deliver(k):
+        def on(event):
+            events[k].append(event)
+            if all(e and e[-1].finish_reason for e in events.values()):
+                finished.set()
+        return on
+
+    scheduler.start()
+    try:
+        for k, prompt in enumerate(prompts):  # four requests through two slots
+            scheduler.submit(Job(prompt, gen, deliver(k)))
+        assert finished.wait(120)
+    finally:
+        scheduler.stop()
+    for k, prompt in enumerate(prompts):
+        alone = engine.generate([prompt], gen, policy=policy()).texts[0]
+        assert "".join(e.text for e in events[k]) == alone, (k, spec)
+        assert alone != engine.generate([prompt], gen).texts[0]  # the policy changes what the model says here
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-batch", "0"], "expected a positive integer"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+    (["--attention", "magicpig"], "serve runs graphable attention policies"),
+    (["--attention-opt", "budget=0.1"], "--attention-opt needs a sparse --attention policy"),
+    (["--attention", "binarypc", "--attention-opt", "bits=0"], "bits must be in"),
 ])
 def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
     from sparsespec.cli import main

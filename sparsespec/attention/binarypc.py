@@ -223,12 +223,12 @@ class BinaryPC(SelectionPolicy):
         k = cache.k[layer]  # [B, Hkv, S, D]
         B, Hkv, S, D = k.shape
         state = BinaryPCState(
-            basis=torch.empty(B, Hkv, opts.bits, D, device=k.device),
+            basis=torch.zeros(B, Hkv, opts.bits, D, device=k.device),  # rows without keys: no garbage
             codes=torch.zeros(B, Hkv, S, -(-opts.bits // WORD), dtype=torch.int64, device=k.device),
             error=torch.zeros(B, Hkv, S, device=k.device),
             encoded=list(lengths),
             encoded_dev=torch.tensor(lengths, dtype=torch.int32, device=k.device),
-            safe=torch.zeros(B, Hkv, 0, dtype=torch.int32, device=k.device),
+            safe=torch.zeros(B, Hkv, 0, dtype=torch.int32, device=k.device),  # set below
         )
         n = max(lengths)
         if self.calibrated is not None:
@@ -239,11 +239,12 @@ class BinaryPC(SelectionPolicy):
             state.basis[:] = fit_basis(sample, opts.bits, opts.iters, gen, counts, self._fit_graphs)
         if n > 0:
             encode_range(k, state, torch.zeros_like(state.encoded_dev), state.encoded_dev, n)
-            # the safeguard's candidates: the keys encoded now, worst described first (ties: lower slot)
-            slots = torch.arange(S, device=k.device)
-            error = state.error.masked_fill(slots >= state.encoded_dev.view(B, 1, 1), float("-inf"))
-            order = torch.sort(error, dim=-1, descending=True, stable=True).indices
-            state.safe = order[..., :min(S, self._safeguarded([S - 1])[0])].int()
+        # the safeguard's candidates: the keys encoded now, worst described first (ties: lower slot); as many for
+        # every build of this capacity (a row built alone fits the batch's list)
+        slots = torch.arange(S, device=k.device)
+        error = state.error.masked_fill(slots >= state.encoded_dev.view(B, 1, 1), float("-inf"))
+        order = torch.sort(error, dim=-1, descending=True, stable=True).indices
+        state.safe = order[..., :min(S, self._safeguarded([S - 1])[0])].int()
         cache.policy_state[layer] = state
 
     def build_all(self, cache, lengths):

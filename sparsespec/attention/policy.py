@@ -128,6 +128,18 @@ class FixedPlan:
     listed: torch.Tensor  # [B] int32: how many of the policy's own forced list (`fixed_keys`) count this step
 
 
+def _copy_row(state: Any, one: Any, row: int) -> None:
+    """Copy a one-row index `one` into row `row` of the batch's `state` (see `Policy.build_row`)."""
+    if not dataclasses.is_dataclass(state):
+        return  # None, or shared by every row
+    for f in dataclasses.fields(state):
+        batch, single = getattr(state, f.name), getattr(one, f.name)
+        if isinstance(batch, torch.Tensor):
+            batch[row].copy_(single[0])
+        elif isinstance(batch, list):
+            batch[row] = single[0]
+
+
 class Policy(ABC):
     """A decode-attention method. Layers below `dense_layers` (and every prefill) stay dense."""
 
@@ -199,6 +211,17 @@ class Policy(ABC):
         """`build` for every layer of the cache (what a prefill is followed by)."""
         for layer in range(len(cache.k)):
             self.build(layer, cache, lengths)
+
+    def build_row(self, cache: KVCache, row: int, length: int) -> None:
+        """Continuous batching: (re)build row `row`'s index, every layer, from its `length` committed slots; the
+        other rows' indexes are kept. The batch's index must exist (`build_all`). A row's index is what the row
+        alone would get: built on a one-row view of the cache, then copied into the batch's state in place (a
+        captured graph keeps reading it). States are None, tensors shared by every row (kept), or dataclasses whose
+        tensor and list fields are per row, batch first."""
+        view = cache.rows(row, row + 1)
+        for layer in range(len(cache.k)):
+            self.build(layer, view, [length])
+            _copy_row(cache.policy_state[layer], view.policy_state[layer], row)
 
     def append(self, layer: int, cache: KVCache, lengths: list[int]) -> None:
         """Slots [0, lengths[b]) are now committed (after each decode step; smaller after a rollback)."""

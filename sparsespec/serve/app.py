@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
+from ..attention.policy import Policy
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, ChatFormat, ChatRequest, CompletionRequest,
@@ -51,9 +52,9 @@ class ServeConfig:
 class Server:
     """The app's state: the engine, its scheduler and the served name."""
 
-    def __init__(self, engine: Engine, config: ServeConfig):
+    def __init__(self, engine: Engine, config: ServeConfig, policy: Policy | None = None):
         self.engine, self.config = engine, config
-        self.scheduler = Scheduler(engine, config.scheduler)
+        self.scheduler = Scheduler(engine, config.scheduler, policy)
         self.created = int(time.time())
 
     def check_model(self, name: str) -> None:
@@ -174,8 +175,9 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
-    server = Server(engine, config)
+def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None) -> FastAPI:
+    """`policy`: the sparse decode attention of every request (a graphable policy), None for dense."""
+    server = Server(engine, config, policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.policy import Policy
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig, RowOutput
 from ..runner import Runner
@@ -109,13 +110,17 @@ class _Slot:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig):
+    def __init__(self, engine: Engine, config: SchedulerConfig, policy: Policy | None = None):
+        """`policy`: sparse decode attention for every row (graphable policies: their index is built per row as
+        its prompt completes); None: dense."""
         if config.max_context > engine.config.max_position:
             raise SparseSpecError(f"max-context {config.max_context} exceeds the model's context of "
                                   f"{engine.config.max_position} tokens")
+        if policy is not None and not policy.graphable:
+            raise SparseSpecError(f"serve runs graphable attention policies (per-row index); {policy.name} is not")
         self.engine, self.config = engine, config
         self.metrics = Metrics(self.queue_length, self.running_rows, config.max_batch)
-        self.runner = Runner(engine.model, config.max_batch, config.max_context, None, config.cuda_graph)
+        self.runner = Runner(engine.model, config.max_batch, config.max_context, policy, config.cuda_graph)
         self.slots: list[_Slot | None] = [None] * config.max_batch
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -180,6 +185,7 @@ class Scheduler:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         try:
+            self.runner.build()  # a policy's index of the empty batch (rows get theirs as their prompts complete)
             self.runner.capture()  # CUDA: the decode graph of the whole batch, once, before the first request
             while True:
                 with self._cond:
@@ -224,6 +230,7 @@ class Scheduler:
         slot.prefilled += len(chunk)
         self.metrics.prompt_tokens.inc(len(chunk))
         if slot.prefilled == len(prompt):
+            self.runner.index_row(i)
             logits = self.engine.model.logits(hidden[None])
             token = int(sample(logits, slot.job.gen.sampling, slot.generator)[0])
             self.metrics.ttft.observe(time.perf_counter() - slot.job.arrival)
