@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--attention", default="dense", help="decode attention of every request: dense or a graphable "
                     "policy (binarypc, topk, quest, streaming, doublesparse; see `sparsespec policies`)")
     sv.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
+    sv.add_argument("--draft", default="none", help="lossless speculative decoding of every request: none, ngram, "
+                    "dflash[:PATH], model:NAME, self:POLICY[:key=value,...] (as generate --draft)")
+    sv.add_argument("--block-size", type=_positive_int, default=8, help="with --draft: the verify block (pending "
+                    "token + up to block-size - 1 proposals)")
+    sv.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
+                    "shipped drafter)")
     sv.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoded together (cache slots)")
     sv.add_argument("--max-queue", type=_positive_int, default=256, help="requests waiting for a slot; more are "
                     "answered 429 at once")
@@ -403,19 +409,29 @@ def cmd_serve(args) -> None:
     if not args.shutdown_timeout >= 0:
         raise SparseSpecError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     policy = _serve_policy(args.attention, args.attention_opt)  # refused before the model loads
+    if policy is not None and args.draft != "none":
+        raise SparseSpecError("--draft with a sparse --attention policy is not supported: use one of them (or "
+                              "--draft self:POLICY)")
+    if args.block_size < 2:
+        raise SparseSpecError(f"--block-size must be >= 2 (one pending token + proposals), got {args.block_size}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=sys.stderr.isatty())
+    from .spec.bench import make_drafter
+
+    drafter = make_drafter(args.draft, engine, args.target_name or args.model, args.device, dtype,
+                           sys.stderr.isatty(), not args.no_cuda_graph)
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                 max_context=args.max_context or engine.config.max_position,
-                                prefill_chunk=args.prefill_chunk, cuda_graph=not args.no_cuda_graph)
+                                prefill_chunk=args.prefill_chunk, cuda_graph=not args.no_cuda_graph,
+                                block_size=args.block_size)
     config = ServeConfig(args.served_model_name or args.model, scheduler)
-    app = create_app(engine, config, policy)  # refuses a max-context beyond the model's before the port is taken
+    app = create_app(engine, config, policy, drafter)  # refuses a max-context beyond the model's first
     cfg = engine.config
     kv_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize * scheduler.max_batch
                 * scheduler.max_context)
     print(f"sparsespec: serving {config.model_name} on http://{args.host}:{args.port}/v1 ({args.device}, {dtype}; "
           f"{scheduler.max_batch} slots of {scheduler.max_context} positions, KV cache {kv_bytes / 2**20:.0f} MiB; "
-          f"attention {args.attention})",
+          f"attention {args.attention}, draft {args.draft})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log, log_level="info",
                 timeout_graceful_shutdown=args.shutdown_timeout)

@@ -87,16 +87,22 @@ class Runner:
         first `start` slots hold the prompt's earlier chunks), attending as `prefill` does, while the other rows
         keep their cache and lengths; the row's length becomes `start + len(tokens)`. -> the chunk's last hidden
         state [H]. Dense attention (a prefill); with a policy, `index_row` once the prompt is in."""
+        return self.prefill_row_tapped(row, tokens, start)[0]
+
+    @torch.inference_mode()
+    def prefill_row_tapped(self, row: int, tokens: list[int], start: int):
+        """As `prefill_row`, also returning the runner's tapped layers at the chunk's positions: (hidden [H],
+        features [len(tokens), len(taps) * H] or None without taps)."""
         end = start + len(tokens)
         if not 0 <= start < end <= self.cache.capacity:
             raise ValueError(f"invalid chunk [{start}, {end}) for capacity {self.cache.capacity}")
         positions = torch.arange(start, end, device=self.device)[None]
-        hidden = self.model(torch.tensor([tokens], device=self.device), positions, self.cache.rows(row, row + 1),
-                            kv_len=end)
+        hidden, features = self.model.forward_tapped(torch.tensor([tokens], device=self.device), positions,
+                                                     self.cache.rows(row, row + 1), end, self.taps)
         lengths = list(self.cache.lengths)
         lengths[row] = end
         self.cache.truncate(lengths)
-        return hidden[0, -1]
+        return hidden[0, -1], None if features is None else features[0]
 
     def index_row(self, row: int) -> None:
         """Continuous batching with a policy: build row `row`'s index from its committed slots (its prompt), the

@@ -74,9 +74,10 @@ def test_scheduler_interleaves_prefill_chunks_with_decode_steps(one_thread):
     engine = byte_engine()
     scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, max_context=256, prefill_chunk=8))
     calls = []
-    for name in ("prefill_row", "decode_rows"):
+    for name in ("prefill_row_tapped", "decode_rows"):
         method = getattr(scheduler.runner, name)
-        setattr(scheduler.runner, name, lambda *a, _m=method, _n=name: calls.append(_n) or _m(*a))
+        setattr(scheduler.runner, name, lambda *a, _m=method, _n=name: calls.append(_n.removesuffix("_tapped"))
+                or _m(*a))
     gen = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
     short, long = engine.encode("Hello"), engine.encode("A much longer prompt, of sixty-odd bytes, to prefill.")
     events = {0: [], 1: []}
@@ -146,6 +147,64 @@ def test_scheduler_with_a_sparse_policy_gives_each_request_what_it_gets_alone(on
         assert alone != engine.generate([prompt], gen).texts[0]  # the policy changes what the model says here
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "self", "model", "dflash"])
+def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, drafter):
+    """Continuous batching with a drafter: rows start drafting as their prompts complete and leave mid-step; each
+    greedy answer equals plain `generate`, each seeded sampled one the speculative loop's answer for the prompt
+    alone."""
+    from sparsespec.attention import make_policy
+    from sparsespec.spec.decode import speculative_generate
+    from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter
+    from sparsespec.spec.drafters import ModelDrafter, NgramDrafter, SelfDrafter
+
+    engine = byte_engine()
+
+    def make():
+        if drafter == "ngram":
+            return NgramDrafter(max_n=3, min_n=1)
+        if drafter == "self":
+            return SelfDrafter(make_policy("binarypc", {"budget": 0.3, "min_tokens": 4, "dense_layers": 0}))
+        if drafter == "model":
+            return ModelDrafter(byte_engine(seed=1))
+        torch.manual_seed(5)
+        model = DFlash(DFlashConfig(engine.config, layers=1, block_size=4, taps=(0, 1)))
+        return DFlashDrafter(model.eval().requires_grad_(False), engine.model)
+
+    texts = ["abc abc abc abc abc abc", "Hello", "The cat sat on the mat. The cat sat on the", "xyzxyzxyz"]
+    prompts = [engine.encode(t) for t in texts]
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)):
+        gen = GenerationConfig(max_new_tokens=18, stop_on_eos=False, sampling=sampling)
+        scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, max_context=128, prefill_chunk=16, block_size=4),
+                              drafter=make())
+        steps = []
+        speculate = scheduler._speculate
+        scheduler._speculate = lambda: steps.append(sum(s is not None and s.decoding for s in scheduler.slots)) \
+            or speculate()  # rows a step verifies
+        events = {k: [] for k in range(len(prompts))}
+        finished = threading.Event()
+
+        def deliver(k):
+            def on(event):
+                events[k].append(event)
+                if all(e and e[-1].finish_reason for e in events.values()):
+                    finished.set()
+            return on
+
+        scheduler.start()
+        try:
+            for k, prompt in enumerate(prompts):  # four requests through two slots
+                scheduler.submit(Job(prompt, gen, deliver(k)))
+            assert finished.wait(120)
+        finally:
+            scheduler.stop()
+        for k, prompt in enumerate(prompts):
+            alone = (engine.generate([prompt], gen).texts[0] if sampling.greedy else
+                     speculative_generate(engine, [prompt], make(), gen, 4)[0].text)
+            assert "".join(e.text for e in events[k]) == alone, (k, drafter, sampling)
+        if sampling.greedy and drafter != "dflash":  # (an untrained DFlash drafter proposes noise)
+            assert sum(steps) < 4 * 17  # proposals were accepted: fewer row-steps than tokens after the first
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-batch", "0"], "expected a positive integer"),
@@ -153,6 +212,8 @@ def test_scheduler_with_a_sparse_policy_gives_each_request_what_it_gets_alone(on
     (["--attention", "magicpig"], "serve runs graphable attention policies"),
     (["--attention-opt", "budget=0.1"], "--attention-opt needs a sparse --attention policy"),
     (["--attention", "binarypc", "--attention-opt", "bits=0"], "bits must be in"),
+    (["--attention", "streaming", "--draft", "ngram"], "--draft with a sparse --attention policy"),
+    (["--draft", "ngram", "--block-size", "1"], "--block-size must be >= 2"),
 ])
 def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
     from sparsespec.cli import main

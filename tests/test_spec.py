@@ -53,11 +53,12 @@ def test_ngram_drafter_copies_the_latest_continuation():
     d = NgramDrafter(max_n=3, min_n=1)
     d.start([[]], None, 0)
     history = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]
-    propose = lambda h, k: d.propose([h], [k], SamplingConfig(), [None])  # noqa: E731
+    propose = lambda h, k: d.propose([h], [k], [SamplingConfig()], [None])  # noqa: E731
     assert propose(history, 3) == ([[2, 3, 5]], [None])  # the latest "5 6 7" wins
     assert propose(history + [4], 3) == ([[]], [None])  # 4 never occurred before
     d.start([[], []], None, 0)
-    assert d.propose([[1, 2, 9, 2], None], [2, 2], SamplingConfig(), [None, None]) == ([[9, 2], []], [None, None])
+    assert d.propose([[1, 2, 9, 2], None], [2, 2], [SamplingConfig()] * 2, [None, None]) == ([[9, 2], []],
+                                                                                             [None, None])
     # falls back to n = 1; a stopped row proposes nothing
 
 

@@ -75,7 +75,7 @@ def speculative_generate(model, input_ids: torch.LongTensor, logits_processor: L
     while not done:
         n = ids.shape[1] - 1  # committed tokens in the target's cache; the pending one (ids[-1]) goes to slot n
         k = min(block_size - 1, generation_config.max_length - ids.shape[1] - 1)
-        proposals = drafter.propose([ids[0].tolist()], [max(k, 0)], GREEDY, [None])[0][0][:max(k, 0)]
+        proposals = drafter.propose([ids[0].tolist()], [max(k, 0)], [GREEDY], [None])[0][0][:max(k, 0)]
         block = torch.cat([ids[:, -1:], torch.tensor([proposals], dtype=ids.dtype, device=ids.device)], dim=1)
         out = model(block, cache=cache, output_hidden_states=bool(taps))
         processed = torch.cat([logits_processor(torch.cat([ids, block[:, 1:i + 1]], dim=1), out.logits[:, i].float())
@@ -123,8 +123,8 @@ class HFModelDrafter(Drafter):
         self.model(torch.tensor(prompts, device=self.model.device), cache=self.cache, logits_to_keep=1)
 
     @torch.no_grad()
-    def propose(self, histories, ks, cfg, rngs):
-        if not cfg.greedy:
+    def propose(self, histories, ks, cfgs, rngs):
+        if not all(c.greedy for c in cfgs):
             raise SparseSpecError("HFModelDrafter drafts greedily")
         (history,), (k,) = histories, ks
         if history is None:

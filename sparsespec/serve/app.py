@@ -29,6 +29,7 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
 from ..attention.policy import Policy
+from ..spec.drafters import Drafter
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from .protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, ChatFormat, ChatRequest, CompletionRequest,
@@ -52,9 +53,10 @@ class ServeConfig:
 class Server:
     """The app's state: the engine, its scheduler and the served name."""
 
-    def __init__(self, engine: Engine, config: ServeConfig, policy: Policy | None = None):
+    def __init__(self, engine: Engine, config: ServeConfig, policy: Policy | None = None,
+                 drafter: Drafter | None = None):
         self.engine, self.config = engine, config
-        self.scheduler = Scheduler(engine, config.scheduler, policy)
+        self.scheduler = Scheduler(engine, config.scheduler, policy, drafter)
         self.created = int(time.time())
 
     def check_model(self, name: str) -> None:
@@ -175,9 +177,11 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None) -> FastAPI:
-    """`policy`: the sparse decode attention of every request (a graphable policy), None for dense."""
-    server = Server(engine, config, policy)
+def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None,
+               drafter: Drafter | None = None) -> FastAPI:
+    """`policy`: the sparse decode attention of every request (a graphable policy), None for dense. `drafter`:
+    lossless speculative decoding of every request."""
+    server = Server(engine, config, policy, drafter)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -32,6 +32,8 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig, RowOutput
 from ..runner import Runner
 from ..sampling import SamplingConfig, make_generator, sample, sample_rows
+from ..spec.drafters import Drafter
+from ..spec.verify import verify_sampling
 from .metrics import Metrics
 
 log = logging.getLogger("sparsespec.serve")
@@ -54,11 +56,14 @@ class SchedulerConfig:
     max_context: int = 4096  # positions per slot: prompt + max_tokens of a request must fit
     prefill_chunk: int = 1024  # prompt tokens prefilled per scheduler iteration (one slot at a time)
     cuda_graph: bool = True  # on CUDA, replay the decode step as a graph captured once
+    block_size: int = 8  # with a drafter: the verify block (the pending token + up to block_size - 1 proposals)
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise SparseSpecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise SparseSpecError(f"block-size must be >= 2 (one pending token + proposals), got {self.block_size}")
         if self.max_queue < 0:
             raise SparseSpecError(f"max-queue must be >= 0, got {self.max_queue}")
 
@@ -102,6 +107,7 @@ class _Slot:
         self.output = RowOutput(engine, job.gen)
         self.generator = make_generator(job.gen.sampling, device)
         self.prefilled = 0  # prompt tokens in the cache
+        self.features: list[torch.Tensor] = []  # with a drafter's taps: the prompt chunks' target features
         self.next_token: int | None = None  # decoding: the token the next step feeds
 
     @property
@@ -110,17 +116,27 @@ class _Slot:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig, policy: Policy | None = None):
+    def __init__(self, engine: Engine, config: SchedulerConfig, policy: Policy | None = None,
+                 drafter: Drafter | None = None):
         """`policy`: sparse decode attention for every row (graphable policies: their index is built per row as
-        its prompt completes); None: dense."""
+        its prompt completes); None: dense. `drafter`: lossless speculative decoding of every row (each step
+        drafts up to block_size - 1 tokens a row and verifies them in one dense forward of the batch)."""
         if config.max_context > engine.config.max_position:
             raise SparseSpecError(f"max-context {config.max_context} exceeds the model's context of "
                                   f"{engine.config.max_position} tokens")
         if policy is not None and not policy.graphable:
             raise SparseSpecError(f"serve runs graphable attention policies (per-row index); {policy.name} is not")
-        self.engine, self.config = engine, config
+        if policy is not None and drafter is not None:
+            raise SparseSpecError("a drafter with a sparse attention policy is not supported: use one of them "
+                                  "(or draft with self:POLICY)")
+        if drafter is not None and engine.config.sliding_window is not None:
+            raise SparseSpecError("speculative decoding does not support sliding-window models yet")
+        self.engine, self.config, self.drafter = engine, config, drafter
         self.metrics = Metrics(self.queue_length, self.running_rows, config.max_batch)
-        self.runner = Runner(engine.model, config.max_batch, config.max_context, policy, config.cuda_graph)
+        # with a drafter, room for a verify block past every row's last position
+        capacity = min(config.max_context + (config.block_size if drafter else 0), engine.config.max_position)
+        self.runner = Runner(engine.model, config.max_batch, capacity, drafter.policy if drafter else policy,
+                             config.cuda_graph, taps=drafter.taps if drafter else ())
         self.slots: list[_Slot | None] = [None] * config.max_batch
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -186,6 +202,9 @@ class Scheduler:
         torch.set_grad_enabled(False)
         try:
             self.runner.build()  # a policy's index of the empty batch (rows get theirs as their prompts complete)
+            if self.drafter is not None:  # the drafter's empty batch (rows start as their prompts complete)
+                self.drafter.bind(self.runner)
+                self.drafter.start([[] for _ in self.slots], None, self.runner.cache.capacity)
             self.runner.capture()  # CUDA: the decode graph of the whole batch, once, before the first request
             while True:
                 with self._cond:
@@ -220,17 +239,22 @@ class Scheduler:
         if prefilling:
             self._prefill_chunk(min(prefilling, key=lambda i: self.slots[i].job.arrival))
         if any(s is not None and s.decoding for s in self.slots):
-            self._decode()
+            self._decode() if self.drafter is None else self._speculate()
 
     def _prefill_chunk(self, i: int) -> None:
         slot = self.slots[i]
         prompt, start = slot.job.prompt, slot.prefilled
         chunk = prompt[start:start + self.config.prefill_chunk]
-        hidden = self.runner.prefill_row(i, chunk, start)
+        hidden, features = self.runner.prefill_row_tapped(i, chunk, start)
+        if features is not None:
+            slot.features.append(features)
         slot.prefilled += len(chunk)
         self.metrics.prompt_tokens.inc(len(chunk))
         if slot.prefilled == len(prompt):
             self.runner.index_row(i)
+            if self.drafter is not None:
+                self.drafter.start_row(i, prompt, torch.cat(slot.features) if slot.features else None)
+                slot.features = []
             logits = self.engine.model.logits(hidden[None])
             token = int(sample(logits, slot.job.gen.sampling, slot.generator)[0])
             self.metrics.ttft.observe(time.perf_counter() - slot.job.arrival)
@@ -256,6 +280,42 @@ class Scheduler:
         for i, d in enumerate(decoding[:rows]):
             if d:
                 self._take(i, new[i])
+
+    def _speculate(self) -> None:
+        """One speculative step of every decoding row (as `spec.decode.speculative_generate` runs it, row by row
+        with its own settings and generator): draft, verify in one dense forward of the batch (rows not decoding
+        ride along and are rolled back), commit each row's accepted prefix and the target's next token."""
+        start = time.perf_counter()
+        block, cap = self.config.block_size, self.runner.cache.capacity
+        decoding = [s is not None and s.decoding for s in self.slots]
+        lengths = list(self.runner.cache.lengths)  # a decoding row's pending token goes to slot lengths[r]
+        histories = [s.job.prompt + s.output.ids if d else None for s, d in zip(self.slots, decoding)]
+        ks = [min(block - 1, min(len(s.job.prompt) + s.job.gen.max_new_tokens + block, cap) - n - 1) if d else 0
+              for s, d, n in zip(self.slots, decoding, lengths)]
+        cfgs = [s.job.gen.sampling if d else _GREEDY for s, d in zip(self.slots, decoding)]
+        rngs = [s.generator if d else None for s, d in zip(self.slots, decoding)]
+        proposals, probs = self.drafter.propose(histories, ks, cfgs, rngs)
+        width = min(1 + max(len(p) for p in proposals), cap - max(lengths))
+        proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
+        blocks = [[h[-1]] + p + [h[-1]] * (width - 1 - len(p)) if h is not None else [0] * width
+                  for h, p in zip(histories, proposals)]
+        logits, features = self.runner.verify(torch.tensor(blocks, device=self.runner.device), block)
+        commits = [verify_sampling(torch.tensor(p, dtype=torch.long, device=logits.device),
+                                   None if q is None else q[:len(p)], logits[r, :len(p) + 1], cfgs[r], rngs[r])
+                   if d else None for r, (p, q, d) in enumerate(zip(proposals, probs, decoding))]
+        accepted = [None if c is None else len(c) - 1 for c in commits]
+        self.runner.truncate([n + a + 1 if a is not None else (s.prefilled if s is not None else 0)
+                              for n, a, s in zip(lengths, accepted, self.slots)])
+        self.drafter.commit([None if c is None else h + c for h, c in zip(histories, commits)], accepted,
+                            None if features is None else [features[r, :width] for r in range(len(blocks))])
+        self.metrics.step.observe(time.perf_counter() - start)
+        self.metrics.tokens(sum(len(c) for c in commits if c is not None))
+        for i, new in enumerate(commits):
+            job = None if new is None else self.slots[i].job
+            for token in new or ():
+                if self.slots[i] is None or self.slots[i].job is not job:
+                    break  # the row finished (or its client left) within this step's tokens
+                self._take(i, token)
 
     def _take(self, i: int, token: int) -> None:
         """Slot `i` generated `token`: hand its text on; free the slot once the row is done."""

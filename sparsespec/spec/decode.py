@@ -94,7 +94,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         lengths = runner.cache.lengths  # row r's pending token goes to slot lengths[r] (= len(history) - 1)
         ks = [min(block_size - 1, room - n - 1) if on else 0 for room, n, on in zip(rooms, lengths, live)]
         proposals, draft_probs = drafter.propose([h if on else None for h, on in zip(histories, live)], ks,
-                                                 gen.sampling, rngs)
+                                                 [gen.sampling] * len(prompts), rngs)
         # every row's block is written from its length on: near the context's end the widest block must fit too
         width = min(1 + max(len(p) for p in proposals), capacity - max(lengths))
         proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]

@@ -27,7 +27,6 @@ from ..config import ModelConfig, RopeScaling
 from ..errors import SparseSpecError
 from ..models.rope import inverse_frequencies, rope_cos_sin
 from ..models.transformer import Block, RMSNorm, StepPlan, Transformer
-from ..sampling import SamplingConfig
 from .drafters import Drafter
 
 
@@ -238,8 +237,17 @@ class DFlashDrafter(Drafter):
         B = self.model.cfg.block_size
         cfg = dataclasses.replace(self.model.cfg.layer_config, max_position=capacity + B)
         self.cache = KVCache(cfg, len(prompts), capacity + B, self.model.fc.weight.dtype, device)
-        self._ingest(features, [0] * len(prompts))
+        if features is not None and any(f is not None for f in features):  # (continuous batching starts empty)
+            self._ingest(features, [0] * len(prompts))
         self.cache.truncate([len(p) for p in prompts])
+
+    @torch.inference_mode()
+    def start_row(self, row, prompt, features):
+        positions = torch.arange(len(prompt), device=features.device)[None]
+        self.model.ingest(features[None], positions, self.cache.rows(row, row + 1))
+        lengths = list(self.cache.lengths)
+        lengths[row] = len(prompt)
+        self.cache.truncate(lengths)
 
     def _ingest(self, features: list[torch.Tensor | None], starts: list[int]) -> None:
         """Row r's features [T_r, ·] at positions starts[r] .. (rows padded to one length; a row without features
@@ -255,7 +263,7 @@ class DFlashDrafter(Drafter):
         self.model.ingest(padded, positions, self.cache)
 
     @torch.inference_mode()
-    def propose(self, histories, ks, cfg: SamplingConfig, rng):
+    def propose(self, histories, ks, cfgs, rngs):
         B = self.model.cfg.block_size
         if all(h is None or k < 1 for h, k in zip(histories, ks)):
             return [[] for _ in histories], [None] * len(histories)

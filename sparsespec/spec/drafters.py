@@ -5,16 +5,18 @@ The speculative loop (decode.py) drives a drafter through three calls, for every
     start(prompts, features, capacity)  after the target's prefill; features[r] [L_r, taps * hidden] of row r's
                                      prompt positions when the drafter asked for target layers (`taps`), else
                                      None; capacity = the most positions a row reaches
-    propose(histories, ks, cfg, rngs)  histories[r] = every committed token of row r, the last one not yet seen by
+    propose(histories, ks, cfgs, rngs)  histories[r] = every committed token of row r, the last one not yet seen by
                                      the target, or None for a row that has stopped (propose nothing, keep its
                                      state); -> per row up to ks[r] proposed continuations, and the distributions
-                                     they were drawn from ([k_r, V], drawn with rngs[r]) or None for point-mass
-                                     proposals (argmax drafts, copies)
+                                     they were drawn from ([k_r, V], drawn under cfgs[r] with rngs[r]) or None for
+                                     point-mass proposals (argmax drafts, copies)
     commit(histories, accepted, features)  after verification: row r kept accepted[r] proposals (then one target
                                      token; None for a stopped row); features[r] of the tokens the target has just
                                      cached, [accepted[r] + 1, ·]
 
 A row's proposals and random draws depend on that row alone, so a batch drafts for each row what it would alone.
+Continuous batching (`serve`) starts rows one at a time: `start` of the empty batch, then `start_row` as each
+row's prompt completes.
 """
 
 from __future__ import annotations
@@ -44,8 +46,13 @@ class Drafter(ABC):
     def start(self, prompts: list[list[int]], features: list[torch.Tensor] | None, capacity: int) -> None:
         """`capacity`: the most positions any row will reach (prompt + new tokens + a block)."""
 
+    def start_row(self, row: int, prompt: list[int], features: torch.Tensor | None) -> None:
+        """Continuous batching: row `row` (of a batch started with `start`) begins `prompt`, now in the target's
+        cache; features [L, taps * hidden] of its positions when the drafter has `taps`."""
+        raise SparseSpecError(f"the {self.name} drafter does not start rows one at a time")
+
     @abstractmethod
-    def propose(self, histories: Rows, ks: list[int], cfg: SamplingConfig,
+    def propose(self, histories: Rows, ks: list[int], cfgs: list[SamplingConfig],
                 rngs: list[torch.Generator | None]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         ...
 
@@ -89,7 +96,10 @@ class NgramDrafter(Drafter):
     def start(self, prompts, features, capacity):
         self.rows = [_Lookup(self.sizes) for _ in prompts]
 
-    def propose(self, histories, ks, cfg, rngs):
+    def start_row(self, row, prompt, features):
+        self.rows[row] = _Lookup(self.sizes)
+
+    def propose(self, histories, ks, cfgs, rngs):
         return [[] if h is None else row.propose(h, k) for row, h, k in zip(self.rows, histories, ks)], \
             [None] * len(histories)
 
@@ -135,10 +145,15 @@ class ModelDrafter(Drafter):
 
     def start(self, prompts, features, capacity):
         self.runner = Runner(self.engine.model, len(prompts), capacity, cuda_graph=self.cuda_graph)
-        self.runner.prefill(prompts)
+        if any(prompts):  # (continuous batching starts empty rows)
+            self.runner.prefill(prompts)
 
     @torch.inference_mode()
-    def propose(self, histories, ks, cfg, rngs):
+    def start_row(self, row, prompt, features):
+        self.runner.prefill_row(row, prompt, 0)
+
+    @torch.inference_mode()
+    def propose(self, histories, ks, cfgs, rngs):
         runner = self.runner
         # the committed tokens each row has not drafted on yet, padded to one width (the padding is rolled back);
         # a stopped row is parked at slot 0 (its cache is not needed again)
@@ -153,10 +168,10 @@ class ModelDrafter(Drafter):
         tokens, probs = [[] for _ in histories], [[] for _ in histories]
         for i in range(kmax):
             step = []
-            best = logits.argmax(-1, keepdim=True) if cfg.greedy else None  # [B, 1]: every row's at once
+            best = logits.argmax(-1, keepdim=True)  # [B, 1]: every greedy row's at once
             for r, (h, k) in enumerate(zip(histories, ks)):
                 if h is not None and i < k:
-                    token, p = (best[r], None) if cfg.greedy else _sampled(logits[r], cfg, rngs[r])
+                    token, p = (best[r], None) if cfgs[r].greedy else _sampled(logits[r], cfgs[r], rngs[r])
                     tokens[r].append(token)
                     if p is not None:
                         probs[r].append(p)
@@ -191,8 +206,11 @@ class SelfDrafter(Drafter):
         if self.runner is None:
             raise SparseSpecError("the self drafter drafts through the target's runner: bind it first")
 
+    def start_row(self, row, prompt, features):
+        """(The target's runner builds the row's index: `Runner.index_row`.)"""
+
     @torch.inference_mode()
-    def propose(self, histories, ks, cfg, rngs):
+    def propose(self, histories, ks, cfgs, rngs):
         runner = self.runner
         lengths = list(runner.cache.lengths)  # row r's pending token (histories[r][-1]) goes to slot lengths[r]
         step = torch.tensor([0 if h is None else h[-1] for h in histories], device=runner.device)  # [B]
@@ -200,12 +218,12 @@ class SelfDrafter(Drafter):
         tokens, probs = [[] for _ in histories], [[] for _ in histories]
         for i in range(kmax):
             logits = runner.decode(step)  # [B, V]: a sparse step of every row
-            best = logits.argmax(-1, keepdim=True) if cfg.greedy else None  # [B, 1]: every row's at once
+            best = logits.argmax(-1, keepdim=True)  # [B, 1]: every greedy row's at once
             drawn = []
             for r, (h, k) in enumerate(zip(histories, ks)):
                 token = step[r:r + 1]
                 if h is not None and i < k:
-                    token, p = (best[r], None) if cfg.greedy else _sampled(logits[r], cfg, rngs[r])
+                    token, p = (best[r], None) if cfgs[r].greedy else _sampled(logits[r], cfgs[r], rngs[r])
                     tokens[r].append(token)
                     if p is not None:
                         probs[r].append(p)
