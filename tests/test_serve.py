@@ -109,6 +109,29 @@ def test_scheduler_interleaves_prefill_chunks_with_decode_steps(one_thread):
         assert events[k][-1].finish_reason == "length" and events[k][-1].completion_tokens == 24
 
 
+def serve_all(scheduler: Scheduler, prompts: list[list[int]], gen: GenerationConfig) -> list[str]:
+    """Submit every prompt at once to a started-here scheduler (more requests than slots: they queue), wait for
+    all to finish, stop it -> each request's whole text."""
+    events = {k: [] for k in range(len(prompts))}
+    finished = threading.Event()
+
+    def deliver(k):
+        def on(event):  # (the scheduler thread)
+            events[k].append(event)
+            if all(e and e[-1].finish_reason for e in events.values()):
+                finished.set()
+        return on
+
+    scheduler.start()
+    try:
+        for k, prompt in enumerate(prompts):
+            scheduler.submit(Job(prompt, gen, deliver(k)))
+        assert finished.wait(120)
+    finally:
+        scheduler.stop()
+    return ["".join(e.text for e in events[k]) for k in range(len(prompts))]
+
+
 @pytest.mark.parametrize("spec", ["binarypc:budget=0.3,min_tokens=4,sinks=2,window=4,dense_layers=0",
                                   "quest:budget=0.3,min_tokens=4,page=4,dense_layers=0",
                                   "streaming:budget=0.3,min_tokens=4,dense_layers=0"])
@@ -124,26 +147,10 @@ def test_scheduler_with_a_sparse_policy_gives_each_request_what_it_gets_alone(on
              "prompt of some seventy bytes to fill a few pages.", "abc abc abc abc abc"]
     prompts = [engine.encode(t) for t in texts]
     gen = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
-    events = {k: [] for k in range(len(prompts))}
-    finished = threading.Event()
-
-    def deliver(k):
-        def on(event):
-            events[k].append(event)
-            if all(e and e[-1].finish_reason for e in events.values()):
-                finished.set()
-        return on
-
-    scheduler.start()
-    try:
-        for k, prompt in enumerate(prompts):  # four requests through two slots
-            scheduler.submit(Job(prompt, gen, deliver(k)))
-        assert finished.wait(120)
-    finally:
-        scheduler.stop()
+    texts_served = serve_all(scheduler, prompts, gen)
     for k, prompt in enumerate(prompts):
         alone = engine.generate([prompt], gen, policy=policy()).texts[0]
-        assert "".join(e.text for e in events[k]) == alone, (k, spec)
+        assert texts_served[k] == alone, (k, spec)
         assert alone != engine.generate([prompt], gen).texts[0]  # the policy changes what the model says here
 
 
@@ -180,27 +187,11 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
         speculate = scheduler._speculate
         scheduler._speculate = lambda: steps.append(sum(s is not None and s.decoding for s in scheduler.slots)) \
             or speculate()  # rows a step verifies
-        events = {k: [] for k in range(len(prompts))}
-        finished = threading.Event()
-
-        def deliver(k):
-            def on(event):
-                events[k].append(event)
-                if all(e and e[-1].finish_reason for e in events.values()):
-                    finished.set()
-            return on
-
-        scheduler.start()
-        try:
-            for k, prompt in enumerate(prompts):  # four requests through two slots
-                scheduler.submit(Job(prompt, gen, deliver(k)))
-            assert finished.wait(120)
-        finally:
-            scheduler.stop()
+        texts_served = serve_all(scheduler, prompts, gen)
         for k, prompt in enumerate(prompts):
             alone = (engine.generate([prompt], gen).texts[0] if sampling.greedy else
                      speculative_generate(engine, [prompt], make(), gen, 4)[0].text)
-            assert "".join(e.text for e in events[k]) == alone, (k, drafter, sampling)
+            assert texts_served[k] == alone, (k, drafter, sampling)
         if sampling.greedy and drafter != "dflash":  # (an untrained DFlash drafter proposes noise)
             assert sum(steps) < 4 * 17  # proposals were accepted: fewer row-steps than tokens after the first
 
