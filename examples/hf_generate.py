@@ -64,8 +64,10 @@ def main() -> None:
     sparse = run(f"sparsespec_{args.policy}, {options.budget:g} budget", cache=cache)
     n = min(len(sparse), len(plain))
     attended = "all" if cache.mean_attended is None else f"{cache.mean_attended:.1f}"  # dense counts none
-    print(f"keys attended per step and KV head: {attended} of ~{ids.shape[1] + new // 2}; "
-          f"{int((sparse[:n] == plain[:n]).cumprod(0).sum())} leading tokens equal to sdpa's")
+    same = int((sparse[:n] == plain[:n]).cumprod(0).sum())
+    print(f"keys attended per step and KV head: {attended} of ~{ids.shape[1] + new // 2}; " + (
+        f"the same {len(plain)} new tokens as sdpa" if torch.equal(sparse, plain) else
+        f"{same} leading tokens of {len(plain)} equal to sdpa's"))
 
     model.set_attn_implementation("sdpa")
     drafter = NgramDrafter() if args.drafter == "ngram" else hf.dflash_drafter(model, drafter_path(args.model))
