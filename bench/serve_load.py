@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import statistics
@@ -177,6 +178,7 @@ class ServerProcess:
         for flag in ("dtype", "max_context"):
             if getattr(args, flag) is not None:
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        cmd += shlex.split(args.serve_args)
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log,
                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -212,6 +214,8 @@ def main() -> None:
                    "a time)")
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--serve-args", default="", help="more `sparsespec serve` options for the started servers, e.g. "
+                   "\"--draft ngram --block-size 8\" or \"--attention binarypc:budget=0.02\"")
     p.add_argument("--clients", type=_ints, default=[64], help="concurrent clients, e.g. 1,16,64")
     p.add_argument("--requests", type=int, default=None, help="requests per run (default: the most clients)")
     p.add_argument("--max-tokens", type=int, default=32)
