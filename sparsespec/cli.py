@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ngram, dflash[:PATH], model:NAME, self:POLICY[:key=value,...]")
     sp.add_argument("--prompts", type=_positive_int, default=8, help="held-out prompts per kind")
     sp.add_argument("--kinds", default="code,text", help="prompt kinds: code, text, long-code (repository-level "
-                    "completion), long-text (questions on long documents)")
+                    "completion), long-text (questions on long documents), humaneval (the 164 HumanEval problems, "
+                    "in task order; --prompts 164 for all)")
     sp.add_argument("--long-chars", type=_positive_int, default=64_000,
                     help="context size of the long kinds in characters (about 4 per token)")
     sp.add_argument("--temperatures", default="0,1")

