@@ -19,7 +19,8 @@ from sparsespec.cache import KVCache
 from sparsespec.config import ModelConfig
 from sparsespec.graphs import CudaGraphDecodeStep
 from sparsespec.models.transformer import Transformer
-from sparsespec.sparse_bench import LLAMA31_8B, copy_bandwidth, random_model, time_ms
+from sparsespec.models.shapes import LLAMA31_8B, random_model
+from sparsespec.sparse_bench import copy_bandwidth, time_ms
 
 
 def step_bytes(model: Transformer, cfg: ModelConfig, batch: int, context: int) -> int:

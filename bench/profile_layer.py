@@ -12,7 +12,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparsespec.attention import make_policy, parse_spec
-from sparsespec.sparse_bench import LLAMA31_8B, random_cache
+from sparsespec.models.shapes import LLAMA31_8B
+from sparsespec.sparse_bench import random_cache
 
 
 def main() -> None:

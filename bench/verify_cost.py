@@ -18,18 +18,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparsespec.cache import KVCache
-from sparsespec.config import ModelConfig
 from sparsespec.graphs import CudaGraphStep, _step
-from sparsespec.sparse_bench import LLAMA31_8B, copy_bandwidth, random_model, time_ms
-
-QWEN = dict(arch="qwen2", vocab_size=151936, max_position=32768, rope_theta=1e6, qkv_bias=True, tie_embeddings=True)
-SHAPES = {
-    "qwen2.5-coder-1.5b": ModelConfig(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
-                                      num_kv_heads=2, head_dim=128, **QWEN),
-    "qwen2.5-coder-0.5b": ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                                      num_kv_heads=2, head_dim=64, **QWEN),
-    "llama-3.1-8b": LLAMA31_8B,
-}
+from sparsespec.models.shapes import SHAPES, random_model
+from sparsespec.sparse_bench import copy_bandwidth, time_ms
 
 
 def kernel_table(model, cache, tokens, positions, steps: int = 10, top: int = 12) -> list[tuple[str, float, int]]:

@@ -123,6 +123,13 @@ class Engine:
             raise SparseSpecError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SparseSpecError("--device cuda requested but no CUDA device is available")
+        kind, _, shape_name = name_or_path.partition(":")
+        if kind == "random" and shape_name:  # speed measurements: random weights in a real shape
+            from .models.shapes import ByteTokenizer, random_model, shape
+
+            cfg = shape(shape_name)
+            model = random_model(cfg, device, DTYPES[dtype])
+            return cls(LoadedModel(model, ByteTokenizer(), cfg, None))
         path = resolve(name_or_path, progress=progress)
         return cls(load(path, device=device, dtype=DTYPES[dtype], progress=progress))
 

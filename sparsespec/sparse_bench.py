@@ -21,17 +21,11 @@ import torch.nn.functional as F
 
 from .attention import make_policy, parse_spec
 from .cache import KVCache
-from .config import ModelConfig, RopeScaling
+from .config import ModelConfig
 from .generate import prefill
 from .graphs import CudaGraphDecodeStep
-from .models.rope import inverse_frequencies
-from .models.transformer import Transformer
+from .models.shapes import LLAMA31_8B, random_model
 
-LLAMA31_8B = ModelConfig(
-    arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-    num_kv_heads=8, head_dim=128, max_position=131072 + 1024, rms_eps=1e-5, rope_theta=500000.0,
-    rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
-)
 
 
 def time_ms(fn, iters: int = 20, repeats: int = 5) -> float:
@@ -171,17 +165,6 @@ def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]
                                              plan.idx.view(B, Hkv, -1), plan.count.view(B, Hkv))
     return {"score": time_ms(graphed(lambda: policy.fixed_keys(0, q, cache))),
             "select": time_ms(graphed(select)), "attend": time_ms(graphed(attend))}
-
-
-def random_model(cfg: ModelConfig) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(cfg).to(torch.bfloat16)
-    model = model.to_empty(device="cuda")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
-    model.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).cuda()
-    return model.eval()
 
 
 def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConfig = LLAMA31_8B,

@@ -98,27 +98,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (vocabulary 256) and a chat template that passes the message through."""
-
-    eos_token_id = None
-    chat_template = "plain"
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": list(text.encode())}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(ids).decode(errors="replace")
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        return messages[-1]["content"]
-
-
 def byte_engine(seed: int = 0):
     """A tiny random llama on the ByteTokenizer: `eval` and `bench spec` end to end on real text in milliseconds."""
     from sparsespec.config import ModelConfig
     from sparsespec.generate import Engine
     from sparsespec.models.loading import LoadedModel
+    from sparsespec.models.shapes import ByteTokenizer
     from sparsespec.models.transformer import Transformer
 
     cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,

@@ -291,6 +291,17 @@ def test_prompts_file_is_one_batch(capsys, tmp_path, byte_model):
     assert [json.loads(line)["token_ids"] for line in lines] == [r["token_ids"] for r in records]
 
 
+def test_random_weight_models_in_real_shapes(capsys):
+    """`--model random:SHAPE`: a model of that shape with random weights (speed measurements), bytes as tokens."""
+    code, out, _ = run_main(capsys, "generate", "--model", "random:tiny", "--prompt", "héllo", "--max-new-tokens",
+                            "5", "--json")
+    record = json.loads(out)
+    assert code == 0 and record["prompt_tokens"] == len("héllo".encode()) and len(record["token_ids"]) == 5
+    assert max(record["token_ids"]) < 512  # the shape's vocabulary
+    assert_clear_error(*run_main(capsys, "generate", "--model", "random:nope", "--prompt", "x")[::2],
+                       "unknown model shape 'nope'")
+
+
 def test_bad_prompts_files(capsys, tmp_path):
     for name, content, needle in (("empty.txt", "\n \n", "no prompts"), ("num.jsonl", '{"prompt": 3}\n', "line 1"),
                                   ("bad.jsonl", '{"prompt": "a"}\n[1]\n', "line 2")):
