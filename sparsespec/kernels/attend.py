@@ -23,6 +23,15 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT: tl.constexpr):
+    """K and V rows of `slots` [N] (zeros where not `valid`) -> k_tile, v_tile [N, D] in the dot dtype."""
+    mask = valid[:, None]
+    k_tile = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
+    v_tile = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
+    return k_tile.to(DOT), v_tile.to(DOT)
+
+
+@triton.jit
 def _softmax_step(m_i, l_i, acc, s, v_tile, V_DTYPE: tl.constexpr, DOT: tl.constexpr):
     """One block of the online softmax: scores s [R, N] (log2 domain, -inf where not attended), v_tile [N, D] ->
     the running max m [R], sum l [R] and unnormalised output acc [R, D] (fp32) after it. A row that has seen no
@@ -68,10 +77,7 @@ def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chu
         cols = start + offs_n
         valid = cols < hi
         slots = tl.load(idx_base + cols, mask=valid, other=0)  # [BLOCK_N]
-        k_ptrs = k_base + slots[:, None] * stride_ks + offs_d[None, :]
-        v_ptrs = v_base + slots[:, None] * stride_vs + offs_d[None, :]
-        k_tile = tl.load(k_ptrs, mask=valid[:, None], other=0.0).to(DOT)  # [BLOCK_N, D]
-        v_tile = tl.load(v_ptrs, mask=valid[:, None], other=0.0).to(DOT)  # [BLOCK_N, D]
+        k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
@@ -214,10 +220,7 @@ def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale
     for start in range(lo, hi, BLOCK_N):
         slots = start + offs_n
         valid = slots < hi
-        k_tile = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=valid[:, None],
-                         other=0.0).to(DOT)  # [BLOCK_N, D]
-        v_tile = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=valid[:, None],
-                         other=0.0).to(DOT)
+        k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
         seen = valid[None, :] & (slots[None, :] <= pos[:, None])
         s = tl.where(seen, s, float("-inf"))

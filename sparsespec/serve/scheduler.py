@@ -32,8 +32,8 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig, RowOutput
 from ..runner import Runner
 from ..sampling import SamplingConfig, make_generator, sample, sample_rows
+from ..spec.decode import speculative_step
 from ..spec.drafters import Drafter
-from ..spec.verify import verify_sampling
 from .metrics import Metrics
 
 log = logging.getLogger("sparsespec.serve")
@@ -205,7 +205,8 @@ class Scheduler:
             if self.drafter is not None:  # the drafter's empty batch (rows start as their prompts complete)
                 self.drafter.bind(self.runner)
                 self.drafter.start([[] for _ in self.slots], None, self.runner.cache.capacity)
-            self.runner.capture()  # CUDA: the decode graph of the whole batch, once, before the first request
+            if self.drafter is None or self.drafter.policy is not None:  # (other drafters step by verify alone)
+                self.runner.capture()  # CUDA: the decode graph of the whole batch, once, before the first request
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping or self._has_work())
@@ -282,32 +283,19 @@ class Scheduler:
                 self._take(i, new[i])
 
     def _speculate(self) -> None:
-        """One speculative step of every decoding row (as `spec.decode.speculative_generate` runs it, row by row
-        with its own settings and generator): draft, verify in one dense forward of the batch (rows not decoding
-        ride along and are rolled back), commit each row's accepted prefix and the target's next token."""
+        """One speculative step of every decoding row (`spec.decode.speculative_step`, row by row with its own
+        settings and generator): rows not decoding ride along and go back to their prompt progress (idle: 0)."""
         start = time.perf_counter()
         block, cap = self.config.block_size, self.runner.cache.capacity
         decoding = [s is not None and s.decoding for s in self.slots]
-        lengths = list(self.runner.cache.lengths)  # a decoding row's pending token goes to slot lengths[r]
         histories = [s.job.prompt + s.output.ids if d else None for s, d in zip(self.slots, decoding)]
         ks = [min(block - 1, min(len(s.job.prompt) + s.job.gen.max_new_tokens + block, cap) - n - 1) if d else 0
-              for s, d, n in zip(self.slots, decoding, lengths)]
-        cfgs = [s.job.gen.sampling if d else _GREEDY for s, d in zip(self.slots, decoding)]
-        rngs = [s.generator if d else None for s, d in zip(self.slots, decoding)]
-        proposals, probs = self.drafter.propose(histories, ks, cfgs, rngs)
-        width = min(1 + max(len(p) for p in proposals), cap - max(lengths))
-        proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
-        blocks = [[h[-1]] + p + [h[-1]] * (width - 1 - len(p)) if h is not None else [0] * width
-                  for h, p in zip(histories, proposals)]
-        logits, features = self.runner.verify(torch.tensor(blocks, device=self.runner.device), block)
-        commits = [verify_sampling(torch.tensor(p, dtype=torch.long, device=logits.device),
-                                   None if q is None else q[:len(p)], logits[r, :len(p) + 1], cfgs[r], rngs[r])
-                   if d else None for r, (p, q, d) in enumerate(zip(proposals, probs, decoding))]
-        accepted = [None if c is None else len(c) - 1 for c in commits]
-        self.runner.truncate([n + a + 1 if a is not None else (s.prefilled if s is not None else 0)
-                              for n, a, s in zip(lengths, accepted, self.slots)])
-        self.drafter.commit([None if c is None else h + c for h, c in zip(histories, commits)], accepted,
-                            None if features is None else [features[r, :width] for r in range(len(blocks))])
+              for s, d, n in zip(self.slots, decoding, self.runner.cache.lengths)]
+        commits = speculative_step(
+            self.runner, self.drafter, histories, ks,
+            [s.job.gen.sampling if d else _GREEDY for s, d in zip(self.slots, decoding)],
+            [s.generator if d else None for s, d in zip(self.slots, decoding)], block,
+            [s.prefilled if s is not None else 0 for s in self.slots])
         self.metrics.step.observe(time.perf_counter() - start)
         self.metrics.tokens(sum(len(c) for c in commits if c is not None))
         for i, new in enumerate(commits):

@@ -25,7 +25,7 @@ import torch
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..runner import Runner
-from ..sampling import make_generator, sample
+from ..sampling import SamplingConfig, make_generator, sample
 from .drafters import Drafter
 from .verify import verify_greedy_rows, verify_sampling
 
@@ -75,7 +75,6 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
                     compile=gen.compile, taps=drafter.taps)
     drafter.bind(runner)
     rngs = [make_generator(gen.sampling, engine.device) for _ in prompts]
-    device = engine.device
 
     start = time.perf_counter()
     hidden, features = runner.prefill_tapped(prompts, gen.prefill_chunk)  # [B, H], [B, T, taps * H] or None
@@ -93,31 +92,13 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     while any(live):
         lengths = runner.cache.lengths  # row r's pending token goes to slot lengths[r] (= len(history) - 1)
         ks = [min(block_size - 1, room - n - 1) if on else 0 for room, n, on in zip(rooms, lengths, live)]
-        proposals, draft_probs = drafter.propose([h if on else None for h, on in zip(histories, live)], ks,
-                                                 [gen.sampling] * len(prompts), rngs)
-        # every row's block is written from its length on: near the context's end the widest block must fit too
-        width = min(1 + max(len(p) for p in proposals), capacity - max(lengths))
-        proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
-        blocks = [[h[-1]] + p + [h[-1]] * (width - 1 - len(p)) for h, p in zip(histories, proposals)]
-        logits, feats = runner.verify(torch.tensor(blocks, device=device), block_size)  # [B, width, V]
-        if gen.sampling.greedy:  # every row at once, one read-back
-            commits = verify_greedy_rows(proposals, logits)
-        else:  # row by row, each with its own generator (as alone)
-            commits = [verify_sampling(torch.tensor(p, dtype=torch.long, device=device),
-                                       None if draft_probs[r] is None else draft_probs[r][:len(p)],
-                                       logits[r, :len(p) + 1], gen.sampling, rngs[r]) if on else []
-                       for r, (p, on) in enumerate(zip(proposals, live))]
-        accepted: list[int | None] = [len(new) - 1 if on else None for new, on in zip(commits, live)]
+        # a stopped row is parked at slot 0
+        commits = speculative_step(runner, drafter, [h if on else None for h, on in zip(histories, live)], ks,
+                                   [gen.sampling] * len(prompts), rngs, block_size, [0] * len(prompts))
         for r, new in enumerate(commits):
-            if live[r]:
-                histories[r] += new
-        # the accepted prefix of each live row is committed; a stopped row is parked at slot 0
-        runner.truncate([n + a + 1 if a is not None else 0 for n, a in zip(lengths, accepted)])
-        drafter.commit([h if a is not None else None for h, a in zip(histories, accepted)], accepted,
-                       None if feats is None else [feats[r, :width] for r in range(len(prompts))])
-        for r, new in enumerate(commits):
-            if not live[r]:
+            if new is None:
                 continue
+            histories[r] += new
             used = 0  # tokens of this step that reach the output (a stop may cut the step short)
             for t in new:
                 outs[r].append(t)
@@ -131,3 +112,33 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     decode_s = time.perf_counter() - start
     return [SpecGeneration(out, engine._text(out, gen), len(p), ttft, decode_s, steps)
             for out, p, steps in zip(outs, prompts, committed_per_step)]
+
+
+def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],
+                     cfgs: list[SamplingConfig], rngs: list[torch.Generator | None], block_size: int,
+                     parked: list[int]) -> list[list[int] | None]:
+    """One draft-verify-commit step of every row of the runner's batch. histories[r]: row r's committed tokens, the
+    last one pending (its slot is the row's length), or None for a row that does not decode now (it rides along and
+    is put back at parked[r] slots); up to ks[r] proposals drawn under cfgs[r] with rngs[r]. -> per row the tokens
+    it commits (its accepted proposals, then the target's next token), None where it does not decode. The runner
+    and the drafter are left at each decoding row's new length."""
+    lengths = list(runner.cache.lengths)
+    proposals, probs = drafter.propose(histories, ks, cfgs, rngs)
+    # every row's block is written from its length on: near the context's end the widest block must fit too
+    width = min(1 + max(len(p) for p in proposals), runner.cache.capacity - max(lengths))
+    proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
+    blocks = [[0] * width if h is None else [h[-1]] + p + [h[-1]] * (width - 1 - len(p))
+              for h, p in zip(histories, proposals)]
+    logits, features = runner.verify(torch.tensor(blocks, device=runner.device), block_size)  # [B, width, V]
+    live = [h is not None for h in histories]
+    if all(c.greedy for c, on in zip(cfgs, live) if on):  # every row at once, one read-back
+        commits = [new if on else None for new, on in zip(verify_greedy_rows(proposals, logits), live)]
+    else:  # row by row, each with its own settings and generator (as alone)
+        commits = [verify_sampling(torch.tensor(p, dtype=torch.long, device=logits.device),
+                                   None if q is None else q[:len(p)], logits[r, :len(p) + 1], cfgs[r], rngs[r])
+                   if on else None for r, (p, q, on) in enumerate(zip(proposals, probs, live))]
+    accepted = [None if c is None else len(c) - 1 for c in commits]
+    runner.truncate([n + a + 1 if a is not None else rest for n, a, rest in zip(lengths, accepted, parked)])
+    drafter.commit([None if c is None else h + c for h, c in zip(histories, commits)], accepted,
+                   None if features is None else [features[r, :width] for r in range(len(blocks))])
+    return commits
