@@ -45,6 +45,7 @@ class Runner:
         self.cuda_graph, self.compile, self.prefer_fixed = cuda_graph, compile, fixed
         self.taps = tuple(taps)
         self.graph: CudaGraphDecodeStep | None = None
+        self.row_graphs: dict[int, CudaGraphDecodeStep] = {}  # dense decode of the first n rows (n < batch)
         self.verify_graphs: dict[int, CudaGraphStep] = {}  # by width: dense multi-token steps
         self._set(policy)
 
@@ -124,14 +125,27 @@ class Runner:
             self.graph = None  # the plan's buffers are new: capture again
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, rows: bool = False) -> None:
         """Capture the decode step as a CUDA graph now (else at the first graphed `decode`); once per runner and
-        policy build (batch size and capacity are fixed)."""
+        policy build (batch size and capacity are fixed). `rows`: dense decoding also captures the steps of the
+        first 1, 2, 4, ... rows, which `decode_rows` replays for a short prefix of busy rows (continuous batching
+        under light load then reads the cache of those rows only)."""
         if self.graphed and self.graph is None:
             self.graph = CudaGraphDecodeStep(self.model, self.cache, self.compile, policy=self.policy)
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
             if self.policy is not None:
                 self.policy.reset_attended()
+        if rows and self.graphed and self.policy is None:
+            n = 1
+            while n < self.cache.batch:
+                self._row_graph(n)
+                n *= 2
+
+    def _row_graph(self, n: int) -> CudaGraphDecodeStep:
+        """The dense decode graph of rows [0, n) (a view of their cache slots), captured once."""
+        if n not in self.row_graphs:
+            self.row_graphs[n] = CudaGraphDecodeStep(self.model, self.cache.rows(0, n), self.compile)
+        return self.row_graphs[n]
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -160,14 +174,19 @@ class Runner:
     @torch.inference_mode()
     def decode_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """Continuous batching: a decode step of the first `len(tokens)` rows only (the others keep their cache and
-        lengths); -> their next-token logits. Eager dense steps compute just those rows; a graphed step, or a step
-        with a policy (whose index holds every row), runs the whole batch, the other rows' tokens 0, and rolls their
-        lengths back."""
+        lengths); -> their next-token logits. Eager dense steps compute just those rows; graphed dense steps replay
+        the graph of the first 1, 2, 4, ... rows that covers them; a step with a policy (whose index holds every
+        row) runs the whole batch. Rows computed beyond the first `len(tokens)` get token 0 and their lengths
+        rolled back."""
         n, B = len(tokens), self.cache.batch
         if not 0 < n <= B:
             raise ValueError(f"decode_rows of {n} rows in a batch of {B}")
         lengths = list(self.cache.lengths)
-        if self.graphed or self.policy is not None:
+        m = min(1 << (n - 1).bit_length(), B)  # a graph of rows [0, m): [n, m) ride along
+        if self.graphed and self.policy is None and m < B:
+            logits = self._row_graph(m)(torch.cat([tokens, tokens.new_zeros(m - n)]),
+                           torch.tensor(lengths[:m], device=self.device))[:n]
+        elif self.graphed or self.policy is not None:
             logits = self.decode(torch.cat([tokens, tokens.new_zeros(B - n)]))[:n]
         else:
             positions = torch.tensor(lengths[:n], device=self.device)

@@ -219,3 +219,22 @@ def test_graphed_basis_fit_equals_eager(counts):
         graphed = fit_basis(keys, 16, 3, torch.Generator().manual_seed(seed), counts, graphs)
         assert len(graphs) == 1 and torch.equal(eager, graphed)
         keys = torch.randn_like(keys)
+
+
+@cuda
+def test_decode_rows_replays_the_graph_of_a_row_prefix(tmp_path):
+    """Continuous batching on CUDA: a step of the first n busy rows replays the dense graph of the first 1, 2, 4, ...
+    rows that covers them (rows past n ride along and are rolled back), equal to the eager step of those rows."""
+    tiny_hf_model("qwen2").save_pretrained(tmp_path)
+    model = load(tmp_path, device="cuda", with_tokenizer=False).model
+    prompts = [[3 + r, 5, 7 + 2 * r, 11][: 2 + r % 3] for r in range(6)]
+    eager, graphed = (Runner(model, 6, 64, cuda_graph=graph) for graph in (False, True))
+    for runner in (eager, graphed):
+        runner.prefill(prompts, chunk=4)
+    graphed.capture(rows=True)
+    assert sorted(graphed.row_graphs) == [1, 2, 4]
+    for n in (1, 3, 2, 5, 6, 4):
+        tokens = torch.arange(1, n + 1, device="cuda")
+        expected = eager.decode_rows(tokens)
+        torch.testing.assert_close(graphed.decode_rows(tokens), expected, rtol=1e-4, atol=1e-4)
+        assert graphed.cache.lengths == eager.cache.lengths

@@ -5,7 +5,8 @@
            one prefill chunk of the oldest prefilling slot (`Runner.prefill_row`: the other rows keep their cache);
              its prompt complete -> its first token is sampled and the slot decodes from the next step on
            one batched decode step of every decoding slot (`Runner.decode_rows`: on the CPU the rows up to the
-             last decoding one, on the GPU a replay of the graph of the whole batch, captured once); each row
+             last decoding one; on the GPU a replay of the dense graph of the first 1, 2, 4, ... rows that covers them, or
+             of the whole batch with a sparse policy; each captured once); each row
              sampled under its own settings and generator
            a row that stops (EOS, stop token or string, max_tokens) or whose client left frees its slot
 
@@ -206,7 +207,8 @@ class Scheduler:
                 self.drafter.bind(self.runner)
                 self.drafter.start([[] for _ in self.slots], None, self.runner.cache.capacity)
             if self.drafter is None or self.drafter.policy is not None:  # (other drafters step by verify alone)
-                self.runner.capture()  # CUDA: the decode graph of the whole batch, once, before the first request
+                # CUDA: the decode graphs of the whole batch and (dense) of its first 1, 2, 4, ... rows, once
+                self.runner.capture(rows=True)
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping or self._has_work())
