@@ -238,3 +238,23 @@ def test_decode_rows_replays_the_graph_of_a_row_prefix(tmp_path):
         expected = eager.decode_rows(tokens)
         torch.testing.assert_close(graphed.decode_rows(tokens), expected, rtol=1e-4, atol=1e-4)
         assert graphed.cache.lengths == eager.cache.lengths
+
+
+@cuda
+@pytest.mark.parametrize("graph", [False, True])
+def test_decode_step_ignores_dead_slots(graph, tmp_path):
+    """What lies past a row's length (a finished request's tokens in a reused slot, a rejected draft) changes
+    nothing in a dense decode step, to the bit: the server's answers must not depend on a slot's history."""
+    tiny_hf_model("qwen2").save_pretrained(tmp_path)
+    model = load(tmp_path, device="cuda", with_tokenizer=False).model.to(torch.bfloat16)
+    runner = Runner(model, 3, 96, cuda_graph=graph)
+    runner.prefill([[3, 5, 7, 11, 13], list(range(2, 40)), [9] * 17], chunk=16)
+    lengths = list(runner.cache.lengths)
+    tokens = torch.tensor([1, 2, 3], device="cuda")
+    first = runner.decode(tokens).clone()
+    runner.truncate(lengths)
+    for layer in range(len(runner.cache.k)):
+        for row, n in enumerate(lengths):
+            runner.cache.k[layer][row, :, n + 1:] = 300.0
+            runner.cache.v[layer][row, :, n + 1:] = -300.0
+    assert torch.equal(runner.decode(tokens), first)

@@ -143,10 +143,12 @@ def test_cuda_graph_replay_follows_new_selection():
 
 
 @pytest.mark.parametrize("B,Hkv,G,T,S,D,dtype", [(2, 2, 4, 16, 100, 64, torch.bfloat16), (1, 1, 7, 3, 37, 16, torch.float32),
-                                                 (3, 2, 1, 5, 130, 128, torch.float16), (2, 3, 6, 2, 65, 32, torch.float32)])
+                                                 (3, 2, 1, 5, 130, 128, torch.float16), (2, 3, 6, 2, 65, 32, torch.float32),
+                                                 (3, 2, 4, 1, 90, 64, torch.bfloat16), (4, 1, 3, 1, 33, 32, torch.float32)])
 def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
-    """Verify blocks at each row's own offset (one ending at the last slot, one at the first slots), and positions
-    in any order; q strided as the model projects it; one split and several."""
+    """Verify blocks (and decode steps, T = 1) at each row's own offset (one ending at the last slot, one at the
+    first slots), and positions in any order; q strided as the model projects it; one split and several. The slots
+    past a row's last position are dead: what they hold changes nothing, to the bit."""
     gen = torch.Generator().manual_seed(B * 100 + T * 10 + D)
     q = torch.randn(B, T, Hkv * G, D, generator=gen).to(DEVICE, dtype).transpose(1, 2)  # [B, Hq, T, D] strided
     k = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
@@ -166,3 +168,7 @@ def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
         out = block_attention(q, k, v, positions, splits=splits)
         assert out.shape == (B, Hkv * G, T, D) and out.dtype == dtype
         assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), splits
+    dead = torch.arange(S, device=DEVICE) > positions.max(1).values[:, None]  # [B, S]
+    k[dead[:, None].expand_as(k[..., 0])] = 1e4
+    v[dead[:, None].expand_as(v[..., 0])] = float("nan")
+    assert torch.equal(block_attention(q, k, v, positions, splits=3), out)  # (the loop's last: 3 splits)

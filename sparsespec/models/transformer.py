@@ -95,10 +95,12 @@ def sparse_decode(policy: Policy, layer: int, q: torch.Tensor, cache: KVCache, p
     return policy.decode(layer, q, cache, positions)
 
 
-# Up to this many queries a row (a speculative verify block, a short chunk), CUDA steps attend with the Triton block
-# attention: each K/V row read once per KV head for every query of the block (SDPA's masked kernels re-read the
-# cache per query tile: a 16-token verify cost ~8x a decode step's attention). A custom op, so that torch.compile
-# keeps it whole inside its graph (no graph break) and the CUDA graph captures its launches.
+# Up to this many queries a row (a decode step, a speculative verify block, a short chunk), CUDA steps attend with
+# the Triton block attention: each K/V row read once per KV head for every query of the block, and only the slots up
+# to each row's position (SDPA's masked kernels re-read the cache per query tile: a 16-token verify cost ~8x a decode
+# step's attention; over the whole static cache a graphed decode step read every row's dead slots too, and on the
+# H200 its result could change with what those dead slots held). A custom op, so that torch.compile keeps it whole
+# inside its graph (no graph break) and the CUDA graph captures its launches.
 BLOCK_QUERIES = 32
 
 
@@ -165,7 +167,7 @@ class Transformer(nn.Module):
             begin_sparse_step(policy, positions[:, 0])  # the sparse layers' per-step metadata, built once
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
         mask = causal_mask(positions, kv_len, self.cfg.sliding_window)
-        block = (1 < positions.shape[1] <= BLOCK_QUERIES and self.cfg.sliding_window is None
+        block = (positions.shape[1] <= BLOCK_QUERIES and self.cfg.sliding_window is None
                  and triton_ready(positions.device))
         return StepPlan(positions, kv_len, cos, sin, mask, policy, observer, block)
 
