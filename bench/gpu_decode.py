@@ -18,7 +18,8 @@ import torch
 from sparsespec.cache import KVCache
 from sparsespec.config import ModelConfig
 from sparsespec.graphs import CudaGraphDecodeStep
-from sparsespec.models.transformer import Transformer
+from sparsespec.models import transformer
+from sparsespec.models.transformer import BLOCK_QUERIES, Transformer
 from sparsespec.models.shapes import LLAMA31_8B, random_model
 from sparsespec.sparse_bench import copy_bandwidth, time_ms
 
@@ -30,15 +31,22 @@ def step_bytes(model: Transformer, cfg: ModelConfig, batch: int, context: int) -
     return weights + embed_rows + kv
 
 
-VARIANTS = [("graph", False), ("compiled graph", True)]  # (name, torch.compile)
+# (name, torch.compile, the attention of the step: the Triton block attention (the engine's) or SDPA over the whole
+# static cache with a causal mask, as the engine's dense step attended before)
+VARIANTS = [("SDPA graph", False, "sdpa"), ("graph", False, "block"), ("compiled graph", True, "block")]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--shapes", default=None, help="batch x context pairs instead, e.g. 1x131072,16x32768")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled variant (minutes of compilation)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    variants = [v for v in VARIANTS if not (args.no_compile and v[1])]
+    shapes = ([tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else
+              [(b, c) for c in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))])
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 64  # one compilation per (variant, batch, context)
     bw = copy_bandwidth()
@@ -46,39 +54,40 @@ def main():
     cfg = LLAMA31_8B
     model = random_model(cfg)
     rows = []
-    for context in map(int, args.contexts.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            cache = KVCache(cfg, batch, context, torch.bfloat16, "cuda")
-            for t in cache.k + cache.v:
-                t.normal_()
-            positions = torch.full((batch,), context - 1, device="cuda")  # attend to the full context
-            tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
-            floor_ms = step_bytes(model, cfg, batch, context) / bw * 1e3
-            row = {"batch": batch, "context": context, "floor_ms": floor_ms}
-            reference = None
-            for name, compiled in VARIANTS:
-                start = time.perf_counter()
-                step = CudaGraphDecodeStep(model, cache, compile=compiled)
-                setup_s = time.perf_counter() - start
-                ms = time_ms(lambda: step(tokens, positions))
-                logits = step(tokens, positions).clone()
-                reference = logits if reference is None else reference
-                row[name] = {"ms": ms, "floor_fraction": floor_ms / ms, "setup_s": setup_s,
-                             "max_logit_diff_vs_first": (logits - reference).abs().max().item()}
-            rows.append(row)
-            del cache
-            torch.cuda.empty_cache()
-            print(json.dumps(row), flush=True)
-            if args.out:
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                (Path(args.out) / "gpu_decode.json").write_text(json.dumps(
-                    {"device": device, "copy_bandwidth": bw, "rows": rows}, indent=1))
+    for batch, context in shapes:
+        cache = KVCache(cfg, batch, context, torch.bfloat16, "cuda")
+        for t in cache.k + cache.v:
+            t.normal_()
+        positions = torch.full((batch,), context - 1, device="cuda")  # attend to the full context
+        tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
+        floor_ms = step_bytes(model, cfg, batch, context) / bw * 1e3
+        row = {"batch": batch, "context": context, "floor_ms": floor_ms}
+        reference = None
+        for name, compiled, attention in variants:
+            transformer.BLOCK_QUERIES = 0 if attention == "sdpa" else BLOCK_QUERIES
+            start = time.perf_counter()
+            step = CudaGraphDecodeStep(model, cache, compile=compiled)
+            setup_s = time.perf_counter() - start
+            ms = time_ms(lambda: step(tokens, positions))
+            logits = step(tokens, positions).clone()
+            reference = logits if reference is None else reference
+            del step
+            row[name] = {"ms": ms, "floor_fraction": floor_ms / ms, "setup_s": setup_s,
+                         "max_logit_diff_vs_first": (logits - reference).abs().max().item()}
+        rows.append(row)
+        del cache
+        torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "gpu_decode.json").write_text(json.dumps(
+                {"device": device, "copy_bandwidth": bw, "rows": rows}, indent=1))
     lines = [f"Decode step, Llama-3.1-8B shape, random bf16 weights, {device}, torch {torch.__version__}, "
              f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write). Each cell: ms per step (% of the floor).", "",
-             "| batch | context | floor ms | " + " | ".join(name for name, _ in VARIANTS) + " |",
-             "|---:|---:|---:|" + "---:|" * len(VARIANTS)]
+             "| batch | context | floor ms | " + " | ".join(v[0] for v in variants) + " |",
+             "|---:|---:|---:|" + "---:|" * len(variants)]
     for r in rows:
-        cells = [f"{r[name]['ms']:.2f} ({100 * r[name]['floor_fraction']:.0f}%)" for name, _ in VARIANTS]
+        cells = [f"{r[name]['ms']:.2f} ({100 * r[name]['floor_fraction']:.0f}%)" for name, _, _ in variants]
         lines.append(f"| {r['batch']} | {r['context']} | {r['floor_ms']:.2f} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
