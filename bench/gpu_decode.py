@@ -18,7 +18,6 @@ import torch
 from sparsespec.cache import KVCache
 from sparsespec.config import ModelConfig
 from sparsespec.graphs import CudaGraphDecodeStep
-from sparsespec.models import transformer
 from sparsespec.models.transformer import BLOCK_QUERIES, Transformer
 from sparsespec.models.shapes import LLAMA31_8B, random_model
 from sparsespec.sparse_bench import copy_bandwidth, time_ms
@@ -64,7 +63,7 @@ def main():
         row = {"batch": batch, "context": context, "floor_ms": floor_ms}
         reference = None
         for name, compiled, attention in variants:
-            transformer.BLOCK_QUERIES = 0 if attention == "sdpa" else BLOCK_QUERIES
+            model.block_queries = 0 if attention == "sdpa" else BLOCK_QUERIES
             start = time.perf_counter()
             step = CudaGraphDecodeStep(model, cache, compile=compiled)
             setup_s = time.perf_counter() - start

@@ -51,18 +51,16 @@ def test_graphed_verify_matches_eager(width, tmp_path):
 
 
 @cuda
-def test_verify_block_attention_is_as_accurate_as_sdpa(tmp_path, monkeypatch):
+def test_verify_block_attention_is_as_accurate_as_sdpa(tmp_path):
     """A multi-token step through the Triton block attention (rows of different lengths): in fp32 SDPA's logits;
     in bf16 no further from the fp32 logits than bf16 SDPA is."""
-    from sparsespec.models import transformer
-
     tiny_hf_model("qwen2").save_pretrained(tmp_path)
     prompts = [[3, 5, 7, 11, 13], list(range(2, 40))]
     block = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
 
     def verify(dtype, queries):
-        monkeypatch.setattr(transformer, "BLOCK_QUERIES", queries)  # 0: SDPA
         model = load(tmp_path, device="cuda", with_tokenizer=False).model.to(dtype)
+        model.block_queries = queries  # 0: SDPA
         runner = Runner(model, 2, 64, cuda_graph=False)
         runner.prefill(prompts, chunk=64)
         return runner.verify(block)[0]

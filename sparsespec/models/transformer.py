@@ -51,6 +51,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # CUDA steps of up to this many queries a row attend with the Triton block attention (0: SDPA, e.g. to time
+        # it against the engine's: cuDNN's kernel reads a full static cache a little faster but is not
+        # deterministic and reads the dead slots too)
+        self.block_queries = BLOCK_QUERIES
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
@@ -167,7 +171,7 @@ class Transformer(nn.Module):
             begin_sparse_step(policy, positions[:, 0])  # the sparse layers' per-step metadata, built once
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
         mask = causal_mask(positions, kv_len, self.cfg.sliding_window)
-        block = (positions.shape[1] <= BLOCK_QUERIES and self.cfg.sliding_window is None
+        block = (positions.shape[1] <= self.block_queries and self.cfg.sliding_window is None
                  and triton_ready(positions.device))
         return StepPlan(positions, kv_len, cos, sin, mask, policy, observer, block)
 
