@@ -45,14 +45,16 @@ class StepPlan:
     policy: Policy | None = None  # decode attention of the sparse layers (single-token steps only)
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # sees (layer, q, k) after RoPE
     block: bool = False  # a few queries a row (a speculative verify block): the Triton block attention
-    seen: torch.Tensor | None = None  # [B, T]: the last slot each query sees, if not its own position (a drafter's
-    #                                   block sees all of itself); `mask` must agree
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # CUDA steps of up to this many queries a row attend with the Triton block attention (0: SDPA, e.g. to time
+        # it against the engine's: cuDNN's kernel reads a full static cache a little faster but is not
+        # deterministic and reads the dead slots too)
+        self.block_queries = BLOCK_QUERIES
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
@@ -83,7 +85,7 @@ class Attention(nn.Module):
             out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
         elif plan.block:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
-            out = block_attention(q, keys, values, plan.positions if plan.seen is None else plan.seen)
+            out = block_attention(q, keys, values, plan.positions)  # [B, Hq, T, D]
         else:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
@@ -151,10 +153,6 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
-        # CUDA steps of up to this many queries a row attend with the Triton block attention (0: SDPA, e.g. to time
-        # it against the engine's: cuDNN's kernel reads a full static cache a little faster but is not
-        # deterministic and reads the dead slots too)
-        self.block_queries = BLOCK_QUERIES
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
