@@ -51,10 +51,6 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        # CUDA steps of up to this many queries a row attend with the Triton block attention (0: SDPA, e.g. to time
-        # it against the engine's: cuDNN's kernel reads a full static cache a little faster but is not
-        # deterministic and reads the dead slots too)
-        self.block_queries = BLOCK_QUERIES
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
@@ -153,6 +149,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
+        # CUDA steps of up to this many queries a row attend with the Triton block attention (0: SDPA, e.g. to time
+        # it against the engine's: cuDNN's kernel reads a full static cache a little faster but is not
+        # deterministic and reads the dead slots too)
+        self.block_queries = BLOCK_QUERIES
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
