@@ -373,3 +373,33 @@ def test_long_prompts_fill_their_context_and_hide_what_they_ask_for():
         last = p.text.rsplit("(being written)\n", 1)[1]
         assert f"def {name}(" in last and last.count(f"def {name}(") == 1
     assert make_prompts(1, "heldout", ("long-code",), long_chars=40_000)[0].text != prompts[0].text
+
+
+def test_divergence_finds_the_first_differing_token_and_the_plain_steps_margin():
+    """A speculative output that leaves the plain one at index j: reported there, with the decode step's top-2 logit
+    margin (as plain decoding computed it) and the two steps' logit difference; fp32 paths agree closely, so a
+    real margin is no near-tie and the recomputed steps do not reproduce the (made-up) divergence."""
+    from sparsespec.spec.bench import divergence
+
+    engine = tiny_engine(0, scale=0.3)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    gen = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    plain = engine.generate([prompt], gen).token_ids[0]
+    assert divergence(engine, prompt, plain, list(plain), 4) is None
+    assert divergence(engine, prompt, plain, plain[:7], 4) is None  # a prefix: no token differs
+    j = 6
+    cache = KVCache(engine.config, 1, 64, torch.float32, "cpu")
+    engine.model(torch.tensor([prompt + plain[:j - 1]]), torch.arange(len(prompt) + j - 1)[None], cache)
+    cache.truncate([len(prompt) + j - 1])
+    logits = engine.model.logits(engine.model(torch.tensor([[plain[j - 1]]]), torch.tensor([[len(prompt) + j - 1]]),
+                                              cache)[:, -1])[0]
+    top = logits.topk(2)
+    assert int(top.indices[0]) == plain[j]
+    other = int(top.indices[1])
+    d = divergence(engine, prompt, plain, plain[:j] + [other] + plain[j + 1:], 4)
+    assert d["index"] == j and d["plain_token"] == plain[j] and d["spec_token"] == other
+    assert d["margin"] == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-4)
+    assert d["delta"] < 1e-4 < d["margin"]
+    assert not d["near_tie"] and not d["reproduced"]
+    d0 = divergence(engine, prompt, plain, [plain[0] + 1] + plain[1:], 4)
+    assert d0["index"] == 0 and d0["margin"] is None

@@ -4,7 +4,8 @@ For every held-out prompt (spec/prompts.py), or batch of prompts of one kind (`b
 decoding runs first (the reference output and the speed baseline), then each drafter. Speed is output tokens per
 second after each row's first token (prefill and first token excluded on both sides), of the whole batch; speedup
 = speculative tokens/s over plain tokens/s on the same prompts. At
-T = 0 every speculative output is compared with the plain one token for token (`identical` in each row). Rows go
+T = 0 every speculative output is compared with the plain one token for token (`identical` in each row; where they
+differ, `divergence` says where and whether the plain step's top two logits nearly tie there). Rows go
 to `spec.jsonl` as they are measured; a rerun skips the rows already there (`sparsespec bench spec` records the
 settings they were made with, see results.py).
 """
@@ -17,11 +18,14 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from ..attention import make_policy, parse_spec
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
 from ..results import read_rows
+from ..runner import Runner
 from ..sampling import SamplingConfig
 from .decode import speculative_generate
 from .drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
@@ -131,17 +135,55 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                     results = speculative_generate(engine, ids, drafter, gen, cfg.block_size)
                     tps = _output_rate([len(s.token_ids) for s in results], results[0].decode_s)
                     speedup = tps / plain_tps if plain_tps > 0 else float("nan")
-                    for i, p, s, ref in zip(members, group, results, plain.token_ids):
+                    for i, p, s, ref, prompt in zip(members, group, results, plain.token_ids, ids):
+                        same = s.token_ids == ref if T == 0 else None
                         rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,
                                      "batch": len(group), "tokens": len(s.token_ids), "steps": s.steps,
                                      "tau": s.tau, "committed": s.committed, "tokens_per_s": tps,
-                                     "plain_tokens_per_s": plain_tps, "speedup": speedup,
-                                     "identical": s.token_ids == ref if T == 0 else None})
+                                     "plain_tokens_per_s": plain_tps, "speedup": speedup, "identical": same,
+                                     "divergence": None if same in (None, True) else divergence(
+                                         engine, prompt, ref, s.token_ids, cfg.block_size, cuda_graph)})
                         if sink is not None:
                             sink.write(json.dumps(rows[-1]) + "\n")
                             sink.flush()
                     bar.advance(task)
     return [r for r in rows if r["drafter"] in drafters and r["temperature"] in cfg.temperatures]
+
+
+@torch.inference_mode()
+def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[int], block: int,
+               cuda_graph: bool = True) -> dict | None:
+    """Where a greedy speculative output first leaves the plain one, and whether rounding explains it.
+
+    At the first differing output index j the plain token came from a 1-token decode step and the speculative one
+    from a verify block (query 0 of a `block`-wide step); both steps are recomputed teacher-forced from the prompt
+    and plain[:j] (same prefill, then a decode step and a verify step of the token plain[j - 1], as the two loops
+    ran them; j = 0 is the prefill's own token, the same in both loops). -> None when the outputs agree (or one is a
+    prefix of the other), else {"index": j, "plain_token", "spec_token", "margin": the decode step's top-1 minus
+    top-2 logit, "delta": the largest |decode − verify| logit difference over those two tokens and the
+    speculative token, "reproduced": whether the recomputed steps disagree as the loops did, "near_tie": margin
+    <= 2 · delta (two paths that differ by delta per logit can swap a pair closer than 2 · delta)}."""
+    j = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
+    if j is None:
+        return None
+    out = {"index": j, "plain_token": plain[j], "spec_token": spec[j]}
+    if j == 0:
+        return {**out, "margin": None, "delta": None, "reproduced": False, "near_tie": False}
+    history = prompt + plain[:j - 1]  # the last token, plain[j - 1], is stepped
+    runner = Runner(engine.model, 1, len(history) + block, cuda_graph=cuda_graph)
+    runner.prefill([history])
+    n = runner.cache.lengths[0]
+    token = torch.tensor([plain[j - 1]], device=engine.device)
+    decode = runner.decode(token)[0].float()  # [V]
+    runner.truncate([n])
+    verify = runner.verify(token.expand(1, block).contiguous(), block)[0][0, 0].float()  # [V]: query 0
+    top2 = decode.topk(2)
+    ids = {int(top2.indices[0]), int(top2.indices[1]), spec[j]}
+    delta = max(float((decode[i] - verify[i]).abs()) for i in ids)
+    margin = float(top2.values[0] - top2.values[1])
+    return {**out, "margin": margin, "delta": delta,
+            "reproduced": int(decode.argmax()) == plain[j] and int(verify.argmax()) == spec[j],
+            "near_tie": margin <= 2 * delta}
 
 
 def _output_rate(tokens: list[int], seconds: float) -> float:
@@ -164,6 +206,10 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
         ptps = sum(r["plain_tokens_per_s"] for r in g) / len(g)
         same = [r["identical"] for r in g if r["identical"] is not None]
         ident = f"{sum(same)}/{len(same)}" if same else "-"
+        diverged = [r.get("divergence") for r in g if r["identical"] is False]
+        if diverged:  # how many of the divergences start where the plain step's top two logits nearly tie
+            ties = sum(bool(d and d["near_tie"]) for d in diverged)
+            ident += f" ({ties} of {len(diverged)} at near-ties)"
         speedup = f"{tps / ptps:.2f}x" if ptps > 0 else "-"
         lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | {speedup} | {ident} |")
     table = "\n".join(lines)
