@@ -588,3 +588,26 @@ def test_spread_estimate_finds_a_needle_the_centroid_estimate_misses():
         exact, _ = policy.selected_slots(0, q, cache, torch.tensor([S - 1]))
         found[estimate] = bool(exact[0, 0, needle])
     assert found == {"centroid": False, "spread": True}
+
+
+def test_batched_build_gives_each_row_its_clustering_alone():
+    """One k-means over every row and KV head (rows of different lengths, one with no candidates): each row's
+    clusters, members and layout are those of the row built alone."""
+    B, Hkv, S, D = 3, 2, 120, 16
+    cache = make_cache(B, Hkv, S, D, seed=4, offset=3.0)
+    lengths = [118, 40, 10]  # the last: all sinks and window
+    policy = DoubleP(DoublePOptions(sinks=2, window=8, cluster_size=8, kmeans_iters=4, dense_layers=0))
+    policy.build(0, cache, lengths)
+    st = cache.policy_state[0]
+    for b, n in enumerate(lengths):
+        alone = cache.rows(b, b + 1)
+        policy.build(0, alone, [n])
+        one = alone.policy_state[0]
+        C, N = one.size.shape[-1], one.perm.shape[-1]
+        assert torch.equal(st.size[b, :, :C], one.size[0]) and not st.size[b, :, C:].any()
+        torch.testing.assert_close(st.centroids[b, :, :C][one.size[0] > 0], one.centroids[0][one.size[0] > 0])
+        torch.testing.assert_close(st.value_sum[b, :, :C], one.value_sum[0])
+        count = max(0, n - 8 - 2)
+        assert torch.equal(st.perm[b, :, :count], one.perm[0, :, :count])
+        assert torch.equal(st.offsets[b, :, :C + 1], one.offsets[0])
+        assert torch.equal(st.assign[b], one.assign[0])

@@ -48,6 +48,8 @@ import torch
 
 from ..cache import KVCache
 from ..errors import SparseSpecError
+from ..kernels import triton_ready
+from ..kernels.kmeans import nearest_centroid
 from .policy import Policy, PolicyOptions, device_ints, option
 
 _CHUNK = 1 << 24  # elements of one [G, n, k] distance block in `nearest`
@@ -77,6 +79,8 @@ class DoublePOptions(PolicyOptions):
     # centroid, which loses needles: docs/results/doublep.md)
     estimate: str = option("spread", "cluster log-mass for the selection: spread (centroid + variance term) or "
                                      "centroid")
+    kmeans_bf16: bool = option(False, "CUDA: k-means distances from bf16 dot products (tensor cores; a point nearly "
+                                      "equidistant from two centroids may join either)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -135,30 +139,54 @@ def nearest(points: torch.Tensor, centroids: torch.Tensor, valid: torch.Tensor |
     return out
 
 
-def cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [G, N, D], assign [G, N] in [0, k) -> (member sums [G, k, D] fp32, sizes [G, k] int64)."""
+def cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [G, N, D], assign [G, N] in [0, k), valid [G, N] bool or None (points that count)
+    -> (member sums [G, k, D] fp32, sizes [G, k] int64)."""
     G, _, D = x.shape
-    sums = torch.zeros(G, k, D, device=x.device).scatter_add_(1, assign[..., None].expand(-1, -1, D), x.float())
-    sizes = torch.zeros(G, k, dtype=torch.long, device=x.device).scatter_add_(1, assign, torch.ones_like(assign))
+    x, ones = x.float(), torch.ones_like(assign)
+    if valid is not None:
+        x, ones = x * valid[..., None], valid.long()
+    sums = torch.zeros(G, k, D, device=x.device).scatter_add_(1, assign[..., None].expand(-1, -1, D), x)
+    sizes = torch.zeros(G, k, dtype=torch.long, device=x.device).scatter_add_(1, assign, ones)
     return sums, sizes
 
 
-def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lloyd's k-means, batched over G heads. keys [G, N, D] -> (centroids [G, k, D] fp32, assign [G, N] int64).
+def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator | None,
+           valid: torch.Tensor | None = None, ks: torch.Tensor | None = None, fast: bool = False,
+           draws: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's k-means, batched over G entries (heads, rows x heads). keys [G, N, D], valid [G, N] bool (the
+    entry's points; None: all), ks [G] (the entry's cluster count, <= k and <= its points; None: k each)
+    -> (centroids [G, k, D] fp32, assign [G, N] int64; an entry's centroids from ks[g] on, and the assignment of
+    points that are not valid, mean nothing).
 
-    Starts from k distinct random points per head (`generator`, a CPU generator); each of the `iters` steps assigns
-    every point to its nearest centroid, then moves each centroid to the mean of its members (an empty cluster
-    keeps its centroid). The returned centroids are the means of the returned assignment's clusters."""
+    Starts from ks[g] distinct random valid points: those with the largest of `draws` [G, N] (uniform numbers; None:
+    drawn from `generator`, on its device);
+    each of the `iters` steps assigns every point to its nearest centroid, then moves each centroid to the mean of
+    its members (an empty cluster keeps its centroid). The returned centroids are the means of the returned
+    assignment's clusters. On CUDA the assignment is the Triton kernel (`fast`: bf16 dot products), on CPU the
+    tie-tolerant `nearest` (the same clusters on every machine)."""
     G, N, D = keys.shape
     if not 1 <= k <= N:
         raise SparseSpecError(f"k-means needs 1 <= k <= {N} points, got k={k}")
-    offset = keys.float().mean(1, keepdim=True)  # distances are shift-invariant; centring keeps them precise
+    # distances are shift-invariant; centring (on the entry's own points) keeps them precise
+    offset = keys.float().mean(1, keepdim=True) if valid is None else \
+        (keys.float() * valid[..., None]).sum(1, keepdim=True) / valid.sum(1).clamp_min(1)[:, None, None]
     x = keys.float() - offset
-    init = torch.stack([torch.randperm(N, generator=generator)[:k] for _ in range(G)]).to(keys.device)  # [G, k]
+    if draws is None:
+        draws = torch.rand(G, N, generator=generator, device=generator.device)
+    draws = draws.to(keys.device)
+    if valid is not None:
+        draws = draws.masked_fill(~valid, -1.0)  # valid points first
+    init = draws.topk(k, dim=1).indices  # [G, k]: distinct points, in decreasing draw
     centroids = x.gather(1, init[..., None].expand(-1, -1, D))
+    usable = None if ks is None else torch.arange(k, device=keys.device) < ks[:, None]  # [G, k]
     for _ in range(iters):
-        assign = nearest(x, centroids)
-        sums, sizes = cluster_sums(x, assign, k)
+        if triton_ready(keys.device):
+            assign = nearest_centroid(x, centroids, usable, fast)
+        else:
+            assign = nearest(x, centroids, usable)
+        sums, sizes = cluster_sums(x, assign, k, valid)
         centroids = torch.where(sizes[..., None] > 0, sums / sizes.clamp_min(1)[..., None], centroids)
     return centroids + offset, assign
 
@@ -293,7 +321,7 @@ class DoubleP(Policy):
         k, v = cache.k[layer], cache.v[layer]  # [B, Hkv, capacity, D]
         B, Hkv, capacity, D = k.shape
         ends = [max(o.sinks, n - o.window) for n in lengths]
-        counts = [e - o.sinks for e in ends]  # candidates per row
+        counts = [e - o.sinks for e in ends]  # candidates per row: slots [sinks, end)
         ks = [-(-n // o.cluster_size) for n in counts]
         C, N = max(1, *ks), max(1, *counts)
         dev, long = k.device, torch.long
@@ -306,24 +334,34 @@ class DoubleP(Policy):
                           offsets=torch.zeros(B, Hkv, C + 1, dtype=long, device=dev),
                           assign=torch.full((B, Hkv, capacity), -1, dtype=long, device=dev),
                           prefill_end=ends, clustered_end=list(ends), csr_end=list(ends))
-        for b in range(B):
-            n, kc, end = counts[b], ks[b], ends[b]
-            if n == 0:
-                continue
-            keys = k[b, :, o.sinks:end]  # [Hkv, n, D]
-            gen = torch.Generator().manual_seed(o.seed * 1_000_003 + layer)
-            centroids, assign = kmeans(keys, kc, o.kmeans_iters, gen)  # [Hkv, kc, D], [Hkv, n]
-            key_sum, size = cluster_sums(keys, assign, kc)
-            st.value_sum[b, :, :kc] = cluster_sums(v[b, :, o.sinks:end], assign, kc)[0]
-            st.key_sum[b, :, :kc], st.size[b, :, :kc] = key_sum, size
-            st.key_sq_sum[b, :, :kc] = cluster_sums(keys.float().square(), assign, kc)[0]
-            mean = key_sum / size.clamp_min(1)[..., None]
-            st.centroids[b, :, :kc] = torch.where(size[..., None] > 0, mean, centroids)
-            st.assign[b, :, o.sinks:end] = assign
-            st.perm[b, :, :n] = assign.argsort(dim=-1, stable=True) + o.sinks
-            st.offsets[b, :, 1:kc + 1] = size.cumsum(-1)
-            st.offsets[b, :, kc + 1:] = n
         cache.policy_state[layer] = st
+        if max(counts) == 0:
+            return
+        # every row and KV head in one batched k-means: G = B * Hkv entries, row b's first counts[b] slots valid
+        n = N
+        keys = k[:, :, o.sinks:o.sinks + n].reshape(B * Hkv, n, D)
+        valid = (torch.arange(n, device=dev) < device_ints(counts, dev)[:, None])  # [B, n]
+        valid = valid[:, None].expand(-1, Hkv, -1).reshape(B * Hkv, n)
+        per_entry = device_ints(ks, dev).repeat_interleave(Hkv)  # [G]
+        # each row's starts drawn as if it were alone: its own generator (seeded by layer), its own point count
+        draws = torch.zeros(B, Hkv, n, device=dev)
+        for b, count in enumerate(counts):
+            gen = torch.Generator(device=dev).manual_seed(o.seed * 1_000_003 + layer)
+            draws[b, :, :count] = torch.rand(Hkv, count, generator=gen, device=dev)
+        centroids, assign = kmeans(keys, C, o.kmeans_iters, None, valid, per_entry, o.kmeans_bf16,
+                                   draws.view(B * Hkv, n))  # [G, C, D], [G, n]
+        key_sum, size = cluster_sums(keys, assign, C, valid)
+        mean = key_sum / size.clamp_min(1)[..., None]
+        shape = (B, Hkv, C)
+        st.centroids = torch.where(size[..., None] > 0, mean, centroids).view(*shape, D)
+        st.key_sum, st.size = key_sum.view(*shape, D), size.view(shape)
+        st.value_sum = cluster_sums(v[:, :, o.sinks:o.sinks + n].reshape(B * Hkv, n, D), assign, C, valid)[0] \
+            .view(*shape, D)
+        st.key_sq_sum = cluster_sums(keys.float().square(), assign, C, valid)[0].view(*shape, D)
+        member = torch.where(valid, assign, C)  # [G, n]: the row's candidates by cluster, padding last
+        st.perm[..., :n] = (member.argsort(dim=-1, stable=True) + o.sinks).view(B, Hkv, n)
+        st.offsets[..., 1:] = st.size.cumsum(-1)
+        st.assign[..., o.sinks:o.sinks + n] = torch.where(valid, assign, -1).view(B, Hkv, n)
 
     def append(self, layer, cache, lengths):
         st: DoublePState | None = cache.policy_state[layer]

@@ -3,6 +3,7 @@
     binarypc.py  probe (quantised, tabulated per code byte), table scoring with the group max fused in, residual
                  encoding
     scores.py    oracle top-k (q·k group max) and Quest (page bounds) scorers writing the select's keys
+    kmeans.py    the k-means assignment step (nearest centroid, argmax epilogue) of Double-P's build
     select.py    fixed-width top-k by radix select over integer keys, forced slots first
     attend.py    split-K flash-decoding over the selected slots (GQA: each K/V row read once per KV head)
 
