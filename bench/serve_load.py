@@ -41,6 +41,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparsespec import corpora  # noqa: E402
+from sparsespec.errors import SparseSpecError  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -227,7 +228,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for serve_load.json and serve_load.md")
     args = p.parse_args()
     args.requests_total = args.requests or max(args.clients)
-    texts = prompts(args.requests_total, args.seed)
+    try:
+        texts = prompts(args.requests_total, args.seed)
+    except SparseSpecError as e:  # e.g. the wiki corpus package is not installed
+        sys.exit(f"error: {e}")
     out = Path(args.out) if args.out else None
     Path("build").mkdir(exist_ok=True)  # the servers' logs
     if out:
