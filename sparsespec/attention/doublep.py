@@ -52,7 +52,7 @@ from ..kernels import triton_ready
 from ..kernels.kmeans import nearest_centroid
 from .policy import Policy, PolicyOptions, device_ints, option
 
-_CHUNK = 1 << 24  # elements of one [G, n, k] distance block in `nearest`
+_CHUNK = 1 << 19  # elements of one [G, n, k] distance block in `nearest` (a few MB: the CPU's caches)
 _CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster"),
             "estimate": ("spread", "centroid")}
 
