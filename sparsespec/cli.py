@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefill-chunk", type=_positive_int, default=1024, help="prompt tokens prefilled between two "
                     "decode steps of the running requests")
     sv.add_argument("--no-cuda-graph", action="store_true", help="cuda: step eagerly instead of replaying the graph")
+    sv.add_argument("--batch-invariant", action="store_true",
+                    help="cuda: every decode step replays the whole batch's graph, so a request's tokens do not "
+                         "depend on how many others are running (slower under light load)")
     sv.add_argument("--shutdown-timeout", type=_float, default=30.0, help="seconds in-flight requests get to "
                     "finish after SIGTERM / Ctrl-C before they are cancelled")
     sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -424,7 +427,7 @@ def cmd_serve(args) -> None:
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                 max_context=args.max_context or engine.config.max_position,
                                 prefill_chunk=args.prefill_chunk, cuda_graph=not args.no_cuda_graph,
-                                block_size=args.block_size)
+                                block_size=args.block_size, batch_invariant=args.batch_invariant)
     config = ServeConfig(args.served_model_name or args.model, scheduler)
     app = create_app(engine, config, policy, drafter)  # refuses a max-context beyond the model's first
     cfg = engine.config

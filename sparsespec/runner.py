@@ -34,16 +34,19 @@ _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBac
 class Runner:
     def __init__(self, model: Transformer, batch: int, capacity: int, policy: Policy | None = None,
                  cuda_graph: bool = True, compile: bool = False, fixed: bool | None = None,
-                 taps: tuple[int, ...] = ()):
+                 taps: tuple[int, ...] = (), row_graphs: bool = True):
         """`fixed`: step a graphable policy in fixed-width mode (default: on CUDA; on CPU the kernels' torch
         references run, which tests use to check the path). `taps`: decoder layers whose outputs `prefill_tapped`
-        and `verify` also return (a speculative drafter's context features)."""
+        and `verify` also return (a speculative drafter's context features). `row_graphs`: graphed dense
+        `decode_rows` of a few busy rows replays the graph of a row prefix (faster under light load; a row's
+        rounding then depends on how many rows are busy), else always the whole batch's."""
         weight = model.embed_tokens.weight
         self.model = model
         self.cache = KVCache(model.cfg, batch, capacity, weight.dtype, weight.device)
         self.device = weight.device
         self.cuda_graph, self.compile, self.prefer_fixed = cuda_graph, compile, fixed
         self.taps = tuple(taps)
+        self.use_row_graphs = row_graphs
         self.graph: CudaGraphDecodeStep | None = None
         self.row_graphs: dict[int, CudaGraphDecodeStep] = {}  # dense decode of the first n rows (n < batch)
         self.verify_graphs: dict[int, CudaGraphStep] = {}  # by width: dense multi-token steps
@@ -135,7 +138,7 @@ class Runner:
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
             if self.policy is not None:
                 self.policy.reset_attended()
-        if rows and self.graphed and self.policy is None:
+        if rows and self.use_row_graphs and self.graphed and self.policy is None:
             n = 1
             while n < self.cache.batch:
                 self._row_graph(n)
@@ -183,7 +186,7 @@ class Runner:
             raise ValueError(f"decode_rows of {n} rows in a batch of {B}")
         lengths = list(self.cache.lengths)
         m = min(1 << (n - 1).bit_length(), B)  # a graph of rows [0, m): [n, m) ride along
-        if self.graphed and self.policy is None and m < B:
+        if self.graphed and self.policy is None and self.use_row_graphs and m < B:
             logits = self._row_graph(m)(torch.cat([tokens, tokens.new_zeros(m - n)]),
                            torch.tensor(lengths[:m], device=self.device))[:n]
         elif self.graphed or self.policy is not None:

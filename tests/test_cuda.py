@@ -233,9 +233,23 @@ def test_decode_rows_replays_the_graph_of_a_row_prefix(tmp_path):
     assert sorted(graphed.row_graphs) == [1, 2, 4]
     for n in (1, 3, 2, 5, 6, 4):
         tokens = torch.arange(1, n + 1, device="cuda")
+        m = min(1 << (n - 1).bit_length(), 6)
+        lengths = list(graphed.cache.lengths)
+        for r in range(m, 6):  # rows past the prefix graph's: a whole-batch step would write their next slot
+            graphed.cache.k[0][r, :, lengths[r]] = 7.0
         expected = eager.decode_rows(tokens)
         torch.testing.assert_close(graphed.decode_rows(tokens), expected, rtol=1e-4, atol=1e-4)
         assert graphed.cache.lengths == eager.cache.lengths
+        for r in range(m, 6):
+            assert (graphed.cache.k[0][r, :, lengths[r]] == 7.0).all()
+    # serve --batch-invariant: always the whole batch's graph
+    invariant, fresh = Runner(model, 6, 64, row_graphs=False), Runner(model, 6, 64, cuda_graph=False)
+    for runner in (invariant, fresh):
+        runner.prefill(prompts, chunk=4)
+    invariant.capture(rows=True)
+    tokens = torch.tensor([1, 2], device="cuda")
+    torch.testing.assert_close(invariant.decode_rows(tokens), fresh.decode_rows(tokens), rtol=1e-4, atol=1e-4)
+    assert not invariant.row_graphs and invariant.cache.lengths == fresh.cache.lengths
 
 
 @cuda

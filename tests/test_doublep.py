@@ -591,11 +591,14 @@ def test_spread_estimate_finds_a_needle_the_centroid_estimate_misses():
 
 
 def test_batched_build_gives_each_row_its_clustering_alone():
-    """One k-means over every row and KV head (rows of different lengths, one with no candidates): each row's
-    clusters, members and layout are those of the row built alone."""
+    """One k-means over every row and KV head (rows of different lengths, one with no candidates, NaN in the dead
+    slots past the shorter rows): each row's clusters, members and layout are those of the row built alone."""
     B, Hkv, S, D = 3, 2, 120, 16
     cache = make_cache(B, Hkv, S, D, seed=4, offset=3.0)
     lengths = [118, 40, 10]  # the last: all sinks and window
+    for b, n in enumerate(lengths):
+        cache.k[0][b, :, n:] = float("nan")
+        cache.v[0][b, :, n:] = float("inf")
     policy = DoubleP(DoublePOptions(sinks=2, window=8, cluster_size=8, kmeans_iters=4, dense_layers=0))
     policy.build(0, cache, lengths)
     st = cache.policy_state[0]
@@ -611,3 +614,5 @@ def test_batched_build_gives_each_row_its_clustering_alone():
         assert torch.equal(st.perm[b, :, :count], one.perm[0, :, :count])
         assert torch.equal(st.offsets[b, :, :C + 1], one.offsets[0])
         assert torch.equal(st.assign[b], one.assign[0])
+    for t in (st.centroids, st.key_sum, st.key_sq_sum, st.value_sum):
+        assert torch.isfinite(t).all()

@@ -145,8 +145,8 @@ def cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int,
     -> (member sums [G, k, D] fp32, sizes [G, k] int64)."""
     G, _, D = x.shape
     x, ones = x.float(), torch.ones_like(assign)
-    if valid is not None:
-        x, ones = x * valid[..., None], valid.long()
+    if valid is not None:  # (a select, not a product: padding that holds inf or NaN stays out too)
+        x, ones = torch.where(valid[..., None], x, 0.0), valid.long()
     sums = torch.zeros(G, k, D, device=x.device).scatter_add_(1, assign[..., None].expand(-1, -1, D), x)
     sizes = torch.zeros(G, k, dtype=torch.long, device=x.device).scatter_add_(1, assign, ones)
     return sums, sizes
@@ -165,25 +165,29 @@ def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator | 
     each of the `iters` steps assigns every point to its nearest centroid, then moves each centroid to the mean of
     its members (an empty cluster keeps its centroid). The returned centroids are the means of the returned
     assignment's clusters. On CUDA the assignment is the Triton kernel (`fast`: bf16 dot products), on CPU the
-    tie-tolerant `nearest` (the same clusters on every machine)."""
+    tie-tolerant `nearest` (the same clusters on every CPU; CUDA draws its starts from its own generator, so its
+    clusters differ from the CPU's)."""
     G, N, D = keys.shape
     if not 1 <= k <= N:
         raise SparseSpecError(f"k-means needs 1 <= k <= {N} points, got k={k}")
     # distances are shift-invariant; centring (on the entry's own points) keeps them precise
     offset = keys.float().mean(1, keepdim=True) if valid is None else \
-        (keys.float() * valid[..., None]).sum(1, keepdim=True) / valid.sum(1).clamp_min(1)[:, None, None]
+        torch.where(valid[..., None], keys.float(), 0.0).sum(1, keepdim=True) / valid.sum(1).clamp_min(1)[:, None, None]
     x = keys.float() - offset
+    if valid is not None:
+        x = torch.where(valid[..., None], x, 0.0)  # padding: whatever it held, it takes no part
     if draws is None:
         draws = torch.rand(G, N, generator=generator, device=generator.device)
     draws = draws.to(keys.device)
     if valid is not None:
         draws = draws.masked_fill(~valid, -1.0)  # valid points first
-    init = draws.topk(k, dim=1).indices  # [G, k]: distinct points, in decreasing draw
+    # distinct points in decreasing draw; equal draws (24-bit uniforms do collide) in slot order, whatever the width
+    init = draws.sort(dim=1, descending=True, stable=True).indices[:, :k]  # [G, k]
     centroids = x.gather(1, init[..., None].expand(-1, -1, D))
     usable = None if ks is None else torch.arange(k, device=keys.device) < ks[:, None]  # [G, k]
     for _ in range(iters):
         if triton_ready(keys.device):
-            assign = nearest_centroid(x, centroids, usable, fast)
+            assign = nearest_centroid(x, centroids, usable, fast, centre=False)  # (x is centred already)
         else:
             assign = nearest(x, centroids, usable)
         sums, sizes = cluster_sums(x, assign, k, valid)

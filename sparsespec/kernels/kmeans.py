@@ -43,7 +43,7 @@ def _nearest_kernel(p_ptr, c_ptr, bias_ptr, out_ptr, N, K,
 
 
 def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, valid: torch.Tensor | None = None,
-                     fast: bool = False) -> torch.Tensor:
+                     fast: bool = False, centre: bool = True) -> torch.Tensor:
     """Each point's nearest centroid by squared Euclidean distance, batched.
 
     points     [G, N, D]  fp32 (any float; D a power of two, 16 to 256)
@@ -51,12 +51,13 @@ def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, valid: torch
     valid      [G, K]     bool or None: a centroid that is not valid is never chosen (unless none is: index 0)
     -> [G, N] int64. Ties (equal computed scores) go to the lowest index. `fast`: the dot products from bf16
     inputs (fp32 accumulation, tensor cores) instead of exact fp32; either way points a rounding error apart from
-    two centroids may go to either. Points and centroids are centred on the points' mean first (distances are
-    shift-invariant; it keeps the scores' magnitude, and their rounding, small)."""
+    two centroids may go to either. `centre`: points and centroids are centred on the points' mean first (distances
+    are shift-invariant; it keeps the scores' magnitude, and their rounding, small); off for inputs centred
+    already."""
     G, N, D = points.shape
     K = centroids.shape[1]
     assert centroids.shape == (G, K, D) and D == triton.next_power_of_2(D) and 16 <= D <= 256
-    offset = points.float().mean(1, keepdim=True)
+    offset = points.float().mean(1, keepdim=True) if centre else 0.0
     p = (points.float() - offset).contiguous()
     c = (centroids.float() - offset).contiguous()
     bias = -c.square().sum(-1)  # [G, K]

@@ -6,7 +6,7 @@
              its prompt complete -> its first token is sampled and the slot decodes from the next step on
            one batched decode step of every decoding slot (`Runner.decode_rows`: on the CPU the rows up to the
              last decoding one; on the GPU a replay of the dense graph of the first 1, 2, 4, ... rows that covers them, or
-             of the whole batch with a sparse policy; each captured once); each row
+             of the whole batch with a sparse policy or `batch_invariant`; each captured once); each row
              sampled under its own settings and generator
            a row that stops (EOS, stop token or string, max_tokens) or whose client left frees its slot
 
@@ -58,6 +58,9 @@ class SchedulerConfig:
     prefill_chunk: int = 1024  # prompt tokens prefilled per scheduler iteration (one slot at a time)
     cuda_graph: bool = True  # on CUDA, replay the decode step as a graph captured once
     block_size: int = 8  # with a drafter: the verify block (the pending token + up to block_size - 1 proposals)
+    # on CUDA, replay the whole batch's graph for every decode step (not the graph of the busy rows' prefix): a
+    # request's arithmetic, and so its tokens, then do not depend on how many other requests are running
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("max_batch", "max_context", "prefill_chunk"):
@@ -137,7 +140,8 @@ class Scheduler:
         # with a drafter, room for a verify block past every row's last position
         capacity = min(config.max_context + (config.block_size if drafter else 0), engine.config.max_position)
         self.runner = Runner(engine.model, config.max_batch, capacity, drafter.policy if drafter else policy,
-                             config.cuda_graph, taps=drafter.taps if drafter else ())
+                             config.cuda_graph, taps=drafter.taps if drafter else (),
+                             row_graphs=not config.batch_invariant)
         self.slots: list[_Slot | None] = [None] * config.max_batch
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -208,7 +212,7 @@ class Scheduler:
                 self.drafter.start([[] for _ in self.slots], None, self.runner.cache.capacity)
             if self.drafter is None or self.drafter.policy is not None:  # (other drafters step by verify alone)
                 # CUDA: the decode graphs of the whole batch and (dense) of its first 1, 2, 4, ... rows, once
-                self.runner.capture(rows=True)
+                self.runner.capture(rows=True)  # (the runner skips the row graphs when batch-invariant)
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping or self._has_work())
