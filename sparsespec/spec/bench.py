@@ -156,9 +156,12 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     """Where a greedy speculative output first leaves the plain one, and whether rounding explains it.
 
     At the first differing output index j the plain token came from a 1-token decode step and the speculative one
-    from a verify block (query 0 of a `block`-wide step); both steps are recomputed teacher-forced from the prompt
-    and plain[:j] (same prefill, then a decode step and a verify step of the token plain[j - 1], as the two loops
-    ran them; j = 0 is the prefill's own token, the same in both loops). -> None when the outputs agree (or one is a
+    from a verify block; both steps are recomputed teacher-forced from the prompt and plain[:j]: one prefill of
+    the history, then a decode step and a `block`-wide verify step (its query 0) of the token plain[j - 1] (j = 0
+    is the prefill's own token, the same in both loops). The recomputation approximates the loops' arithmetic: a
+    batch of one row, the history's K/V from a prefill rather than from the loops' steps, and query 0 where the
+    loop's token may have come from a later query of its block; `reproduced` says whether it disagrees as the
+    loops did. -> None when the outputs agree (or one is a
     prefix of the other), else {"index": j, "plain_token", "spec_token", "margin": the decode step's top-1 minus
     top-2 logit, "delta": the largest |decode − verify| logit difference over those two tokens and the
     speculative token, "reproduced": whether the recomputed steps disagree as the loops did, "near_tie": margin
