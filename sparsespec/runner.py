@@ -188,7 +188,7 @@ class Runner:
         m = min(1 << (n - 1).bit_length(), B)  # a graph of rows [0, m): [n, m) ride along
         if self.graphed and self.policy is None and self.use_row_graphs and m < B:
             logits = self._row_graph(m)(torch.cat([tokens, tokens.new_zeros(m - n)]),
-                           torch.tensor(lengths[:m], device=self.device))[:n]
+                                        torch.tensor(lengths[:m], device=self.device))[:n]
         elif self.graphed or self.policy is not None:
             logits = self.decode(torch.cat([tokens, tokens.new_zeros(B - n)]))[:n]
         else:

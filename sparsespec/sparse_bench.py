@@ -168,10 +168,11 @@ def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]
             "select": time_ms(graphed(select)), "attend": time_ms(graphed(attend))}
 
 
-# (row key, block_queries (0: SDPA), torch.compile) of the dense steps timed beside the sparse ones
-DENSE_VARIANTS = [("dense_ms", BLOCK_QUERIES, False), ("dense_sdpa_ms", 0, False),
-                  ("dense_compiled_ms", BLOCK_QUERIES, True), ("dense_compiled_sdpa_ms", 0, True)]
-DENSE_NAMES = ["dense graph", "dense graph (SDPA)", "dense compiled", "dense compiled (SDPA)"]
+# (row key, column name, block_queries (0: SDPA), torch.compile) of the dense steps timed beside the sparse ones
+DENSE_VARIANTS = [("dense_ms", "dense graph", BLOCK_QUERIES, False),
+                  ("dense_sdpa_ms", "dense graph (SDPA)", 0, False),
+                  ("dense_compiled_ms", "dense compiled", BLOCK_QUERIES, True),
+                  ("dense_compiled_sdpa_ms", "dense compiled (SDPA)", 0, True)]
 
 
 def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConfig = LLAMA31_8B,
@@ -201,7 +202,7 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
         # the engine's dense step (Triton block attention) and the same step on SDPA (cuDNN: a little faster over a
         # full cache, not deterministic), each also compiled: the best of them is the dense the policies must beat
         reference = None
-        for key, queries, compiled in DENSE_VARIANTS:
+        for key, _, queries, compiled in DENSE_VARIANTS:
             if compiled and not compile:
                 continue
             model.block_queries = queries
@@ -210,7 +211,7 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
             reference = dense(tokens, positions).clone() if reference is None else reference
             del dense
         model.block_queries = BLOCK_QUERIES
-        best_dense = min(row[key] for key, _, _ in DENSE_VARIANTS if key in row)
+        best_dense = min(row[v[0]] for v in DENSE_VARIANTS if v[0] in row)
         for spec in specs:
             name, opts = parse_spec(spec)
             make_policy(name, opts).build(0, cache, cache.lengths)  # compiles the kernels: not the build's cost
@@ -251,14 +252,14 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
              f"copy bandwidth {bw / 1e12:.2f} TB/s. Each cell: the faster of the sparse graph and the compiled "
              "sparse graph, ms per step (speedup over the dense graph / over the best dense); build: the policy's "
              "index over every layer after prefill.", "",
-             "| batch | context | floor (weights) | " + " | ".join(DENSE_NAMES) + " | " + " | ".join(specs) + " |",
-             "|---:|---:|---:|" + "---:|" * (len(DENSE_NAMES) + len(specs))]
+             "| batch | context | floor (weights) | " + " | ".join(v[1] for v in DENSE_VARIANTS) + " | " + " | ".join(specs) + " |",
+             "|---:|---:|---:|" + "---:|" * (len(DENSE_VARIANTS) + len(specs))]
     for r in rows:
         share = lambda s: f", {100 * r[s]['build_s'] / r['prefill_s']:.1f}% of prefill" if "prefill_s" in r else ""  # noqa: E731
         cells = [f"{r[s]['ms']:.2f} ({r[s]['speedup_vs_graph']:.2f}x / {r[s]['speedup_vs_best']:.2f}x; build "
                  f"{r[s]['build_s']:.2f} s{share(s)})" for s in specs]
         lines.append(f"| {r['batch']} | {r['context']} | {r['dense_floor_ms']:.2f} ({r['weights_floor_ms']:.2f}) | "
-                     + " | ".join(f"{r.get(key, float('nan')):.2f}" for key, _, _ in DENSE_VARIANTS) + " | "
+                     + " | ".join(f"{r.get(v[0], float('nan')):.2f}" for v in DENSE_VARIANTS) + " | "
                      + " | ".join(cells)
                      + " |")
     return report(out, "bench_decode", bw, rows, lines)

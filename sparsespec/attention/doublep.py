@@ -172,9 +172,10 @@ def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator | 
     if not 1 <= k <= N:
         raise SparseSpecError(f"k-means needs 1 <= k <= {N} points, got k={k}")
     # distances are shift-invariant; centring (on the entry's own points) keeps them precise
-    offset = keys.float().mean(1, keepdim=True) if valid is None else \
-        torch.where(valid[..., None], keys.float(), 0.0).sum(1, keepdim=True) / valid.sum(1).clamp_min(1)[:, None, None]
-    x = keys.float() - offset
+    x = keys.float()
+    offset = x.mean(1, keepdim=True) if valid is None else \
+        torch.where(valid[..., None], x, 0.0).sum(1, keepdim=True) / valid.sum(1).clamp_min(1)[:, None, None]
+    x = x - offset
     if valid is not None:
         x = torch.where(valid[..., None], x, 0.0)  # padding: whatever it held, it takes no part
     if draws is None:
@@ -343,30 +344,29 @@ class DoubleP(Policy):
         if max(counts) == 0:
             return
         # every row and KV head in one batched k-means: G = B * Hkv entries, row b's first counts[b] slots valid
-        n = N
-        keys = k[:, :, o.sinks:o.sinks + n].reshape(B * Hkv, n, D)
-        valid = (torch.arange(n, device=dev) < device_ints(counts, dev)[:, None])  # [B, n]
-        valid = valid[:, None].expand(-1, Hkv, -1).reshape(B * Hkv, n)
+        keys = k[:, :, o.sinks:o.sinks + N].reshape(B * Hkv, N, D)
+        valid = (torch.arange(N, device=dev) < device_ints(counts, dev)[:, None])  # [B, N]
+        valid = valid[:, None].expand(-1, Hkv, -1).reshape(B * Hkv, N)
         per_entry = device_ints(ks, dev).repeat_interleave(Hkv)  # [G]
         # each row's starts drawn as if it were alone: its own generator (seeded by layer), its own point count
-        draws = torch.zeros(B, Hkv, n, device=dev)
+        draws = torch.zeros(B, Hkv, N, device=dev)
         for b, count in enumerate(counts):
             gen = torch.Generator(device=dev).manual_seed(o.seed * 1_000_003 + layer)
             draws[b, :, :count] = torch.rand(Hkv, count, generator=gen, device=dev)
         centroids, assign = kmeans(keys, C, o.kmeans_iters, None, valid, per_entry, o.kmeans_bf16,
-                                   draws.view(B * Hkv, n))  # [G, C, D], [G, n]
+                                   draws.view(B * Hkv, N))  # [G, C, D], [G, N]
         key_sum, size = cluster_sums(keys, assign, C, valid)
         mean = key_sum / size.clamp_min(1)[..., None]
         shape = (B, Hkv, C)
         st.centroids = torch.where(size[..., None] > 0, mean, centroids).view(*shape, D)
         st.key_sum, st.size = key_sum.view(*shape, D), size.view(shape)
-        st.value_sum = cluster_sums(v[:, :, o.sinks:o.sinks + n].reshape(B * Hkv, n, D), assign, C, valid)[0] \
+        st.value_sum = cluster_sums(v[:, :, o.sinks:o.sinks + N].reshape(B * Hkv, N, D), assign, C, valid)[0] \
             .view(*shape, D)
         st.key_sq_sum = cluster_sums(keys.float().square(), assign, C, valid)[0].view(*shape, D)
-        member = torch.where(valid, assign, C)  # [G, n]: the row's candidates by cluster, padding last
-        st.perm[..., :n] = (member.argsort(dim=-1, stable=True) + o.sinks).view(B, Hkv, n)
+        member = torch.where(valid, assign, C)  # [G, N]: the row's candidates by cluster, padding last
+        st.perm[..., :N] = (member.argsort(dim=-1, stable=True) + o.sinks).view(B, Hkv, N)
         st.offsets[..., 1:] = st.size.cumsum(-1)
-        st.assign[..., o.sinks:o.sinks + n] = torch.where(valid, assign, -1).view(B, Hkv, n)
+        st.assign[..., o.sinks:o.sinks + N] = torch.where(valid, assign, -1).view(B, Hkv, N)
 
     def append(self, layer, cache, lengths):
         st: DoublePState | None = cache.policy_state[layer]
