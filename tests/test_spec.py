@@ -187,7 +187,7 @@ def test_dflash_training_path_equals_the_inference_path(dtype):
         cache = KVCache(model.cfg.layer_config, 1, T + 4, dtype, "cpu")
         if a:
             model.ingest(feats[:, :a].to(dtype), torch.arange(a)[None], cache)
-        hidden = model.draft_hidden(target.model, tokens[:, a], torch.tensor([a]), cache)  # [1, 4, H]
+        hidden = model.draft_hidden(target.model, tokens[:, a], torch.tensor([a]), cache, a + 4)  # [1, 4, H]
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(trained[0, j], hidden[0], atol=tol, rtol=tol)
 
