@@ -242,8 +242,11 @@ class DraftGraphs:
         self.starts = torch.full((N,), park, dtype=torch.long, device=dev)
         self.features = torch.zeros(N, B, model.fc.in_features, dtype=model.fc.weight.dtype, device=dev)
         self.at = torch.full((N,), park, dtype=torch.long, device=dev)
-        offsets = torch.arange(B, device=dev)
-        tokens, starts, features, at, capacity = self.tokens, self.starts, self.features, self.at, cache.capacity
+        # every tensor a graph reads is held here: a graph keeps no reference to its inputs, and a freed one's memory
+        # is handed to later allocations (a local `arange` of the offsets did that: its slots went out of bounds)
+        self.offsets = torch.arange(B, device=dev)
+        tokens, starts, features, at, offsets = self.tokens, self.starts, self.features, self.at, self.offsets
+        capacity = cache.capacity
         self.propose_graph, self.proposals = capture(
             lambda: model.draft_tokens(target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
         self.ingest_graph, _ = capture(lambda: model.ingest(features, at[:, None] + offsets, cache), dev)
