@@ -1,10 +1,12 @@
 """A speculative verify step (W tokens a row) against the decode step (1 token) on the GPU: random bf16 weights in
 real shapes, CUDA-graph replays of the project's own `CudaGraphStep` (plain and torch.compile'd), the weights-read
 floor beside them, and with --profile where each step's time goes (torch.profiler over eager steps, kernels by
-total device time).
+total device time). --drafters: random DFlash drafters of these layer counts (block 16, the target's layer shape):
+their draft step (block forward, LM head, argmax) and context update (16 positions) as CUDA graphs (`DraftGraphs`)
+and eagerly, against the widest verify step: the draft's share of a speculative step.
 
     python bench/verify_cost.py [--models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b] [--widths 1,4,8,16]
-                                [--context 2048] [--batch 1] [--profile] [--out DIR]
+                                [--context 2048] [--batch 1] [--profile] [--drafters 1,5] [--out DIR]
 """
 
 from __future__ import annotations
@@ -19,8 +21,46 @@ from torch.profiler import ProfilerActivity, profile
 
 from sparsespec.cache import KVCache
 from sparsespec.graphs import CudaGraphStep, _step
+from sparsespec.models.rope import inverse_frequencies
 from sparsespec.models.shapes import SHAPES, random_model
+from sparsespec.spec.dflash import DFlash, DFlashConfig, DraftGraphs
 from sparsespec.sparse_bench import copy_bandwidth, time_ms
+
+
+def draft_costs(cfg, target, layers: int, batch: int, context: int) -> dict:
+    """A random DFlash drafter of `layers` layers (block 16) over a drafter cache holding `context` positions a row
+    -> ms of its draft and context-update steps, graphed and eager."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = DFlash(DFlashConfig(cfg, layers=layers, block_size=16))
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    lc = model.cfg.layer_config
+    model.inv_freq = inverse_frequencies(lc.head_dim, lc.rope_theta, lc.rope_scaling).cuda()
+    model.eval().requires_grad_(False)
+    B = model.cfg.block_size
+    cache = KVCache(model.cfg.layer_config, batch, context + 2 * B, torch.bfloat16, "cuda")
+    for t in cache.k + cache.v:
+        t.normal_()
+    cache.truncate([context] * batch)
+    graphs = DraftGraphs(model, target, cache, context + B)
+    graphs.tokens.random_(0, cfg.vocab_size)
+    graphs.starts.fill_(context)
+    graphs.at.fill_(context)
+    tokens, starts = graphs.tokens.clone(), graphs.starts.clone()
+    positions = context + torch.arange(B, device="cuda").expand(batch, -1)
+    features = graphs.features.normal_().clone()
+    with torch.inference_mode():
+        out = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+               "draft_graph": time_ms(graphs.propose_graph.replay),
+               "ingest_graph": time_ms(graphs.ingest_graph.replay),
+               "draft_eager": time_ms(lambda: model.draft_tokens(target, tokens, starts, cache, context + B)),
+               "ingest_eager": time_ms(lambda: model.ingest(features, positions, cache))}
+    del graphs, model, cache
+    torch.cuda.empty_cache()
+    return out
 
 
 def kernel_table(model, cache, tokens, positions, steps: int = 10, top: int = 12) -> list[tuple[str, float, int]]:
@@ -50,6 +90,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="kernel tables of the widest and the 1-token step")
+    ap.add_argument("--no-compile", action="store_true", help="graphs only (no torch.compile'd steps)")
+    ap.add_argument("--drafters", default="", help="DFlash layer counts, e.g. 1,5 (the draft step's cost)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64
@@ -72,13 +114,25 @@ def main() -> None:
             positions = args.context + torch.arange(w, device="cuda").expand(args.batch, -1)
             cell = {}
             for label, compiled in (("graph", False), ("compiled", True)):
+                if compiled and args.no_compile:
+                    continue
                 step = CudaGraphStep(model, cache, w, compile=compiled)
                 cell[label] = time_ms(lambda: step(tokens, positions))
                 del step
             row["steps"][w] = cell
             base = row["steps"][widths[0]]
-            print(f"  width {w:3d}: graph {cell['graph']:.3f} ms ({cell['graph'] / base['graph']:.2f}x), compiled "
-                  f"{cell['compiled']:.3f} ms ({cell['compiled'] / base['compiled']:.2f}x)", flush=True)
+            print(f"  width {w:3d}: " + ", ".join(f"{label} {ms:.3f} ms ({ms / base[label]:.2f}x)"
+                                                 for label, ms in cell.items()), flush=True)
+        for layers in [int(n) for n in args.drafters.split(",") if n]:
+            d = draft_costs(cfg, model, layers, args.batch, args.context)
+            verify = row["steps"][widths[-1]]["graph"]
+            step = d["draft_graph"] + d["ingest_graph"] + verify
+            d["share_of_step"] = (d["draft_graph"] + d["ingest_graph"]) / step
+            row[f"dflash_{layers}_layers"] = d
+            print(f"  DFlash {layers} layers ({d['params_m']:.0f}M): draft {d['draft_graph']:.3f} ms graphed / "
+                  f"{d['draft_eager']:.3f} eager, context update {d['ingest_graph']:.3f} / {d['ingest_eager']:.3f}; "
+                  f"with the width-{widths[-1]} verify (graph) {step:.3f} ms a step, the drafter's share "
+                  f"{100 * d['share_of_step']:.0f}%", flush=True)
         if args.profile:
             for w in (widths[0], widths[-1]):
                 tokens = torch.randint(0, cfg.vocab_size, (args.batch, w), device="cuda")

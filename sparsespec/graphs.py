@@ -9,7 +9,7 @@ padding writes K/V past the committed length, which is dead, and later queries n
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,26 +35,15 @@ class CudaGraphStep:
         # Warm-up and capture write at the last W slots of each row: never committed tokens (capacity >= length + W).
         last = torch.arange(cache.capacity - width, cache.capacity, device=device)
         self.positions = last.expand(cache.batch, -1).clone()  # [B, W]
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
         args = (model, cache, self.tokens, self.positions, self.taps, policy)
         # around a sparse policy's graph breaks Dynamo compiles each decoder layer's frame once per layer index:
         # allow that many variants, or the later layers would silently fall back to eager
         config = torch._dynamo.config
         limits = dict(recompile_limit=max(config.recompile_limit, 8 * model.cfg.num_layers),
                       accumulated_recompile_limit=max(config.accumulated_recompile_limit, 32 * model.cfg.num_layers))
-        with torch.cuda.stream(stream), torch.inference_mode(), config.patch(**limits):
-            for _ in range(warmup):
-                self.step(*args)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        gc.collect()  # free dead graphs now, and let no collection run during the capture
-        gc.disable()
-        try:
-            with torch.cuda.graph(self.graph), torch.inference_mode():
-                self.logits, self.features = self.step(*args)  # overwritten by each replay
-        finally:
-            gc.enable()
+        step = self.step
+        with config.patch(**limits):
+            self.graph, (self.logits, self.features) = capture(lambda: step(*args), device, warmup)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor):
         """tokens, positions [B, W] -> (logits [B, W, V] fp32, features [B, W, taps * hidden] or None); views
@@ -63,6 +52,26 @@ class CudaGraphStep:
         self.positions.copy_(positions)
         self.graph.replay()
         return self.logits, self.features
+
+
+def capture(fn: Callable[[], object], device: torch.device, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run `fn` (which reads and writes only static tensors) `warmup` times on a side stream, then capture it
+    -> (the graph, fn's outputs: tensors that every replay overwrites)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    gc.collect()  # free dead graphs now, and let no collection run during the capture
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph), torch.inference_mode():
+            out = fn()
+    finally:
+        gc.enable()
+    return graph, out
 
 
 def _step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, taps: tuple[int, ...],

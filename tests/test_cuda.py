@@ -270,3 +270,29 @@ def test_decode_step_ignores_dead_slots(graph, tmp_path):
             runner.cache.k[layer][row, :, n + 1:] = 300.0
             runner.cache.v[layer][row, :, n + 1:] = -300.0
     assert torch.equal(runner.decode(tokens), first)
+
+
+@cuda
+def test_graphed_dflash_drafts_what_the_eager_drafter_drafts():
+    """DFlash's draft and context update replayed as CUDA graphs (`DraftGraphs`): a batch of two rows of different
+    lengths accepts the same proposals step by step as the eager drafter, and both equal plain greedy."""
+    from sparsespec.spec.decode import speculative_generate
+    from sparsespec.spec.dflash import DFlashDrafter
+
+    from .test_spec import tiny_dflash, tiny_engine
+
+    target = tiny_engine(0)
+    target.model.cuda()
+    target.device = torch.device("cuda")
+    model = tiny_dflash(target, block=6).cuda()
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 8] * 15]
+    runs = {}
+    for graph in (True, False):
+        gen = GenerationConfig(max_new_tokens=40, cuda_graph=graph)
+        drafter = DFlashDrafter(model, target.model)
+        runs[graph] = speculative_generate(target, prompts, drafter, gen, 6)
+        assert (drafter.graphs is not None) == graph
+    plain = target.generate(prompts, GenerationConfig(max_new_tokens=40)).token_ids
+    for g, e, p in zip(runs[True], runs[False], plain):
+        assert g.token_ids == e.token_ids == p
+        assert g.committed == e.committed

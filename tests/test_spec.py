@@ -187,7 +187,7 @@ def test_dflash_training_path_equals_the_inference_path(dtype):
         cache = KVCache(model.cfg.layer_config, 1, T + 4, dtype, "cpu")
         if a:
             model.ingest(feats[:, :a].to(dtype), torch.arange(a)[None], cache)
-        hidden = model.draft_hidden(target.model, tokens[:, a], torch.tensor([a]), cache)  # [1, 4, H]
+        hidden = model.draft_hidden(target.model, tokens[:, a], torch.tensor([a]), cache, a + 4)  # [1, 4, H]
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(trained[0, j], hidden[0], atol=tol, rtol=tol)
 
@@ -403,3 +403,25 @@ def test_divergence_finds_the_first_differing_token_and_the_plain_steps_margin()
     assert not d["near_tie"] and not d["reproduced"]
     d0 = divergence(engine, prompt, plain, [plain[0] + 1] + plain[1:], 4)
     assert d0["index"] == 0 and d0["margin"] is None
+
+
+def test_dflash_draft_over_the_whole_static_cache_equals_the_draft_over_its_context():
+    """The graphed draft attends the drafter's whole static cache (kv_len = capacity, rows at different starts,
+    the slots past each block holding garbage): each block sees exactly its context and itself, as with
+    kv_len = start + B."""
+    target = tiny_engine(0)
+    model = tiny_dflash(target, block=4)
+    T, cap = 20, 40
+    tokens = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(3))
+    _, feats = target.model.forward_tapped(tokens, torch.arange(T).expand(2, -1),
+                                           KVCache(target.config, 2, T, torch.float32, "cpu"), T, model.cfg.taps)
+    cache = KVCache(model.cfg.layer_config, 2, cap, torch.float32, "cpu")
+    for t in cache.k + cache.v:
+        t.normal_()  # garbage everywhere, the context written below
+    model.ingest(feats, torch.arange(T).expand(2, -1), cache)
+    starts = torch.tensor([7, 15])
+    wide = model.draft_hidden(target.model, tokens[:, 0], starts, cache, cap)
+    for r, s in enumerate(starts.tolist()):
+        row = cache.rows(r, r + 1)
+        alone = model.draft_hidden(target.model, tokens[r:r + 1, 0], starts[r:r + 1], row, s + 4)
+        torch.testing.assert_close(wide[r], alone[0], rtol=1e-5, atol=1e-5)

@@ -45,6 +45,8 @@ class StepPlan:
     policy: Policy | None = None  # decode attention of the sparse layers (single-token steps only)
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # sees (layer, q, k) after RoPE
     block: bool = False  # a few queries a row (a speculative verify block): the Triton block attention
+    seen: torch.Tensor | None = None  # [B, T]: the last slot each query sees, if not its own position (a drafter's
+    #                                   block sees all of itself); `mask` must agree
 
 
 class Attention(nn.Module):
@@ -81,7 +83,7 @@ class Attention(nn.Module):
             out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
         elif plan.block:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
-            out = block_attention(q, keys, values, plan.positions)  # [B, Hq, T, D]
+            out = block_attention(q, keys, values, plan.positions if plan.seen is None else plan.seen)
         else:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]

@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..attention.dense import dense_attention
+from ..attention.dense import causal_mask, dense_attention
 from ..cache import KVCache
 from ..config import ModelConfig, RopeScaling
 from ..errors import SparseSpecError
 from ..models.rope import inverse_frequencies, rope_cos_sin
+from ..graphs import capture
+from ..kernels import triton_ready
 from ..models.transformer import Block, RMSNorm, StepPlan, Transformer
 from .drafters import Drafter
 
@@ -111,20 +113,26 @@ class DFlash(nn.Module):
             _, k, v = layer.self_attn.project(c, cos, sin)
             cache.write(i, positions, k, v)
 
-    def draft_hidden(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor:
-        """tokens [N] at positions start [N] (context slots [0, start) cached) -> hidden [N, B, H] of the block."""
+    def draft_hidden(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
+                     kv_len: int) -> torch.Tensor:
+        """tokens [N] at positions start [N] (context slots [0, start) cached; kv_len >= every start + B, known on
+        the host) -> hidden [N, B, H] of the block. Each block query sees the context and the whole block."""
         B = self.cfg.block_size
-        positions = start[:, None] + torch.arange(B, device=start.device)  # [N, B]
-        kv_len = int(start.max()) + B
-        slots = torch.arange(kv_len, device=start.device)
-        mask = (slots < (start[:, None] + B)[..., None])[:, None].expand(-1, 1, B, -1)  # [N, 1, B, kv_len]
+        positions = start[:, None] + torch.arange(B, device=start.device)  # [N, B]: also the slots written
+        seen = positions[:, -1:].expand(-1, B)  # [N, B]: the block's last slot
         x = self.block_embeddings(target, tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        plan = StepPlan(positions, kv_len, cos, sin, mask)
+        block = B <= target.block_queries and triton_ready(start.device)
+        plan = StepPlan(positions, kv_len, cos, sin, causal_mask(seen, kv_len), block=block, seen=seen)
         for i, layer in enumerate(self.layers):
             x = layer(x, i, plan, cache)
         return self.norm(x)
+
+    def draft_tokens(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
+                     kv_len: int) -> torch.Tensor:
+        """As `draft_hidden` -> the block's greedy proposals [N, B − 1] (the target's LM head, argmax)."""
+        hidden = self.draft_hidden(target, tokens, start, cache, kv_len)
+        return target.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype)).argmax(-1)
 
     # --- training: many blocks per sequence, one masked attention --------------------------------------------
 
@@ -217,10 +225,52 @@ def loss_weights(B: int, gamma: float | None = None, device=None) -> torch.Tenso
     return torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma))
 
 
+class DraftGraphs:
+    """DFlash's two per-step forwards as CUDA graphs over static buffers, captured once per drafter cache:
+
+        propose  tokens, starts [N] -> proposals [N, B − 1]: the block forward at each row's start, the target's LM
+                 head and the argmax (the context up to each row's start, every slot past it unread)
+        ingest   features [N, B, taps · H], starts [N]: the context K/V of B committed positions per row from its
+                 start on (slots past a row's accepted tokens are dead: the next block overwrites them)
+
+    Warm-up and capture run with every row at `park`, slots no row ever commits."""
+
+    def __init__(self, model: DFlash, target: Transformer, cache: KVCache, park: int):
+        N, B, dev = cache.batch, model.cfg.block_size, cache.device
+        self.park = park
+        self.tokens = torch.zeros(N, dtype=torch.long, device=dev)
+        self.starts = torch.full((N,), park, dtype=torch.long, device=dev)
+        self.features = torch.zeros(N, B, model.fc.in_features, dtype=model.fc.weight.dtype, device=dev)
+        self.at = torch.full((N,), park, dtype=torch.long, device=dev)
+        # every tensor a graph reads is held here: a graph keeps no reference to its inputs, and a freed one's memory
+        # is handed to later allocations (a local `arange` of the offsets did that: its slots went out of bounds)
+        self.offsets = torch.arange(B, device=dev)
+        tokens, starts, features, at, offsets = self.tokens, self.starts, self.features, self.at, self.offsets
+        capacity = cache.capacity
+        self.propose_graph, self.proposals = capture(
+            lambda: model.draft_tokens(target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
+        self.ingest_graph, _ = capture(lambda: model.ingest(features, at[:, None] + offsets, cache), dev)
+
+    def propose(self, tokens: list[int], starts: list[int]) -> list[list[int]]:
+        self.tokens.copy_(torch.tensor(tokens), non_blocking=True)
+        self.starts.copy_(torch.tensor(starts), non_blocking=True)
+        self.propose_graph.replay()
+        return self.proposals.tolist()  # the step's one read-back
+
+    def ingest(self, features: list[torch.Tensor | None], starts: list[int | None]) -> None:
+        """Row r's features [T_r <= B, ·] at starts[r] on; None: the row writes nothing of use (parked)."""
+        for r, f in enumerate(features):
+            if f is not None:
+                self.features[r, :f.shape[0]] = f
+        self.at.copy_(torch.tensor([self.park if s is None else s for s in starts]), non_blocking=True)
+        self.ingest_graph.replay()
+
+
 class DFlashDrafter(Drafter):
     """The DFlash model driven by the speculative loop: its own context cache (a row per batch row) gets only newly
     committed features; one forward drafts a block for every row; proposals are the argmax (point masses, lossless
-    under verification at any T)."""
+    under verification at any T). On CUDA with the runner's graphs on, a step's draft and its context update each
+    replay a CUDA graph (`DraftGraphs`), with one read-back: the proposals."""
 
     name = "dflash"
 
@@ -229,17 +279,24 @@ class DFlashDrafter(Drafter):
         self.target = target
         self.taps = model.cfg.taps
         self.cache: KVCache | None = None
+        self.cuda_graph = False
+        self.graphs: DraftGraphs | None = None
+
+    def bind(self, runner):
+        self.cuda_graph = runner.cuda_graph and runner.device.type == "cuda"
 
     def start(self, prompts, features, capacity):
         device = self.model.fc.weight.device
         # a whole block is written past the context even when fewer proposals are wanted: room for B more slots
-        # (never committed, so they may lie past the model's context)
+        # (never committed, so they may lie past the model's context); rows that draft nothing park there
         B = self.model.cfg.block_size
         cfg = dataclasses.replace(self.model.cfg.layer_config, max_position=capacity + B)
         self.cache = KVCache(cfg, len(prompts), capacity + B, self.model.fc.weight.dtype, device)
+        self.park = capacity
         if features is not None and any(f is not None for f in features):  # (continuous batching starts empty)
             self._ingest(features, [0] * len(prompts))
         self.cache.truncate([len(p) for p in prompts])
+        self.graphs = DraftGraphs(self.model, self.target, self.cache, capacity) if self.cuda_graph else None
 
     @torch.inference_mode()
     def start_row(self, row, prompt, features):
@@ -267,19 +324,28 @@ class DFlashDrafter(Drafter):
         B = self.model.cfg.block_size
         if all(h is None or k < 1 for h, k in zip(histories, ks)):
             return [[] for _ in histories], [None] * len(histories)
-        device = self.model.fc.weight.device
-        # row r's pending token sits at len(history) - 1, its context covers [0, that); a stopped row drafts at 0
-        tokens = torch.tensor([0 if h is None else h[-1] for h in histories], device=device)
-        starts = torch.tensor([0 if h is None else len(h) - 1 for h in histories], device=device)
-        hidden = self.model.draft_hidden(self.target, tokens, starts, self.cache)  # [N, B, H]
-        best = self.target.logits(hidden[:, 1:].to(self.target.embed_tokens.weight.dtype)).argmax(-1).tolist()
+        # row r's pending token sits at len(history) - 1, its context covers [0, that); a stopped row drafts at
+        # the parking slots (graphs) or at 0 (eager: its context is never used again)
+        tokens = [0 if h is None else h[-1] for h in histories]
+        if self.graphs is not None:
+            best = self.graphs.propose(tokens, [self.park if h is None else len(h) - 1 for h in histories])
+        else:
+            starts = [0 if h is None else len(h) - 1 for h in histories]
+            device = self.model.fc.weight.device
+            best = self.model.draft_tokens(self.target, torch.tensor(tokens, device=device),
+                                           torch.tensor(starts, device=device), self.cache, max(starts) + B).tolist()
         return [[] if h is None else row[:min(k, B - 1)] for h, k, row in zip(histories, ks, best)], \
             [None] * len(histories)
 
+    @torch.inference_mode()
     def commit(self, histories, accepted, features):
         # row r's context covers [0, n); its newly cached target tokens sit at n..n + accepted
         lengths = list(self.cache.lengths)
         live = [a is not None for a in accepted]
         if any(live):
-            self._ingest([f[:a + 1] if a is not None else None for f, a in zip(features, accepted)], lengths)
+            rows = [f[:a + 1] if a is not None else None for f, a in zip(features, accepted)]
+            if self.graphs is not None:
+                self.graphs.ingest(rows, [n if a is not None else None for n, a in zip(lengths, accepted)])
+            else:
+                self._ingest(rows, lengths)
         self.cache.truncate([n + a + 1 if a is not None else 0 for n, a in zip(lengths, accepted)])
