@@ -5,6 +5,10 @@ them with one dense step of γ + 1 tokens. Per cycle it commits τ(γ) tokens, s
 
     speedup(γ) = τ(γ) · t_dense / (γ · t_sparse + t_verify(γ + 1))
 
+With the drafter's `select_every` N > 1 (`self:binarypc:budget=0.02,select_every=8`) a cycle's draft steps 1,
+N + 1, ... select and the others reuse the selections (`t_reuse`, the decode rows' "reusing_ms" of --policy):
+γ · t_sparse becomes s · t_sparse + (γ − s) · t_reuse with s = ceil(γ / N).
+
 Inputs, each measured elsewhere and read from its results file:
 - t_dense, t_sparse: `sparsespec bench decode` rows (whole decode step, CUDA graphs; t_dense the fastest dense step
   of the row, t_sparse the policy's).
@@ -65,6 +69,8 @@ def main() -> None:
     args = ap.parse_args()
 
     decode_rows = json.loads(Path(args.decode).read_text())["rows"]
+    every = next((int(o.split("=")[1]) for o in args.drafter.split(":")[-1].split(",")
+                  if o.startswith("select_every=")), 1)
     spec_rows = [json.loads(line) for line in Path(args.spec).read_text().splitlines() if line.strip()]
     spec_rows = [r for r in spec_rows if r["drafter"] == args.drafter and r["temperature"] == 0]
     if not spec_rows:
@@ -89,10 +95,13 @@ def main() -> None:
             continue
         dense = min(row[k] for k in row if k.startswith("dense") and k.endswith("_ms") and "floor" not in k)
         sparse = row[args.policy]["ms"]
+        reuse = row[args.policy].get("reusing_ms", sparse) if every > 1 else sparse
+        drafting = lambda g: -(-g // every) * sparse + (g - -(-g // every)) * reuse  # noqa: E731
         best = max(range(1, args.max_gamma + 1),
-                   key=lambda g: tau(alpha, g) * dense / (g * sparse + dense * verify_ratio(ratios, g + 1)))
-        speed = tau(alpha, best) * dense / (best * sparse + dense * verify_ratio(ratios, best + 1))
-        print(f"| {row['batch']} | {row['context']} | {dense:.2f} | {sparse:.2f} | {dense / sparse:.2f}x | {best} | "
+                   key=lambda g: tau(alpha, g) * dense / (drafting(g) + dense * verify_ratio(ratios, g + 1)))
+        speed = tau(alpha, best) * dense / (drafting(best) + dense * verify_ratio(ratios, best + 1))
+        shown = f"{sparse:.2f}" + (f" (reusing {reuse:.2f})" if reuse != sparse else "")
+        print(f"| {row['batch']} | {row['context']} | {dense:.2f} | {shown} | {dense / sparse:.2f}x | {best} | "
               f"{tau(alpha, best):.2f} | {speed:.2f}x |")
 
 

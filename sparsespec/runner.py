@@ -11,19 +11,22 @@
 
 On CUDA a graphable policy runs fixed-width sparse steps (`Policy.plan_fixed`): the whole step, every sparse layer's
 scoring, selection and attention included, is one CUDA graph replay with no host synchronisation. Other policies
-step eagerly. Dense decoding replays the dense graph as before.
+step eagerly. Dense decoding replays the dense graph as before. With the policy's `select_every` N > 1, a step that
+selects is followed by up to N - 1 steps that reuse every layer's selection (a second graph, no scoring or
+selection); any rollback (`truncate`) makes the next step select again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention.policy import Policy
 from .cache import KVCache
+from .errors import SparseSpecError
 from .graphs import CudaGraphDecodeStep, CudaGraphStep
 from .models.transformer import Transformer
 
@@ -48,6 +51,8 @@ class Runner:
         self.taps = tuple(taps)
         self.use_row_graphs = row_graphs
         self.graph: CudaGraphDecodeStep | None = None
+        self.reuse_graph: CudaGraphDecodeStep | None = None  # select_every > 1: the step over the kept selections
+        self.since_select: int | None = None  # steps since the last selecting step; None: the next one selects
         self.row_graphs: dict[int, CudaGraphDecodeStep] = {}  # dense decode of the first n rows (n < batch)
         self.verify_graphs: dict[int, CudaGraphStep] = {}  # by width: dense multi-token steps
         self._set(policy)
@@ -55,10 +60,15 @@ class Runner:
     def _set(self, policy: Policy | None) -> None:
         self.policy = policy
         cuda = self.device.type == "cuda"
-        self.fixed = policy is not None and policy.graphable and (cuda if self.prefer_fixed is None
-                                                                   else self.prefer_fixed)
+        self.select_every = 1 if policy is None else policy.options.select_every
+        if self.select_every > 1 and not (policy.graphable and self.prefer_fixed is not False):
+            raise SparseSpecError(f"select_every needs the fixed-width steps of a graphable policy "
+                                  f"({policy.name} {'steps eagerly' if not policy.graphable else 'is not fixed here'})")
+        self.fixed = policy is not None and policy.graphable and (
+            (cuda or self.select_every > 1) if self.prefer_fixed is None else self.prefer_fixed)
         self.graphed = self.cuda_graph and cuda and (policy is None or self.fixed)
-        self.graph = None  # a graph holds its policy's buffers: captured again for another one
+        self.graph = self.reuse_graph = None  # a graph holds its policy's buffers: captured again for another one
+        self.since_select = None
         self.sparse_layers = 0 if policy is None else sum(policy.is_sparse(i) for i in
                                                           range(self.model.cfg.num_layers))
 
@@ -125,7 +135,8 @@ class Runner:
         policy.build_all(self.cache, self.cache.lengths)
         if self.fixed:
             policy.plan_fixed(self.cache, self.cache.lengths)
-            self.graph = None  # the plan's buffers are new: capture again
+            self.graph = self.reuse_graph = None  # the plan's buffers are new: capture again
+        self.since_select = None
 
     @torch.inference_mode()
     def capture(self, rows: bool = False) -> None:
@@ -135,6 +146,9 @@ class Runner:
         under light load then reads the cache of those rows only)."""
         if self.graphed and self.graph is None:
             self.graph = CudaGraphDecodeStep(self.model, self.cache, self.compile, policy=self.policy)
+            if self.select_every > 1:  # the reusing step too (its warm-up steps change the kept selections)
+                with self._reusing():
+                    self.reuse_graph = CudaGraphDecodeStep(self.model, self.cache, self.compile, policy=self.policy)
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
             if self.policy is not None:
                 self.policy.reset_attended()
@@ -157,10 +171,13 @@ class Runner:
         positions = torch.tensor(cache.lengths, device=self.device)  # [B]
         if self.graphed:
             self.capture()
-            logits = self.graph(tokens, positions)
+        reuse = self.since_select is not None and self.since_select + 1 < self.select_every
+        self.since_select = self.since_select + 1 if reuse else 0
+        if self.graphed:
+            logits = (self.reuse_graph if reuse else self.graph)(tokens, positions)
         else:
             # an eager policy is told the step's positions so it reads none back from the device
-            with self._eager_attention(), \
+            with self._eager_attention(), self._reusing() if reuse else nullcontext(), \
                     policy.stepping(cache.lengths) if policy is not None and policy.fixed is None else nullcontext():
                 hidden = self.model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1,
                                     policy=policy)
@@ -236,6 +253,15 @@ class Runner:
             return self.model.forward_tapped(tokens, self._positions(tokens.shape[1]), self.cache, kv_len, taps,
                                              observer=observer)
 
+    @contextmanager
+    def _reusing(self):
+        """Within: fixed-width steps run (or are captured) reusing the kept selections."""
+        self.policy.fixed.reusing = True
+        try:
+            yield
+        finally:
+            self.policy.fixed.reusing = False
+
     def _eager_attention(self):
         """Eager CUDA steps keep cuDNN out of dense attention (it plans anew for every key count, ~40 ms a step)."""
         return sdpa_kernel(_NOT_CUDNN) if self.device.type == "cuda" else nullcontext()
@@ -243,6 +269,7 @@ class Runner:
     def truncate(self, lengths: list[int]) -> None:
         """Roll rows back (or forward after a multi-token commit) to `lengths`; the policy's index follows."""
         self.cache.truncate(lengths)
+        self.since_select = None  # kept selections may hold slots past the new lengths: select again
         if self.policy is not None:
             for layer in range(self.model.cfg.num_layers):
                 self.policy.append(layer, self.cache, self.cache.lengths)

@@ -214,7 +214,10 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
         best_dense = min(row[v[0]] for v in DENSE_VARIANTS if v[0] in row)
         for spec in specs:
             name, opts = parse_spec(spec)
-            make_policy(name, opts).build(0, cache, cache.lengths)  # compiles the kernels: not the build's cost
+            warm = make_policy(name, opts)  # one sparse layer's build compiles its kernels: not the build's cost
+            warm.build(next(i for i in range(cfg.num_layers) if warm.is_sparse(i)), cache, cache.lengths)
+            cache.policy_state = [None] * cfg.num_layers
+            del warm
             policy = make_policy(name, opts)
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -237,6 +240,17 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
                 cell["compiled_max_logit_diff"] = float((sparse_c(tokens, positions) - logits).abs().max())
                 del sparse_c
                 ms = min(ms, cell["compiled_ms"])
+            if policy.options.select_every > 1:  # the step between selections: the kept selections reused
+                times = []
+                for compiled in (False, True) if compile else (False,):
+                    policy.fixed.reusing = True
+                    try:
+                        reusing = CudaGraphDecodeStep(model, cache, compile=compiled, policy=policy)
+                    finally:
+                        policy.fixed.reusing = False
+                    times.append(time_ms(lambda: reusing(tokens, positions)))
+                    del reusing
+                cell["reusing_ms"] = min(times)
             row[spec] = {**cell, "ms": ms, "speedup_vs_graph": row["dense_ms"] / ms,
                          "speedup_vs_best": best_dense / ms, "build_s": build_s,
                          "logits_finite": bool(torch.isfinite(logits).all()),
@@ -251,13 +265,15 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
     lines = [f"Whole decode step, Llama-3.1-8B shape, random bf16 weights and keys; {torch.cuda.get_device_name()}, "
              f"copy bandwidth {bw / 1e12:.2f} TB/s. Each cell: the faster of the sparse graph and the compiled "
              "sparse graph, ms per step (speedup over the dense graph / over the best dense); build: the policy's "
-             "index over every layer after prefill.", "",
+             "index over every layer after prefill (its kernels compiled by a throwaway one-layer build); with "
+             "select_every > 1 also the step between selections (the kept selections reused).", "",
              "| batch | context | floor (weights) | " + " | ".join(v[1] for v in DENSE_VARIANTS) + " | " + " | ".join(specs) + " |",
              "|---:|---:|---:|" + "---:|" * (len(DENSE_VARIANTS) + len(specs))]
     for r in rows:
         share = lambda s: f", {100 * r[s]['build_s'] / r['prefill_s']:.1f}% of prefill" if "prefill_s" in r else ""  # noqa: E731
+        reusing = lambda s: f"; reusing step {r[s]['reusing_ms']:.2f}" if "reusing_ms" in r[s] else ""  # noqa: E731
         cells = [f"{r[s]['ms']:.2f} ({r[s]['speedup_vs_graph']:.2f}x / {r[s]['speedup_vs_best']:.2f}x; build "
-                 f"{r[s]['build_s']:.2f} s{share(s)})" for s in specs]
+                 f"{r[s]['build_s']:.2f} s{share(s)}{reusing(s)})" for s in specs]
         lines.append(f"| {r['batch']} | {r['context']} | {r['dense_floor_ms']:.2f} ({r['weights_floor_ms']:.2f}) | "
                      + " | ".join(f"{r.get(v[0], float('nan')):.2f}" for v in DENSE_VARIANTS) + " | "
                      + " | ".join(cells)

@@ -172,12 +172,15 @@ def test_many_graph_captures_in_a_row_survive_garbage_collection():
 
 
 @cuda
-@pytest.mark.parametrize("name,budget", [("binarypc", "1.0"), ("topk", "1.0"), ("streaming", "1.0"), ("quest", "1.0"),
-                                         ("binarypc", "0.05"), ("binarypc", "16"), ("quest", "0.1")])
+@pytest.mark.parametrize("name,budget,every", [
+    ("binarypc", "1.0", 1), ("topk", "1.0", 1), ("streaming", "1.0", 1), ("quest", "1.0", 1), ("binarypc", "0.05", 1),
+    ("binarypc", "16", 1), ("quest", "0.1", 1), ("binarypc", "1.0", 3), ("binarypc", "0.05", 4),
+    ("streaming", "0.1", 3), ("topk", "0.1", 2)])
 @torch.inference_mode()
-def test_graphed_sparse_runner_matches_the_eager_fixed_path(name, budget, tmp_path):
-    """The whole sparse step replayed as one CUDA graph: at a full budget it gives the dense greedy tokens; at a
-    small one it equals the same fixed-width path run eagerly, over a batch of two rows of different lengths."""
+def test_graphed_sparse_runner_matches_the_eager_fixed_path(name, budget, every, tmp_path):
+    """The whole sparse step replayed as one CUDA graph (with select_every > 1 also the step that reuses the kept
+    selections): at a full budget it gives the dense greedy tokens; at a small one it equals the same fixed-width
+    path run eagerly, over a batch of two rows of different lengths."""
     from sparsespec.attention import make_policy
     from sparsespec.runner import Runner
 
@@ -187,7 +190,8 @@ def test_graphed_sparse_runner_matches_the_eager_fixed_path(name, budget, tmp_pa
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (150, 97)]
     runs = {}
     for run in ("dense", "eager", "graph"):
-        policy = None if run == "dense" else make_policy(name, {"budget": budget, "dense_layers": "1"})
+        policy = None if run == "dense" else make_policy(name, {"budget": budget, "dense_layers": "1",
+                                                                "select_every": every})
         runner = Runner(model, 2, 180, policy, cuda_graph=run != "eager", fixed=True)
         tokens, out = model.logits(runner.prefill(prompts, chunk=64)).argmax(-1), []
         for _ in range(20):

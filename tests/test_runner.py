@@ -122,6 +122,85 @@ def test_rollback_moves_the_index_back_in_fixed_mode():
     assert int(state.encoded_dev) == 65
 
 
+@pytest.mark.parametrize("name,options", [("binarypc", {"budget": 0.1, "window": 2}), ("topk", {"budget": 9}),
+                                          ("streaming", {"budget": 0.2}), ("quest", {"budget": 0.1, "page": 8})])
+def test_a_reusing_step_attends_to_the_kept_selection_and_the_slots_decoded_since(name, options):
+    """select_every: a selecting step keeps every layer's selection; each reusing step adds its query's slot to
+    it and attends to exactly that set (checked against exact attention over the set)."""
+    from sparsespec.attention.policy import attend_selected
+
+    B, Hkv, S, D = 2, 2, 130, 16
+    cache = cache_with_keys(anisotropic_keys(B * Hkv, S, D, seed=4).view(B, Hkv, S, D))
+    lengths = [90, 61]
+    policy = make_policy(name, {**options, "dense_layers": 0, "select_every": 4})
+    policy.build(0, cache, lengths)
+    policy.plan_fixed(cache, lengths)
+    plan = policy.fixed
+    g = torch.Generator().manual_seed(2)
+    positions = torch.tensor(lengths)
+    policy.begin_step(positions)
+    policy.decode(0, torch.randn(B, 2 * Hkv, 1, D, generator=g), cache, positions)
+    idx, count = (t[0].clone() for t in plan.kept)
+    selected = [idx[r, :count[r]].tolist() for r in range(B * Hkv)]
+    plan.reusing = True
+    for step in range(1, 4):
+        positions = torch.tensor(lengths) + step
+        q = torch.randn(B, 2 * Hkv, 1, D, generator=g)
+        policy.begin_step(positions)
+        got = policy.decode(0, q, cache, positions)
+        idx, count = plan.kept[0][0], plan.kept[1][0]
+        sets = []
+        for r in range(B * Hkv):
+            want = selected[r] + [lengths[r // Hkv] + i for i in range(1, step + 1)]
+            assert idx[r, :count[r]].tolist() == want
+            sets.append(want)
+        width = max(map(len, sets))
+        slots = torch.tensor([x + [0] * (width - len(x)) for x in sets]).view(B, Hkv, width)
+        valid = torch.tensor([[True] * len(x) + [False] * (width - len(x)) for x in sets]).view(B, Hkv, width)
+        assert torch.allclose(got, attend_selected(q, cache.k[0], cache.v[0], slots, valid), atol=1e-5, rtol=1e-4)
+    plan.reusing = False
+    policy.begin_step(positions + 1)  # a selecting step replaces the kept selection
+    policy.decode(0, torch.randn(B, 2 * Hkv, 1, D, generator=g), cache, positions + 1)
+    assert all(int(plan.kept[1][0][r]) <= plan.width for r in range(B * Hkv))
+
+
+@torch.inference_mode()
+def test_select_every_in_the_runner_selects_then_reuses_and_selects_again_after_a_rollback():
+    from .test_spec import tiny_engine
+
+    model = tiny_engine(0).model
+    prompts = [list(range(1, 41)), [7] * 23]
+    dense = Runner(model, 2, 80)
+    full = Runner(model, 2, 80, make_policy("binarypc", {"budget": 1.0, "dense_layers": 0, "select_every": 3}))
+    small = Runner(model, 2, 80, make_policy("binarypc", {"budget": 0.2, "dense_layers": 0, "select_every": 3,
+                                                          "min_tokens": 0}))
+    assert full.fixed and small.fixed  # select_every needs the fixed-width path, on CPU too
+    calls = []
+    select = small.policy.fixed_selection
+    small.policy.fixed_selection = lambda *a: calls.append(1) or select(*a)
+    tokens = [r.model.logits(r.prefill(prompts)).argmax(-1) for r in (dense, full, small)]
+    for step in range(7):
+        tokens = [r.decode(t).argmax(-1) for r, t in zip((dense, full, small), tokens)]
+        assert torch.equal(tokens[1], tokens[0])  # a full budget reused is still every token: dense greedy
+    assert len(calls) == 2 * 3  # steps 0, 3, 6 select (two layers each); the others reuse
+    small.truncate([n - 2 for n in small.cache.lengths])
+    small.decode(tokens[2])
+    assert len(calls) == 2 * 4  # a rollback: the next step selects again
+
+
+def test_select_every_is_validated():
+    from sparsespec.errors import SparseSpecError
+    from .test_spec import tiny_engine
+
+    with pytest.raises(SparseSpecError, match="select_every must be >= 1"):
+        make_policy("binarypc", {"select_every": 0})
+    model = tiny_engine(0).model
+    with pytest.raises(SparseSpecError, match="select_every needs the fixed-width steps"):
+        Runner(model, 1, 32, make_policy("magicpig", {"select_every": 2}))
+    with pytest.raises(SparseSpecError, match="select_every needs the fixed-width steps"):
+        Runner(model, 1, 32, make_policy("binarypc", {"select_every": 2}), fixed=False)
+
+
 @torch.inference_mode()
 def test_verify_then_a_partial_commit_equals_decoding_the_committed_tokens():
     """A speculative step through the runner: a block verified at once gives the logits of decoding it token by

@@ -115,6 +115,20 @@ def test_a_batch_speculates_for_each_row_what_it_would_alone(drafter):
             assert batch[1].token_ids[-1] == eos and len(batch[1].token_ids) < 24  # a row stopped early
 
 
+@pytest.mark.parametrize("policy", ["binarypc", "streaming", "topk"])
+def test_self_drafting_over_kept_selections_is_lossless(policy):
+    """select_every: the self-drafter selects at a round's first draft step and reuses the selection for the
+    rest; greedy output stays the target's, for a batch as for each row alone."""
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50))]
+    target = tiny_engine(0)
+    gen = GenerationConfig(max_new_tokens=30)
+    make = lambda: self_drafter(policy, select_every=4)  # noqa: E731
+    batch = speculative_generate(target, prompts, make(), gen, 6)
+    assert [b.token_ids for b in batch] == target.generate(prompts, gen).token_ids
+    assert [b.token_ids for b in batch] == [speculative_generate(target, [p], make(), gen, 6)[0].token_ids
+                                            for p in prompts]
+
+
 def test_a_drafter_that_is_the_target_is_always_accepted_and_stops_at_eos():
     target = tiny_engine(0)
     gen = GenerationConfig(max_new_tokens=33)

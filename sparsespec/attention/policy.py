@@ -55,6 +55,9 @@ class PolicyOptions:
     dense_layers: int = option(2, "the first N layers decode with dense attention")
     sinks: int = option(0, "the first N tokens (attention sinks) are always attended")
     window: int = option(0, "the N most recent tokens are always attended")
+    select_every: int = option(1, "select the keys at every N-th decode step only; the steps between attend to "
+                                  "each layer's last selection plus the tokens decoded since (cheaper steps, e.g. "
+                                  "a self-drafter's; fixed-width steps of the engine's runner; 1: every step)")
 
     def __post_init__(self):
         if not 0 < self.budget < float("inf"):
@@ -64,6 +67,8 @@ class PolicyOptions:
         for name in ("min_tokens", "dense_layers", "sinks", "window"):
             if getattr(self, name) < 0:
                 raise SparseSpecError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.select_every < 1:
+            raise SparseSpecError(f"select_every must be >= 1, got {self.select_every}")
 
     def tokens(self, context: int) -> int:
         """How many of `context` tokens one decode query attends to."""
@@ -126,6 +131,15 @@ class FixedPlan:
     idx: torch.Tensor  # [B * Hkv, width] int32: the selection of the layer being run (reused by every layer)
     count: torch.Tensor  # [B * Hkv] int32
     listed: torch.Tensor  # [B] int32: how many of the policy's own forced list (`fixed_keys`) count this step
+    # select_every > 1: every layer keeps its selection, idx [L, B * Hkv, width + select_every - 1] int32 and
+    # count [L, B * Hkv] int32 (room for the slots decoded until the next selection); layers from `first_sparse`
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None
+    first_sparse: int = 0
+    reusing: bool = False  # the step (when run or captured) attends to the kept selections instead of selecting
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where layer `layer`'s selection goes: (idx [B * Hkv, W] int32, count [B * Hkv] int32); W >= width."""
+        return (self.idx, self.count) if self.kept is None else (self.kept[0][layer], self.kept[1][layer])
 
 
 def _copy_row(state: Any, one: Any, row: int) -> None:
@@ -267,8 +281,11 @@ class SelectionPolicy(Policy):
         B, Hkv, S = cache.batch, cache.k[0].shape[1], cache.capacity
         width = min(S, max(self.options.tokens(S), self.options.forced(S - 1) + self.extra_forced(S, lengths)))
         zeros = lambda *shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=cache.device)  # noqa: E731
+        every, layers = self.options.select_every, len(cache.k)
+        kept = None if every == 1 else (zeros(layers, B * Hkv, width + every - 1), zeros(layers, B * Hkv))
+        first = next((i for i in range(layers) if self.is_sparse(i)), layers)
         self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
-                               zeros(B * Hkv), zeros(B))
+                               zeros(B * Hkv), zeros(B), kept, first)
 
     def extra_forced(self, capacity: int, lengths: list[int]) -> int:
         """At most how many slots besides sinks and window the policy forces in at one step (bounds the width)."""
@@ -278,10 +295,25 @@ class SelectionPolicy(Policy):
         """positions [B] of this step's queries -> the plan's device metadata (graph-capturable)."""
         plan = self.fixed
         plan.positions.copy_(positions)
+        if plan.reusing:
+            self._keep_decoded(positions)
+            return
         plan.tokens.copy_(self.options.tokens_on_device(positions.long() + 1))
         listed = self.listed_forced(plan.tokens)
         if listed is not None:
             plan.listed.copy_(listed)
+
+    def _keep_decoded(self, positions: torch.Tensor) -> None:
+        """A step that reuses the kept selections: each row's query slot joins every sparse layer's selection (the
+        slots decoded since the selection are all there then; a full buffer keeps its last column for the newest)."""
+        plan = self.fixed
+        idx, count = (t[plan.first_sparse:] for t in plan.kept)  # [L', R, W], [L', R]
+        L, R, W = idx.shape
+        B = positions.shape[0]
+        slot = positions.to(idx.dtype).repeat_interleave(R // B).expand(L, R)  # [L', R]
+        idx.scatter_(2, count.clamp_max(W - 1).long()[..., None], slot[..., None])
+        count.add_(1).clamp_(max=W)
+        plan.attended.add_(count.view(L, B, -1).float().mean(-1).sum(0))
 
     def listed_forced(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Per row's budget [B], how many slots of the policy's own forced list a step takes (None: no list)."""
@@ -305,32 +337,34 @@ class SelectionPolicy(Policy):
         from ..kernels import triton_ready
 
         plan = self.fixed
+        into = plan.buffers(layer)  # [R, W], [R]: W >= width, and no row selects more than width
         sk = self.fixed_keys(layer, q, cache)
         forced_from = plan.positions + 1 if sk.forced_from is None else sk.forced_from
-        args = (sk.keys, plan.positions, plan.tokens, forced_from, plan.width, sk.key_bits)
+        args = (sk.keys, plan.positions, plan.tokens, forced_from, into[0].shape[1], sk.key_bits)
         opts = dict(sinks=self.options.sinks, window=self.options.window, extra=sk.extra, extra_n=sk.extra_n)
         if triton_ready(q.device):
             from ..kernels.select import select_topk
 
-            return select_topk(*args, out=(plan.idx, plan.count), attended=plan.attended, **opts)
+            return select_topk(*args, out=into, attended=plan.attended, **opts)
         from ..kernels.select import select_topk_ref
 
         idx, count = select_topk_ref(*args, **opts)
-        plan.idx.copy_(idx)
-        plan.count.copy_(count)
+        into[0].copy_(idx)
+        into[1].copy_(count)
         plan.attended.add_(count.view(len(plan.positions), -1).float().mean(-1))
-        return plan.idx, plan.count
+        return into
 
     def decode_fixed(self, layer: int, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One sparse layer of a fixed-width step: the selection (`fixed_selection`), then split-K attention over
-        it. Triton kernels on CUDA (or under TRITON_INTERPRET=1), their torch references otherwise."""
+        """One sparse layer of a fixed-width step: the selection (`fixed_selection`; a reusing step takes the
+        layer's kept one), then split-K attention over it. Triton kernels on CUDA (or under TRITON_INTERPRET=1),
+        their torch references otherwise."""
         from ..kernels import triton_ready
         from ..kernels.attend import sparse_decode_attention, sparse_decode_attention_ref
 
         plan = self.fixed
         B, Hq, _, D = q.shape
         Hkv = cache.k[layer].shape[1]
-        idx, count = self.fixed_selection(layer, q, cache)
+        idx, count = plan.buffers(layer) if plan.reusing else self.fixed_selection(layer, q, cache)
         attend = sparse_decode_attention if triton_ready(q.device) else sparse_decode_attention_ref
         out = attend(q.view(B, Hq, D).contiguous(), cache.k[layer], cache.v[layer], idx.view(B, Hkv, -1),
                      count.view(B, Hkv))

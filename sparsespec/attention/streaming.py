@@ -36,7 +36,8 @@ class StreamingLLM(SelectionPolicy):
         count = torch.minimum(torch.maximum(plan.tokens.long(), forced), n).clamp_max(plan.width)  # [B]
         j = torch.arange(plan.width, device=q.device)
         idx = torch.where(j < sinks[:, None], j, j + (n - count)[:, None])  # [B, width]: in slot order
-        plan.idx.view(B, Hkv, -1).copy_(idx[:, None])
-        plan.count.view(B, Hkv).copy_(count[:, None])
+        into = plan.buffers(layer)
+        into[0].view(B, Hkv, -1)[..., :plan.width].copy_(idx[:, None])
+        into[1].view(B, Hkv).copy_(count[:, None])
         plan.attended.add_(count)
-        return plan.idx, plan.count
+        return into
