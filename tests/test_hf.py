@@ -218,6 +218,8 @@ def test_clear_errors():
     model.set_attn_implementation("sparsespec_binarypc")
     with pytest.raises(SparseSpecError, match="takes BinaryPCOptions, got PolicyOptions"):
         hf.SparseCache(model.config, 16, PolicyOptions())
+    with pytest.raises(SparseSpecError, match="select_every is a setting of sparsespec's own runner"):
+        hf.SparseCache(model.config, 16, BinaryPCOptions(select_every=4))
     with pytest.raises(SparseSpecError, match=r"max_cache_len must be in \[1, 256\]"):
         hf.SparseCache(model.config, 1000)
     ids = torch.randint(0, 200, (2, 6), generator=torch.Generator().manual_seed(6))

@@ -82,6 +82,9 @@ class SparseCache(Cache):
             raise SparseSpecError(f"max_cache_len must be in [1, {self.model_config.max_position}] (the model's "
                                   f"context), got {max_cache_len}")
         self.policy = cls(options)
+        if self.policy.options.select_every > 1:
+            raise SparseSpecError("select_every is a setting of sparsespec's own runner (generate, --draft self:...); "
+                                  "a transformers SparseCache selects at every step")
         self.max_cache_len = max_cache_len
         self.prefer_fixed = fixed
         self.fixed = False
