@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attend import _TL_DTYPES
 from .select import ordered_keys
 
 
@@ -29,29 +30,44 @@ def _ordered(x):
 
 
 @triton.jit
-def _topk_kernel(q_ptr, k_ptr, positions_ptr, keys_ptr, S, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _topk_kernel(q_ptr, k_ptr, positions_ptr, keys_ptr, S, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                 D: tl.constexpr, BLOCK: tl.constexpr, DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """keys of slots [BLOCK) of row r: the group max of q·k. DOT: the group's products as one matrix product
+    ([BLOCK, D] x [D, GP] in DOT_DTYPE, the G query heads padded to GP rows, fp32 accumulation), else per head
+    in fp32."""
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = s <= tl.load(positions_ptr + r // HKV)
     d = tl.arange(0, D)
-    k = tl.load(k_ptr + (r.to(tl.int64) * S + s)[:, None] * D + d[None, :], mask=live[:, None],
-                other=0.0).to(tl.float32)  # [BLOCK, D]
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    for g in tl.static_range(G):
-        qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
-        best = tl.maximum(best, tl.sum(k * qg[None, :], 1))
+    k = tl.load(k_ptr + (r.to(tl.int64) * S + s)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    if DOT:
+        g = tl.arange(0, GP)
+        q = tl.load(q_ptr + (r * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)  # [GP, D]
+        scores = tl.dot(k.to(DOT_DTYPE), tl.trans(q.to(DOT_DTYPE)), input_precision="ieee")  # [BLOCK, GP] fp32
+        best = tl.max(tl.where((g < G)[None, :], scores, float("-inf")), 1)
+    else:
+        k = k.to(tl.float32)  # [BLOCK, D]
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        for h in tl.static_range(G):
+            qg = tl.load(q_ptr + (r * G + h) * D + d).to(tl.float32)
+            best = tl.maximum(best, tl.sum(k * qg[None, :], 1))
     tl.store(keys_ptr + r.to(tl.int64) * S + s, _ordered(best), mask=live)
 
 
-def topk_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None):
-    """q [B, Hq, D], k [B, Hkv, S, D], positions [B] -> keys [B*Hkv, S] int32 (see the module)."""
+def topk_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None,
+              block: int = 128, num_warps: int = 8, dot: bool = True):
+    """q [B, Hq, D], k [B, Hkv, S, D], positions [B] -> keys [B*Hkv, S] int32 (see the module). Tuning: `block`
+    slots and `num_warps` a program; `dot`: the group's products on the tensor cores (q cast to k's dtype; fp32
+    under the CPU interpreter, which has no bf16 matrix product)."""
     B, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     out = torch.empty(B * Hkv, S, dtype=torch.int32, device=q.device) if out is None else out
-    block = min(64, triton.next_power_of_2(S))
-    _topk_kernel[(B * Hkv, triton.cdiv(S, block))](q.contiguous(), k, positions, out, S, HKV=Hkv, G=Hq // Hkv, D=D,
-                                                  BLOCK=block, num_warps=4)
+    block = min(block, triton.next_power_of_2(S))
+    G = Hq // Hkv
+    _topk_kernel[(B * Hkv, triton.cdiv(S, block))](q.contiguous(), k, positions, out, S, HKV=Hkv, G=G,
+                                                  GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block, DOT=dot,
+                                                  DOT_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[k.dtype],
+                                                  num_warps=num_warps)
     return out
 
 
