@@ -395,9 +395,9 @@ def _serve_policy(spec: str, opts: list[str]):
             raise SparseSpecError("--attention-opt needs a sparse --attention policy (dense attention has no options)")
         return None
     policy = make_policy(name, [*inline, *opts])
-    if not policy.graphable:
-        raise SparseSpecError(f"serve runs graphable attention policies (binarypc, topk, quest, streaming, "
-                              f"doublesparse): {name} is not")
+    if not (policy.graphable and policy.row_index):
+        raise SparseSpecError(f"serve runs graphable attention policies with a per-row index (binarypc, topk, quest, "
+                              f"streaming, doublesparse): {name} is not")
     return policy
 
 

@@ -107,7 +107,10 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], c
                 policy.plan_fixed(cache, [context] * batch)
                 policy.begin_step(positions)
                 ms = time_ms(graphed(lambda: policy.decode(0, q, cache, positions)))
-                attended = float(policy.fixed.count.float().mean())
+                policy.reset_attended()  # one more step, counted: keys attended per KV head
+                policy.decode(0, q, cache, positions)
+                policy.stepped(1)
+                attended = policy.mean_attended
                 floor = policy_bytes(policy, batch, context, cfg, attended) / bw * 1e3
                 entry = {"ms": ms, "speedup": row["sdpa_ms"] / ms, "floor_ms": floor, "attended": attended,
                          "build_s": build_s}

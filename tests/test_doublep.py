@@ -8,7 +8,7 @@ import torch
 
 from sparsespec.attention.dense import causal_mask, dense_attention
 from sparsespec.attention.doublep import (
-    DoubleP, DoublePOptions, cluster_sums, csr_members, kmeans, merged_attention, nearest, top_p_prefix,
+    DoubleP, DoublePOptions, capped, cluster_sums, csr_members, kmeans, merged_attention, nearest, top_p_prefix,
 )
 from sparsespec.attention.policy import parse_options
 from sparsespec.cache import KVCache
@@ -616,3 +616,89 @@ def test_batched_build_gives_each_row_its_clustering_alone():
         assert torch.equal(st.assign[b], one.assign[0])
     for t in (st.centroids, st.key_sum, st.key_sq_sum, st.value_sum):
         assert torch.isfinite(t).all()
+
+
+# ---------------------------------------------------------------------------------------------- fixed-width steps
+
+def step_both(eager, fixed, caches, lengths, steps, gen, Hq):
+    """`steps` decode steps of the eager policy (append after each step, as the engine's eager loop) and of the
+    fixed-width one (plan once, clustering inside each step), each on its own copy of the cache; the outputs and
+    the clustering state must agree at every step. -> the lengths after."""
+    B = len(lengths)
+    D = caches[0].k[0].shape[-1]
+    for _ in range(steps):
+        positions = torch.tensor(lengths)
+        q = torch.randn(B, Hq, 1, D, generator=gen)
+        with eager.stepping(lengths):
+            want = eager.decode(0, q, caches[0], positions)
+        fixed.begin_step(positions)
+        got = fixed.decode(0, q, caches[1], positions)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+        lengths = [n + 1 for n in lengths]
+        eager.append(0, caches[0], lengths)
+    return lengths
+
+
+@pytest.mark.parametrize("decoded,sinks,window,p", [("assign", 3, 5, (0.9, 0.6)), ("window", 2, 4, (0.95, 0.7)),
+                                                    ("assign", 0, 0, (1.0, 1.0)), ("assign", 4, 9, (0.8, 0.8))])
+def test_fixed_width_steps_equal_eager_steps(decoded, sinks, window, p):
+    """Static widths, device-side clustering of the token leaving the window, no host reads: the same outputs
+    and the same clusters as eager steps over two rows of different lengths, then after a rollback."""
+    opts = DoublePOptions(sinks=sinks, window=window, cluster_size=4, p1=p[0], p2=p[1], decoded=decoded,
+                          dense_layers=0, exact_cap=1.0)
+    caches = [make_cache(2, 2, 90, 16, seed=5, offset=1.0) for _ in range(2)]
+    eager, fixed = DoubleP(opts), DoubleP(opts)
+    lengths = [50, 37]
+    for policy, cache in zip((eager, fixed), caches):
+        policy.build(0, cache, lengths)
+    fixed.plan_fixed(caches[1], lengths)
+    gen = torch.Generator().manual_seed(3)
+    lengths = step_both(eager, fixed, caches, lengths, 12, gen, 4)
+    a, b = caches[0].policy_state[0], caches[1].policy_state[0]
+    fixed.append(0, caches[1], lengths)  # what a rollback finds first: the device's progress
+    assert b.clustered_end == a.clustered_end
+    for name in ("size", "assign"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("centroids", "key_sum", "value_sum"):
+        assert torch.allclose(getattr(a, name), getattr(b, name), atol=1e-5), name
+    back = [n - 4 for n in lengths]  # roll back, then step on
+    eager.append(0, caches[0], back)
+    fixed.append(0, caches[1], back)
+    step_both(eager, fixed, caches, back, 6, gen, 4)
+
+
+def test_full_p_fixed_width_steps_are_dense_attention():
+    cache = make_cache(2, 2, 70, 16, seed=2)
+    policy = DoubleP(DoublePOptions(p1=1.0, p2=1.0, sinks=2, window=3, cluster_size=5, dense_layers=0,
+                                    exact_cap=0.01))  # p2 = 1: no cap
+    policy.build(0, cache, [40, 55])
+    policy.plan_fixed(cache, [40, 55])
+    positions = torch.tensor([40, 55])
+    q = torch.randn(2, 4, 1, 16)
+    policy.begin_step(positions)
+    assert torch.allclose(policy.decode(0, q, cache, positions), dense_reference(q, cache, positions), atol=1e-5)
+
+
+def test_exact_cap_keeps_the_best_ranked_clusters_and_approximates_the_rest():
+    exact = torch.tensor([[True, True, False, True, True]])
+    mass = torch.tensor([[0.1, 0.4, 0.9, 0.3, 0.2]])
+    members = torch.tensor([[5, 6, 1, 4, 3]])
+    # by mass among the exact: 1 (6 members), 3 (4), 4 (3), 0 (5): a cap of 12 takes 1 and 3, not 4 (13 > 12)
+    assert capped(exact, mass, members, 12).tolist() == [[False, True, False, True, False]]
+    assert capped(exact, mass, members, 100).tolist() == exact.tolist()
+    cache = make_cache(1, 2, 200, 16, seed=4)
+    opts = dict(p1=0.99, p2=0.9, sinks=2, window=4, cluster_size=4, dense_layers=0)
+    free = DoubleP(DoublePOptions(**opts, exact_cap=1.0))
+    tight = DoubleP(DoublePOptions(**opts, exact_cap=20, min_tokens=0))
+    q = torch.randn(1, 4, 1, 16) * 0.1  # flat attention: the exact set needs many members
+    for policy in (free, tight):
+        policy.build(0, cache, [190])
+        policy.plan_fixed(cache, [190])
+        policy.begin_step(torch.tensor([190]))
+    st = cache.policy_state[0]
+    a = free.plan_static(st, q, cache.k[0], torch.tensor([190]))
+    b = tight.plan_static(st, q, cache.k[0], torch.tensor([190]))
+    counts = st.offsets[..., 1:] - st.offsets[..., :-1]
+    assert int((counts * a.exact).sum(-1).max()) > 20 >= int((counts * b.exact).sum(-1).max())
+    assert bool((b.exact <= a.exact).all()) and bool(((a.exact & ~b.exact) <= b.approx).all())
+    assert torch.equal(a.in_p1, b.in_p1)

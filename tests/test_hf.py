@@ -194,6 +194,22 @@ def test_tiny_batch_of_equal_prompts_matches_the_engine(kind, tmp_path):
     assert cache.mean_attended == 8
 
 
+def test_doublep_fixed_width_steps_through_transformers_equal_eager_ones():
+    """Double-P in a SparseCache: fixed-width steps (what CUDA runs; here the torch path) give the eager steps'
+    tokens, the token leaving the window clustered inside each step."""
+    from sparsespec.attention.doublep import DoublePOptions
+
+    model = tiny_hf_model("llama")
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(7))
+    options = DoublePOptions(window=4, sinks=2, cluster_size=4, p1=0.9, p2=0.6, dense_layers=1)
+    runs = []
+    for fixed in (False, True):
+        cache = sparse_cache(model, "doublep", 48 + 12, options, fixed=fixed)
+        runs.append(model.generate(prompt, do_sample=False, max_new_tokens=12, cache=cache)[0, 48:].tolist())
+    assert runs[0] == runs[1]
+
+
 def test_crop_rolls_the_index_back():
     """After a crop, decoding the cropped tokens again gives the same logits (the index follows the rollback)."""
     model = tiny_hf_model("llama")

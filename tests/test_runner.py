@@ -18,8 +18,10 @@ GRAPHABLE = [name for name, cls in POLICIES.items() if cls.graphable]
 
 
 def test_graphable_policies_are_declared():
-    assert {"binarypc", "topk", "streaming", "quest", "doublesparse"} <= set(GRAPHABLE)
-    assert not POLICIES["magicpig"].graphable and not POLICIES["doublep"].graphable
+    assert {"binarypc", "topk", "streaming", "quest", "doublesparse", "doublep"} <= set(GRAPHABLE)
+    assert not POLICIES["magicpig"].graphable
+    assert not make_policy("doublep", {"decoded": "recluster"}).graphable  # re-clustering sizes on the host
+    assert POLICIES["binarypc"].row_index and not POLICIES["doublep"].row_index  # serve needs build_row
 
 
 @pytest.mark.parametrize("name,options", [
@@ -90,7 +92,7 @@ def test_quest_index_follows_fixed_width_steps():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in GRAPHABLE if n != "doublesparse"])
+@pytest.mark.parametrize("name", [n for n in GRAPHABLE if n not in ("doublesparse", "doublep")])
 def test_full_budget_fixed_width_reproduces_dense_greedy(smollm2_engine, name):
     eng = smollm2_engine
     prompt = eng.tokenizer(corpora.text("wiki", 260, seed=5))["input_ids"]
@@ -104,6 +106,32 @@ def test_full_budget_fixed_width_reproduces_dense_greedy(smollm2_engine, name):
         out.append(int(token))
     assert out == dense
     assert runner.policy.mean_attended == pytest.approx(len(prompt) + 8, abs=1)  # every token, every step
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("decoded", ["assign", "window"])
+def test_doublep_in_the_runner_fixed_path_equals_its_eager_path(decoded):
+    """Double-P's fixed-width steps (static widths, clustering inside the step) through the runner: the eager
+    runner's tokens at its defaults, the dense tokens at p1 = p2 = 1, over a rollback."""
+    from .test_spec import tiny_engine
+
+    model = tiny_engine(0, layers=3).model
+    prompts = [[(7 * i) % 60 + 1 for i in range(70)], [(5 * i) % 50 + 3 for i in range(52)]]
+    runs = {}
+    for label, opts, fixed in (("eager", {}, False), ("fixed", {}, True), ("dense", None, False),
+                               ("full", {"p1": 1.0, "p2": 1.0}, True)):
+        policy = None if opts is None else make_policy("doublep", {**opts, "decoded": decoded, "window": 6,
+                                                                   "cluster_size": 4, "dense_layers": 1})
+        runner = Runner(model, 2, 110, policy, fixed=fixed)
+        tokens, out = model.logits(runner.prefill(prompts)).argmax(-1), []
+        for step in range(16):
+            if step == 10:
+                runner.truncate([n - 3 for n in runner.cache.lengths])
+            tokens = runner.decode(tokens).argmax(-1)
+            out.append(tokens.tolist())
+        runs[label] = out
+    assert runs["fixed"] == runs["eager"]
+    assert runs["full"] == runs["dense"]
 
 
 def test_rollback_moves_the_index_back_in_fixed_mode():

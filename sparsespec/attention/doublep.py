@@ -82,6 +82,9 @@ class DoublePOptions(PolicyOptions):
                                      "centroid")
     kmeans_bf16: bool = option(False, "CUDA: k-means distances from bf16 dot products (tensor cores; a point nearly "
                                       "equidistant from two centroids may join either)")
+    exact_cap: float = option(0.1, "fixed-width (graph-captured) steps: at most this share of the cache capacity "
+                                   "(a count if > 1; at least min_tokens) of prefill tokens attended token by token; "
+                                   "exact clusters past it, in rank order, enter as centroid terms (p2 = 1: no cap)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -96,6 +99,10 @@ class DoublePOptions(PolicyOptions):
             raise SparseSpecError(f"kmeans_iters must be >= 1, got {self.kmeans_iters}")
         if self.recluster_every < 1:
             raise SparseSpecError(f"recluster_every must be >= 1, got {self.recluster_every}")
+        if not 0 < self.exact_cap < float("inf"):
+            raise SparseSpecError(f"exact_cap must be a positive number, got {self.exact_cap}")
+        if self.select_every != 1:
+            raise SparseSpecError("select_every is not supported by doublep (its selection is per step)")
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise SparseSpecError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -228,12 +235,23 @@ def top_p_prefix(mass: torch.Tensor, valid: torch.Tensor, base: torch.Tensor, p:
     return torch.zeros_like(valid).scatter(-1, order, take)
 
 
-def csr_members(perm: torch.Tensor, offsets: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def capped(exact: torch.Tensor, mass: torch.Tensor, members: torch.Tensor, cap: int) -> torch.Tensor:
+    """The exact clusters that fit a cap on their members, taken in decreasing mass (ties: lower index): exact
+    [..., C] bool, mass [..., C], members [..., C] (each cluster's member count) -> bool [..., C] ⊆ exact."""
+    order = mass.masked_fill(~exact, -1.0).argsort(dim=-1, descending=True, stable=True)
+    ranked = (members * exact).gather(-1, order)
+    fits = exact.gather(-1, order) & (ranked.cumsum(-1) <= cap)
+    return torch.zeros_like(exact).scatter(-1, order, fits)
+
+
+def csr_members(perm: torch.Tensor, offsets: torch.Tensor, chosen: torch.Tensor,
+                width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The member slots of the chosen clusters, each cluster's gathered contiguously. perm [B, Hkv, N], offsets
-    [B, Hkv, C + 1], chosen [B, Hkv, C] bool -> (slots [B, Hkv, M], valid [B, Hkv, M]); invalid slots are 0."""
+    [B, Hkv, C + 1], chosen [B, Hkv, C] bool -> (slots [B, Hkv, M], valid [B, Hkv, M]); invalid slots are 0.
+    M: the most members any (row, KV head) has (read back), or `width` (static; members past it are cut)."""
     counts = (offsets[..., 1:] - offsets[..., :-1]) * chosen  # [B, Hkv, C]
     ends = counts.cumsum(-1)
-    M = int(ends[..., -1].max())
+    M = int(ends[..., -1].max()) if width is None else width
     m = torch.arange(M, device=perm.device).expand(*ends.shape[:2], M).contiguous()  # [B, Hkv, M]
     cluster = torch.searchsorted(ends, m, right=True).clamp(max=ends.shape[-1] - 1)  # which chosen cluster
     within = m - (ends.gather(-1, cluster) - counts.gather(-1, cluster))
@@ -292,6 +310,33 @@ class DoublePState:
     clustered_end: list[int]  # row b's clustered slots are [sinks, clustered_end[b]); later slots are kept exact
     csr_end: list[int]  # perm/offsets are valid for slots below csr_end[b] (a rollback lowers it); clustered slots
     #                     from csr_end[b] on are found through `assign`
+    # the same on the device [B] int64, which fixed-width steps read and advance (the lists follow on any eager call)
+    clustered_end_dev: torch.Tensor | None = None
+    csr_end_dev: torch.Tensor | None = None
+
+    def sync_ends(self, from_device: bool) -> None:
+        """Fixed-width steps advance clustered_end on the device; eager code works on the lists."""
+        if from_device:
+            self.clustered_end = self.clustered_end_dev.tolist()
+        elif self.clustered_end_dev is None:
+            self.clustered_end_dev = device_ints(self.clustered_end, self.size.device)
+            self.csr_end_dev = device_ints(self.csr_end, self.size.device)
+        else:  # in place: a captured graph reads these tensors
+            self.clustered_end_dev.copy_(device_ints(self.clustered_end, self.size.device))
+            self.csr_end_dev.copy_(device_ints(self.csr_end, self.size.device))
+
+
+@dataclass
+class DoublePFixed:
+    """The static buffers and widths of fixed-width steps (`DoubleP.plan_fixed`): a CUDA graph holds them."""
+
+    positions: torch.Tensor  # [B] int64: each row's query position this step
+    attended: torch.Tensor  # [B] fp32: keys attended per KV head (exact tokens + centroid terms), summed over layers
+    kept_width: int  # sinks + the unclustered tail up to the query
+    decoded_width: int  # clustered slots past the CSR lists (decoded tokens that joined clusters)
+    exact_cap: int  # CSR members attended exactly
+    candidates: torch.Tensor  # [B] bool: rows whose prefill left keys to cluster (the others keep decoded tokens exact)
+    reusing: bool = False  # (never: doublep selects at every step)
 
 
 @dataclass
@@ -311,10 +356,14 @@ class DoublePPlan:
 class DoubleP(Policy):
     name = "doublep"
     Options = DoublePOptions
+    graphable = True  # fixed-width steps (`plan_fixed`) with decoded = assign or window; recluster steps eagerly
+    row_index = False  # one row's index has its own cluster and member counts: no `build_row` into a batch's
 
     def __init__(self, options: DoublePOptions | None = None):
         super().__init__(options)
         self.last_stats: dict[str, torch.Tensor] | None = None
+        if self.options.decoded == "recluster":
+            self.graphable = False  # its re-clustering sizes tensors on the host
 
     @property
     def target_mass(self) -> float:
@@ -341,6 +390,7 @@ class DoubleP(Policy):
                           assign=torch.full((B, Hkv, capacity), -1, dtype=long, device=dev),
                           prefill_end=ends, clustered_end=list(ends), csr_end=list(ends))
         cache.policy_state[layer] = st
+        st.sync_ends(from_device=False)
         if max(counts) == 0:
             return
         # every row and KV head in one batched k-means: G = B * Hkv entries, row b's first counts[b] slots valid
@@ -373,6 +423,8 @@ class DoubleP(Policy):
         if st is None:
             return
         o = self.options
+        if self.fixed is not None:
+            st.sync_ends(from_device=True)  # fixed-width steps clustered the tokens that left the window
         for b, n in enumerate(lengths):
             target = max(o.sinks, n - o.window)
             if o.decoded == "window" or st.prefill_end[b] == o.sinks:
@@ -391,6 +443,7 @@ class DoubleP(Policy):
                     self._accumulate(st, b, idx, keys, values, -1)
             st.clustered_end[b] = target
             st.csr_end[b] = min(st.csr_end[b], target)
+        st.sync_ends(from_device=False)
         if o.decoded == "recluster" and any(e - p >= o.recluster_every
                                             for e, p in zip(st.clustered_end, st.prefill_end)):
             self.build(layer, cache, lengths)
@@ -432,13 +485,8 @@ class DoubleP(Policy):
         kept_logits = (qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, W]
 
         # Stage 1 and stage 2 on cluster masses.
-        logits = (qg @ st.centroids.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, C]
+        logits, ranked = self._cluster_logits(st, qg)
         cvalid = st.size > 0
-        ranked = logits
-        if o.estimate == "spread":
-            n = st.size.clamp_min(1)[..., None].float()
-            var = (st.key_sq_sum / n - (st.key_sum / n).square()).clamp_min(0)  # [B, Hkv, C, D]
-            ranked = logits + 0.5 * (qg.square() @ var.transpose(-1, -2)) / D
         kept_mass, mass = estimate_masses(kept_logits, kept_valid, ranked, st.size.float().log(), cvalid)
         in_p1 = top_p_prefix(mass, cvalid, kept_mass, o.p1)
         total = kept_mass + (mass * in_p1).sum(-1) if o.p2_of == "selected" else None
@@ -476,9 +524,125 @@ class DoubleP(Policy):
         return out, stats
 
     def decode(self, layer, q, cache, positions):
+        if self.fixed is not None:
+            return self.decode_fixed(layer, q, cache)
         out, self.last_stats = self.decode_with_stats(layer, q, cache, positions)
         self.count_attended(self.last_stats["exact_tokens"] + self.last_stats["centroid_terms"])
         return out
+
+    # ------------------------------------------------------------------------------------ fixed-width steps
+
+    def plan_fixed(self, cache: KVCache, lengths: list[int]) -> None:
+        """After `build`: static widths and buffers for fixed-width steps over this cache (no host reads in a step:
+        a CUDA graph can capture every sparse layer). The kept tail, the decoded members and the exact CSR members
+        each get a width that covers every step up to the capacity; only the last is capped (`exact_cap`)."""
+        o = self.options
+        S, B = cache.capacity, cache.batch
+        states = [st for st in cache.policy_state if isinstance(st, DoublePState)]
+        prefill = min((min(st.prefill_end) for st in states), default=o.sinks)
+        csr = min((min(st.csr_end) for st in states), default=o.sinks)
+        grows = o.decoded == "window" or any(e <= o.sinks for st in states for e in st.prefill_end)
+        members = max((st.perm.shape[-1] for st in states), default=1)
+        cap = max(o.min_tokens, round(o.exact_cap * S) if o.exact_cap <= 1 else int(o.exact_cap))
+        self.fixed = DoublePFixed(
+            positions=torch.zeros(B, dtype=torch.long, device=cache.device),
+            attended=torch.zeros(B, device=cache.device),
+            kept_width=min(S, o.sinks + (S - prefill if grows else o.window + 1)),
+            decoded_width=0 if o.decoded == "window" else max(0, S - csr),
+            exact_cap=members if o.p2 >= 1 else max(1, min(members, cap)),
+            candidates=device_ints([int(e > o.sinks) for e in (states[0].prefill_end if states else [0] * B)],
+                                   cache.device).bool())
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        self.fixed.positions.copy_(positions)
+
+    def decode_fixed(self, layer: int, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One sparse layer of a fixed-width step: the token leaving the window joins its nearest cluster
+        (decoded="assign"), then the plan and the merged attention of `decode`, over static widths."""
+        st: DoublePState = cache.policy_state[layer]
+        fx = self.fixed
+        if self.options.decoded == "assign":
+            self._cluster_leaving(st, cache, layer, fx.positions)
+        plan = self.plan_static(st, q, cache.k[layer], fx.positions)
+        B, Hq, _, _ = q.shape
+        out = merged_attention(q, _gather(cache.k[layer], plan.slots), _gather(cache.v[layer], plan.slots),
+                               plan.valid, plan.logits.reshape(B, Hq, -1), st.size.float().log(), st.value_sum,
+                               plan.approx)
+        fx.attended.add_((plan.valid.sum(-1) + plan.approx.sum(-1)).float().mean(-1))
+        return out
+
+    def _cluster_leaving(self, st: DoublePState, cache: KVCache, layer: int, positions: torch.Tensor) -> None:
+        """Before a step at positions [B]: the slot that left the window since the last step joins its nearest
+        non-empty cluster (what `append` does after a step, for one token a row), on the device."""
+        o = self.options
+        k, v = cache.k[layer], cache.v[layer]
+        B, Hkv, _, D = k.shape
+        C = st.size.shape[-1]
+        target = (positions - o.window).clamp_min(o.sinks)  # [B]: clustered slots end here at this step
+        move = (target > st.clustered_end_dev) & self.fixed.candidates  # [B]: at most one slot a row a step
+        slot = (target - 1).clamp_min(0).view(B, 1, 1, 1)
+        keys = k.gather(2, slot.expand(B, Hkv, 1, D)).float()  # [B, Hkv, 1, D]
+        values = v.gather(2, slot.expand(B, Hkv, 1, D)).float()
+        idx = nearest(keys.view(B * Hkv, 1, D), st.centroids.view(B * Hkv, C, D),
+                      (st.size > 0).view(B * Hkv, C)).view(B, Hkv, 1)
+        w = move.view(B, 1, 1, 1).float()
+        at = idx[..., None].expand(B, Hkv, 1, D)
+        st.key_sum.scatter_add_(2, at, keys * w)
+        st.key_sq_sum.scatter_add_(2, at, keys.square() * w)
+        st.value_sum.scatter_add_(2, at, values * w)
+        st.size.scatter_add_(2, idx, move.long().view(B, 1, 1).expand(B, Hkv, 1))
+        size = st.size.gather(2, idx)[..., None]  # [B, Hkv, 1, 1]
+        mean = st.key_sum.gather(2, at) / size.clamp_min(1)
+        st.centroids.scatter_(2, at, torch.where(size > 0, mean, st.centroids.gather(2, at)))
+        at_slot = slot.view(B, 1, 1).expand(B, Hkv, 1)
+        st.assign.scatter_(2, at_slot, torch.where(move.view(B, 1, 1), idx, st.assign.gather(2, at_slot)))
+        st.clustered_end_dev.copy_(torch.where(move, target, st.clustered_end_dev))
+
+    def plan_static(self, st: DoublePState, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> DoublePPlan:
+        """`plan` over the static widths of `plan_fixed`, from device tensors alone: the same sets as `plan` while
+        the exact clusters' CSR members fit `exact_cap` (past it the lowest-ranked become centroid terms)."""
+        o, fx = self.options, self.fixed
+        B, Hq, _, D = q.shape
+        Hkv, dev = k.shape[1], q.device
+        qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
+        pos, ends, pre = positions.long()[:, None], st.clustered_end_dev[:, None], st.csr_end_dev[:, None]
+
+        n_sink = (pos + 1).clamp_max(o.sinks)  # [B, 1]
+        m = torch.arange(fx.kept_width, device=dev)
+        kept_valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
+        kept = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, Hkv, -1).masked_fill(~kept_valid, 0)
+        kept_logits = (qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, W]
+
+        logits, ranked = self._cluster_logits(st, qg)
+        cvalid = st.size > 0
+        kept_mass, mass = estimate_masses(kept_logits, kept_valid, ranked, st.size.float().log(), cvalid)
+        in_p1 = top_p_prefix(mass, cvalid, kept_mass, o.p1)
+        total = kept_mass + (mass * in_p1).sum(-1) if o.p2_of == "selected" else None
+        wanted = top_p_prefix(mass, in_p1, kept_mass, o.p2, total)
+        exact = capped(wanted, mass, st.offsets[..., 1:] - st.offsets[..., :-1], fx.exact_cap)
+        approx = in_p1 & ~exact if o.tail == "approx" else wanted & ~exact
+
+        members, members_valid = csr_members(st.perm, st.offsets, exact, fx.exact_cap)
+        members_valid &= members < pre[..., None]
+        d = torch.arange(fx.decoded_width, device=dev)
+        dec_valid = (d < (ends - pre).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
+        dec = (pre + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
+        cluster = st.assign.gather(-1, dec)
+        dec_valid = dec_valid & (cluster >= 0) & exact.gather(-1, cluster.clamp_min(0))
+        return DoublePPlan(slots=torch.cat([kept, dec.masked_fill(~dec_valid, 0), members], -1),
+                           valid=torch.cat([kept_valid, dec_valid, members_valid], -1), logits=logits,
+                           kept_mass=kept_mass, mass=mass, in_p1=in_p1, exact=exact, approx=approx)
+
+    def _cluster_logits(self, st: DoublePState, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qg [B, Hkv, G, D] fp32 -> (x_i [B, Hkv, G, C], the log-mass the selection ranks by: x_i, plus the
+        spread term with estimate="spread")."""
+        D = qg.shape[-1]
+        logits = (qg @ st.centroids.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, C]
+        if self.options.estimate != "spread":
+            return logits, logits
+        n = st.size.clamp_min(1)[..., None].float()
+        var = (st.key_sq_sum / n - (st.key_sum / n).square()).clamp_min(0)  # [B, Hkv, C, D]
+        return logits, logits + 0.5 * (qg.square() @ var.transpose(-1, -2)) / D
 
     def selected_slots(self, layer: int, q: torch.Tensor, cache: KVCache,
                        positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,6 +160,7 @@ class Policy(ABC):
     name: ClassVar[str]
     Options: ClassVar[type[PolicyOptions]] = PolicyOptions
     graphable: ClassVar[bool] = False  # fixed-width steps without host synchronisation (a CUDA graph can hold them)
+    row_index: ClassVar[bool] = True  # `build_row` rebuilds one row's index inside the batch's (continuous batching)
 
     def __init__(self, options: PolicyOptions | None = None):
         self.options = options if options is not None else self.Options()

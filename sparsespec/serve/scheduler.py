@@ -128,7 +128,7 @@ class Scheduler:
         if config.max_context > engine.config.max_position:
             raise SparseSpecError(f"max-context {config.max_context} exceeds the model's context of "
                                   f"{engine.config.max_position} tokens")
-        if policy is not None and not policy.graphable:
+        if policy is not None and not (policy.graphable and policy.row_index):
             raise SparseSpecError(f"serve runs graphable attention policies (per-row index); {policy.name} is not")
         if policy is not None and drafter is not None:
             raise SparseSpecError("a drafter with a sparse attention policy is not supported: use one of them "
