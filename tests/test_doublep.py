@@ -664,7 +664,15 @@ def test_fixed_width_steps_equal_eager_steps(decoded, sinks, window, p):
     back = [n - 4 for n in lengths]  # roll back, then step on
     eager.append(0, caches[0], back)
     fixed.append(0, caches[1], back)
-    step_both(eager, fixed, caches, back, 6, gen, 4)
+    lengths = step_both(eager, fixed, caches, back, 6, gen, 4)
+    fixed.append(0, caches[1], lengths)  # brought up to the committed tokens (a step clusters at its start)
+    snapshot = clone_state(b)
+    far = torch.tensor([85, 85])  # a step far ahead (a CUDA graph's warm-up at the last slot) clusters nothing
+    fixed.begin_step(far)
+    fixed.decode(0, torch.randn(2, 4, 1, 16, generator=gen), caches[1], far)
+    fixed.append(0, caches[1], lengths)
+    for name, value in snapshot.items():
+        assert (getattr(b, name) == value) if name == "clustered_end" else torch.equal(getattr(b, name), value), name
 
 
 def test_full_p_fixed_width_steps_are_dense_attention():

@@ -579,7 +579,9 @@ class DoubleP(Policy):
         B, Hkv, _, D = k.shape
         C = st.size.shape[-1]
         target = (positions - o.window).clamp_min(o.sinks)  # [B]: clustered slots end here at this step
-        move = (target > st.clustered_end_dev) & self.fixed.candidates  # [B]: at most one slot a row a step
+        # [B]: one slot a row, where the window moved on by one (a jump — a graph's warm-up step at the last slot —
+        # clusters nothing: multi-token commits and rollbacks go through `append`)
+        move = (target == st.clustered_end_dev + 1) & self.fixed.candidates
         slot = (target - 1).clamp_min(0).view(B, 1, 1, 1)
         keys = k.gather(2, slot.expand(B, Hkv, 1, D)).float()  # [B, Hkv, 1, D]
         values = v.gather(2, slot.expand(B, Hkv, 1, D)).float()
