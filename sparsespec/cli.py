@@ -255,6 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default="eval-results", help="folder for results.jsonl, accuracy.md / .png (a rerun "
                     "with the same model, seed and options resumes it)")
 
+    lg = sub.add_parser("longgen", help="long-generation quality per policy against dense: the dense model's "
+                        "perplexity of each policy's text, distinct-n, teacher-forced top-1 agreement")
+    lg.add_argument("--model", default=DEFAULT_MODEL)
+    lg.add_argument("--attention", nargs="+", default=["binarypc", "topk", "quest", "streaming", "doublep"],
+                    help="policies (dense is always run); NAME:key=value,... for a variant")
+    lg.add_argument("--kinds", default="long-essay,long-code", help="prompt kinds: long-essay, long-text, long-code")
+    lg.add_argument("--prompts", type=_positive_int, default=2, help="prompts per kind")
+    lg.add_argument("--long-chars", type=_positive_int, default=12_000, help="characters of each prompt's context")
+    lg.add_argument("--max-new-tokens", type=_positive_int, default=512)
+    lg.add_argument("--seed", type=int, default=0)
+    lg.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    lg.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    lg.add_argument("--out", default="longgen-results", help="folder for longgen.jsonl / .md / .png (a rerun with "
+                    "the same settings resumes it)")
+
     pol = sub.add_parser("policies", help="list the attention policies and their options")
     pol.add_argument("--json", action="store_true")
 
@@ -629,6 +644,33 @@ def cmd_fidelity(args) -> None:
     print(write_report(rows, Path(args.out), title))
 
 
+def cmd_longgen(args) -> None:
+    from pathlib import Path
+
+    from .eval.longgen import ROW_FILES, LongGenConfig, report, run_longgen
+    from .generate import Engine
+    from .results import check_folder, record_settings
+
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if not kinds or not set(kinds) <= {"long-essay", "long-text", "long-code"}:
+        raise SparseSpecError(f"--kinds takes long-essay, long-text and long-code, got {args.kinds!r}")
+    cfg = LongGenConfig(policies=tuple(args.attention), kinds=kinds, prompts=args.prompts,
+                        long_chars=args.long_chars, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    settings = {"model": args.model, "dtype": dtype, "device": args.device, **cfg.settings()}
+    check_folder(args.out, settings, ROW_FILES)
+    progress = sys.stderr.isatty()
+    engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record_settings(out, settings, ROW_FILES)
+    rows = run_longgen(engine, cfg, out, progress=progress)
+    title = (f"Long generation vs dense: {args.model} (real weights, {dtype}, {args.device}), greedy, up to "
+             f"{cfg.max_new_tokens} new tokens, {cfg.prompts} prompt(s) per kind ({', '.join(kinds)}) of "
+             f"~{cfg.long_chars} characters")
+    print(report(rows, out, title))
+
+
 def cmd_eval(args) -> None:
 
     from .eval.harness import ROW_FILES, EvalConfig, parse_length, report, run_eval, run_perplexity
@@ -692,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         commands = {"generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "calibrate": cmd_calibrate,
-                    "policies": cmd_policies, "fidelity": cmd_fidelity, "eval": cmd_eval, "train": cmd_train,
+                    "policies": cmd_policies, "fidelity": cmd_fidelity, "eval": cmd_eval, "longgen": cmd_longgen, "train": cmd_train,
                     "bench": cmd_bench, "serve": cmd_serve}
         commands[args.command](args)
     except SparseSpecError as e:

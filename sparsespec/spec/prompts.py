@@ -17,6 +17,7 @@ title), so held-out prompts never share a function or an article with training p
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import zlib
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .. import corpora
 from ..errors import SparseSpecError
 
 SPLITS = ("train", "heldout")
-KINDS = ("code", "text", "long-code", "long-text", "humaneval")
+KINDS = ("code", "text", "long-code", "long-text", "long-essay", "humaneval")
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,9 @@ def _long_code(split: str, rng: random.Random, long_chars: int):
                f"Continue the function `{node.name}` of the last file; reply with its complete code.")
 
 
-def _long_text(split: str, rng: random.Random, long_chars: int):
-    """Long-document prompts: articles, chapters and play excerpts up to `long_chars`, then a question on one."""
+def _long_text(split: str, rng: random.Random, long_chars: int, essay: bool = False):
+    """Long-document prompts: articles, chapters and play excerpts up to `long_chars`, then a question on one
+    (`essay`: a request for a long essay on one, which asks for a long generation)."""
     texts = _texts(split, rng)
     while True:
         chosen, size = [], 0
@@ -135,6 +137,12 @@ def _long_text(split: str, rng: random.Random, long_chars: int):
             return
         title = rng.choice(chosen)[0]
         body = "\n\n".join(f"{t}\n{p}" for t, p in chosen)
+        if essay:
+            yield rng.choice((f"{body}\n\nWrite a detailed essay of at least 800 words about {title}, drawing on the "
+                              "texts above: its background, what the texts say, and what it means.",
+                              f"{body}\n\nUsing the texts above, write a long, well-organised report on {title} with "
+                              "an introduction, several sections and a conclusion."))
+            continue
         yield rng.choice((f"{body}\n\nSummarise what the texts above say about {title} in five sentences.",
                           f"{body}\n\nWhich of the texts above mention {title}, and what do they say?"))
 
@@ -170,7 +178,8 @@ def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code",
     if counts.get("text"):
         for _, (title, passage) in zip(range(counts["text"]), _texts(split, rng)):
             out.append(Prompt("text", _text_prompt(title, passage, rng)))
-    for kind, make in (("long-code", _long_code), ("long-text", _long_text)):
+    essays = functools.partial(_long_text, essay=True)
+    for kind, make in (("long-code", _long_code), ("long-text", _long_text), ("long-essay", essays)):
         if counts.get(kind):
             out += [Prompt(kind, text) for _, text in zip(range(counts[kind]), make(split, rng, long_chars))]
     if counts.get("humaneval"):
