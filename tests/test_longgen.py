@@ -57,3 +57,14 @@ def test_longgen_refuses_bad_options_in_one_line(capsys):
     assert main(["longgen", "--attention", "nosuch"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "--kinds takes" in err[0] and "unknown attention policy" in err[1]
+
+
+def test_long_essay_prompts_ask_for_an_essay_on_a_document_of_the_context():
+    from sparsespec.spec.prompts import make_prompts
+
+    prompts = make_prompts(3, "heldout", ("long-essay",), seed=2, long_chars=5000)
+    assert [p.text for p in prompts] == [p.text for p in make_prompts(3, "heldout", ("long-essay",), 2, 5000)]
+    for p in prompts:
+        body, request = p.text.rsplit("\n\n", 1)
+        assert p.kind == "long-essay" and len(body) <= 5000 + 200
+        assert "essay" in request or "report" in request
