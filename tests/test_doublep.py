@@ -704,8 +704,9 @@ def test_exact_cap_keeps_the_best_ranked_clusters_and_approximates_the_rest():
         policy.plan_fixed(cache, [190])
         policy.begin_step(torch.tensor([190]))
     st = cache.policy_state[0]
-    a = free.plan_static(st, q, cache.k[0], torch.tensor([190]))
-    b = tight.plan_static(st, q, cache.k[0], torch.tensor([190]))
+    a, b = (policy.select(st, q, cache.k[0], torch.tensor([190]), st.clustered_end_dev, st.csr_end_dev,
+                          policy.fixed.kept_width, policy.fixed.decoded_width, policy.fixed.exact_cap)
+            for policy in (free, tight))
     counts = st.offsets[..., 1:] - st.offsets[..., :-1]
     assert int((counts * a.exact).sum(-1).max()) > 20 >= int((counts * b.exact).sum(-1).max())
     assert bool((b.exact <= a.exact).all()) and bool(((a.exact & ~b.exact) <= b.approx).all())

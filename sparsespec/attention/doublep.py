@@ -463,25 +463,36 @@ class DoubleP(Policy):
         st.centroids[row].scatter_(1, at, torch.where(size > 0, mean, st.centroids[row].gather(1, at)))
 
     def plan(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> DoublePPlan:
-        """q [B, Hq, 1, D] at `positions` [B] -> this step's cluster sets and exactly attended slots."""
+        """q [B, Hq, 1, D] at `positions` [B] -> this step's cluster sets and exactly attended slots (widths from
+        the host's positions and ends: every exact cluster's members, no cap)."""
         st: DoublePState | None = cache.policy_state[layer]
         if st is None:
             raise SparseSpecError(f"doublep has no index for layer {layer}: build it at the end of prefill")
+        pos, ends, pre = self.host_positions(positions), st.clustered_end, st.csr_end
+        kept = max(min(self.options.sinks, p + 1) + max(0, p - e + 1) for p, e in zip(pos, ends))
+        decoded = max(max(0, e - s) for e, s in zip(ends, pre))
+        dev = q.device
+        return self.select(st, q, cache.k[layer], device_ints(pos, dev), device_ints(ends, dev),
+                           device_ints(pre, dev), kept, decoded, None)
+
+    def select(self, st: DoublePState, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               clustered_end: torch.Tensor, csr_end: torch.Tensor, kept_width: int, decoded_width: int,
+               cap: int | None) -> DoublePPlan:
+        """Stage 1, stage 2 and the exactly attended slots from device tensors alone (positions, clustered_end,
+        csr_end [B]) over the given widths, which must cover the step: the kept tail, the decoded clustered slots
+        and, with `cap`, the exact clusters' CSR members (past it the lowest-ranked exact clusters become centroid
+        terms; None: every member, their count read back)."""
         o = self.options
-        k = cache.k[layer]
         B, Hq, _, D = q.shape
         Hkv, dev = k.shape[1], q.device
         qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
-        pos, ends, pre = self.host_positions(positions), st.clustered_end, st.csr_end
+        pos, ends, pre = positions.long()[:, None], clustered_end[:, None], csr_end[:, None]  # [B, 1]
 
         # Always kept: sinks [0, min(sinks, pos + 1)) and [clustered_end, pos].
-        n_sink = [min(o.sinks, p + 1) for p in pos]
-        n_kept = [s + max(0, p - e + 1) for s, p, e in zip(n_sink, pos, ends)]
-        m = torch.arange(max(n_kept), device=dev)
-        n_sink_t, ends_t = device_ints(n_sink, dev)[:, None], device_ints(ends, dev)[:, None]
-        kept_valid = (m < device_ints(n_kept, dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
-        kept = torch.where(m < n_sink_t, m, ends_t + m - n_sink_t)[:, None].expand(-1, Hkv, -1)
-        kept = kept.masked_fill(~kept_valid, 0)
+        n_sink = (pos + 1).clamp_max(o.sinks)
+        m = torch.arange(kept_width, device=dev)
+        kept_valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
+        kept = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, Hkv, -1).masked_fill(~kept_valid, 0)
         kept_logits = (qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, W]
 
         # Stage 1 and stage 2 on cluster masses.
@@ -490,17 +501,17 @@ class DoubleP(Policy):
         kept_mass, mass = estimate_masses(kept_logits, kept_valid, ranked, st.size.float().log(), cvalid)
         in_p1 = top_p_prefix(mass, cvalid, kept_mass, o.p1)
         total = kept_mass + (mass * in_p1).sum(-1) if o.p2_of == "selected" else None
-        exact = top_p_prefix(mass, in_p1, kept_mass, o.p2, total)
-        approx = in_p1 & ~exact if o.tail == "approx" else torch.zeros_like(exact)
+        wanted = top_p_prefix(mass, in_p1, kept_mass, o.p2, total)
+        exact = wanted if cap is None else capped(wanted, mass, st.offsets[..., 1:] - st.offsets[..., :-1], cap)
+        approx = in_p1 & ~exact if o.tail == "approx" else wanted & ~exact  # capped clusters stay as centroids
 
         # Exact clusters' members: prefill members via CSR (below csr_end), the later clustered slots
         # [csr_end, clustered_end) through their recorded cluster.
-        members, members_valid = csr_members(st.perm, st.offsets, exact)
-        members_valid &= members < device_ints(pre, dev)[:, None, None]
-        n_dec = [max(0, e - s) for e, s in zip(ends, pre)]
-        d = torch.arange(max(n_dec), device=dev)
-        dec_valid = (d < device_ints(n_dec, dev)[:, None])[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
-        dec = (device_ints(pre, dev)[:, None] + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
+        members, members_valid = csr_members(st.perm, st.offsets, exact, cap)
+        members_valid &= members < pre[..., None]
+        d = torch.arange(decoded_width, device=dev)
+        dec_valid = (d < (ends - pre).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
+        dec = (pre + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
         cluster = st.assign.gather(-1, dec)
         dec_valid = dec_valid & (cluster >= 0) & exact.gather(-1, cluster.clamp_min(0))
         return DoublePPlan(slots=torch.cat([kept, dec.masked_fill(~dec_valid, 0), members], -1),
@@ -563,7 +574,8 @@ class DoubleP(Policy):
         fx = self.fixed
         if self.options.decoded == "assign":
             self._cluster_leaving(st, cache, layer, fx.positions)
-        plan = self.plan_static(st, q, cache.k[layer], fx.positions)
+        plan = self.select(st, q, cache.k[layer], fx.positions, st.clustered_end_dev, st.csr_end_dev,
+                           fx.kept_width, fx.decoded_width, fx.exact_cap)
         B, Hq, _, _ = q.shape
         out = merged_attention(q, _gather(cache.k[layer], plan.slots), _gather(cache.v[layer], plan.slots),
                                plan.valid, plan.logits.reshape(B, Hq, -1), st.size.float().log(), st.value_sum,
@@ -599,41 +611,6 @@ class DoubleP(Policy):
         at_slot = slot.view(B, 1, 1).expand(B, Hkv, 1)
         st.assign.scatter_(2, at_slot, torch.where(move.view(B, 1, 1), idx, st.assign.gather(2, at_slot)))
         st.clustered_end_dev.copy_(torch.where(move, target, st.clustered_end_dev))
-
-    def plan_static(self, st: DoublePState, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> DoublePPlan:
-        """`plan` over the static widths of `plan_fixed`, from device tensors alone: the same sets as `plan` while
-        the exact clusters' CSR members fit `exact_cap` (past it the lowest-ranked become centroid terms)."""
-        o, fx = self.options, self.fixed
-        B, Hq, _, D = q.shape
-        Hkv, dev = k.shape[1], q.device
-        qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
-        pos, ends, pre = positions.long()[:, None], st.clustered_end_dev[:, None], st.csr_end_dev[:, None]
-
-        n_sink = (pos + 1).clamp_max(o.sinks)  # [B, 1]
-        m = torch.arange(fx.kept_width, device=dev)
-        kept_valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
-        kept = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, Hkv, -1).masked_fill(~kept_valid, 0)
-        kept_logits = (qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, W]
-
-        logits, ranked = self._cluster_logits(st, qg)
-        cvalid = st.size > 0
-        kept_mass, mass = estimate_masses(kept_logits, kept_valid, ranked, st.size.float().log(), cvalid)
-        in_p1 = top_p_prefix(mass, cvalid, kept_mass, o.p1)
-        total = kept_mass + (mass * in_p1).sum(-1) if o.p2_of == "selected" else None
-        wanted = top_p_prefix(mass, in_p1, kept_mass, o.p2, total)
-        exact = capped(wanted, mass, st.offsets[..., 1:] - st.offsets[..., :-1], fx.exact_cap)
-        approx = in_p1 & ~exact if o.tail == "approx" else wanted & ~exact
-
-        members, members_valid = csr_members(st.perm, st.offsets, exact, fx.exact_cap)
-        members_valid &= members < pre[..., None]
-        d = torch.arange(fx.decoded_width, device=dev)
-        dec_valid = (d < (ends - pre).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
-        dec = (pre + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
-        cluster = st.assign.gather(-1, dec)
-        dec_valid = dec_valid & (cluster >= 0) & exact.gather(-1, cluster.clamp_min(0))
-        return DoublePPlan(slots=torch.cat([kept, dec.masked_fill(~dec_valid, 0), members], -1),
-                           valid=torch.cat([kept_valid, dec_valid, members_valid], -1), logits=logits,
-                           kept_mass=kept_mass, mass=mass, in_p1=in_p1, exact=exact, approx=approx)
 
     def _cluster_logits(self, st: DoublePState, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """qg [B, Hkv, G, D] fp32 -> (x_i [B, Hkv, G, C], the log-mass the selection ranks by: x_i, plus the
