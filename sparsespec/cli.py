@@ -413,6 +413,9 @@ def _serve_policy(spec: str, opts: list[str]):
     if not (policy.graphable and policy.row_index):
         raise SparseSpecError(f"serve runs graphable attention policies with a per-row index (binarypc, topk, quest, "
                               f"streaming, doublesparse): {name} is not")
+    if policy.options.select_every > 1:
+        raise SparseSpecError("serve selects keys at every step (rows join and leave the batch): select_every is "
+                              "for generate and --draft self:POLICY")
     return policy
 
 

@@ -202,6 +202,7 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     (["--attention", "magicpig"], "serve runs graphable attention policies"),
     (["--attention", "doublep"], "serve runs graphable attention policies with a per-row index"),
+    (["--attention", "binarypc:select_every=4"], "serve selects keys at every step"),
     (["--attention-opt", "budget=0.1"], "--attention-opt needs a sparse --attention policy"),
     (["--attention", "binarypc", "--attention-opt", "bits=0"], "bits must be in"),
     (["--attention", "streaming", "--draft", "ngram"], "--draft with a sparse --attention policy"),

@@ -130,6 +130,9 @@ class Scheduler:
                                   f"{engine.config.max_position} tokens")
         if policy is not None and not (policy.graphable and policy.row_index):
             raise SparseSpecError(f"serve runs graphable attention policies (per-row index); {policy.name} is not")
+        if policy is not None and policy.options.select_every > 1:
+            raise SparseSpecError("serve selects keys at every step (rows join and leave the batch): select_every is "
+                                  "for generate and --draft self:POLICY")
         if policy is not None and drafter is not None:
             raise SparseSpecError("a drafter with a sparse attention policy is not supported: use one of them "
                                   "(or draft with self:POLICY)")
