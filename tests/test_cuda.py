@@ -171,6 +171,20 @@ def test_many_graph_captures_in_a_row_survive_garbage_collection():
         gc.set_threshold(*old)
 
 
+def _greedy_with_rollback(model, prompts, policy, cuda_graph: bool, before: int) -> list[list[int]]:
+    """Greedy tokens of a fixed-path runner (capacity 180): `before` steps, a rollback of 5, then 6 more steps."""
+    runner = Runner(model, len(prompts), 180, policy, cuda_graph=cuda_graph, fixed=True)
+    tokens, out = model.logits(runner.prefill(prompts, chunk=64)).argmax(-1), []
+    for step in range(before + 6):
+        if step == before:
+            runner.truncate([n - 5 for n in runner.cache.lengths])
+        logits = runner.decode(tokens)
+        assert torch.isfinite(logits).all()
+        tokens = logits.argmax(-1)
+        out.append(tokens.tolist())
+    return out
+
+
 @cuda
 @pytest.mark.parametrize("name,budget,every", [
     ("binarypc", "1.0", 1), ("topk", "1.0", 1), ("streaming", "1.0", 1), ("quest", "1.0", 1), ("binarypc", "0.05", 1),
@@ -182,28 +196,14 @@ def test_graphed_sparse_runner_matches_the_eager_fixed_path(name, budget, every,
     selections): at a full budget it gives the dense greedy tokens; at a small one it equals the same fixed-width
     path run eagerly, over a batch of two rows of different lengths."""
     from sparsespec.attention import make_policy
-    from sparsespec.runner import Runner
 
     tiny_hf_model("llama").save_pretrained(tmp_path)
     model = load(tmp_path, device="cuda", with_tokenizer=False).model
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (150, 97)]
-    runs = {}
-    for run in ("dense", "eager", "graph"):
-        policy = None if run == "dense" else make_policy(name, {"budget": budget, "dense_layers": "1",
-                                                                "select_every": every})
-        runner = Runner(model, 2, 180, policy, cuda_graph=run != "eager", fixed=True)
-        tokens, out = model.logits(runner.prefill(prompts, chunk=64)).argmax(-1), []
-        for _ in range(20):
-            logits = runner.decode(tokens)
-            assert torch.isfinite(logits).all()
-            tokens = logits.argmax(-1)
-            out.append(tokens.tolist())
-        runner.truncate([n - 5 for n in runner.cache.lengths])  # a rollback, then more steps
-        for _ in range(5):
-            tokens = runner.decode(tokens).argmax(-1)
-            out.append(tokens.tolist())
-        runs[run] = out
+    runs = {run: _greedy_with_rollback(model, prompts, None if run == "dense" else make_policy(
+        name, {"budget": budget, "dense_layers": "1", "select_every": every}), run != "eager", 20)
+        for run in ("dense", "eager", "graph")}
     assert runs["graph"] == runs["eager"]
     if budget == "1.0":
         assert runs["graph"] == runs["dense"]
@@ -217,26 +217,14 @@ def test_graphed_doublep_runner_matches_the_eager_fixed_path(options, tmp_path):
     CUDA graph equals the same path run eagerly, over two rows of different lengths and a rollback; at p1 = p2 = 1
     it gives the dense greedy tokens."""
     from sparsespec.attention import make_policy
-    from sparsespec.runner import Runner
 
     tiny_hf_model("llama").save_pretrained(tmp_path)
     model = load(tmp_path, device="cuda", with_tokenizer=False).model
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (150, 97)]
-    runs = {}
-    for run in ("dense", "eager", "graph"):
-        policy = None if run == "dense" else make_policy("doublep", {**options, "window": 8, "cluster_size": 8,
-                                                                     "dense_layers": 1})
-        runner = Runner(model, 2, 180, policy, cuda_graph=run != "eager", fixed=True)
-        tokens, out = model.logits(runner.prefill(prompts, chunk=64)).argmax(-1), []
-        for step in range(20):
-            if step == 14:
-                runner.truncate([n - 5 for n in runner.cache.lengths])
-            logits = runner.decode(tokens)
-            assert torch.isfinite(logits).all()
-            tokens = logits.argmax(-1)
-            out.append(tokens.tolist())
-        runs[run] = out
+    runs = {run: _greedy_with_rollback(model, prompts, None if run == "dense" else make_policy(
+        "doublep", {**options, "window": 8, "cluster_size": 8, "dense_layers": 1}), run != "eager", 14)
+        for run in ("dense", "eager", "graph")}
     assert runs["graph"] == runs["eager"]
     if options.get("p2") == 1.0:
         assert runs["graph"] == runs["dense"]

@@ -336,7 +336,6 @@ class DoublePFixed:
     decoded_width: int  # clustered slots past the CSR lists (decoded tokens that joined clusters)
     exact_cap: int  # CSR members attended exactly
     candidates: torch.Tensor  # [B] bool: rows whose prefill left keys to cluster (the others keep decoded tokens exact)
-    reusing: bool = False  # (never: doublep selects at every step)
 
 
 @dataclass
@@ -471,9 +470,8 @@ class DoubleP(Policy):
         pos, ends, pre = self.host_positions(positions), st.clustered_end, st.csr_end
         kept = max(min(self.options.sinks, p + 1) + max(0, p - e + 1) for p, e in zip(pos, ends))
         decoded = max(max(0, e - s) for e, s in zip(ends, pre))
-        dev = q.device
-        return self.select(st, q, cache.k[layer], device_ints(pos, dev), device_ints(ends, dev),
-                           device_ints(pre, dev), kept, decoded, None)
+        return self.select(st, q, cache.k[layer], device_ints(pos, q.device), st.clustered_end_dev, st.csr_end_dev,
+                           kept, decoded, None)
 
     def select(self, st: DoublePState, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                clustered_end: torch.Tensor, csr_end: torch.Tensor, kept_width: int, decoded_width: int,
