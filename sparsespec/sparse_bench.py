@@ -78,7 +78,7 @@ def policy_bytes(policy, batch: int, context: int, cfg: ModelConfig, attended: f
     """The fewest bytes one sparse layer must read: the policy's index per token, plus K and V of the attended."""
     kv_row = 2 * cfg.head_dim * 2
     index = {"binarypc": 8 * -(-getattr(policy.options, "bits", 64) // 64), "topk": cfg.head_dim * 2,
-             "streaming": 0}.get(policy.name, 0)
+             "quest": 2 * cfg.head_dim * 2 / getattr(policy.options, "page", 1), "streaming": 0}.get(policy.name, 0)
     return batch * cfg.num_kv_heads * (context * index + attended * kv_row)
 
 

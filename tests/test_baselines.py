@@ -107,17 +107,16 @@ def test_quest_scores_are_group_summed_page_bounds_and_skip_uncommitted_slots():
                 torch.testing.assert_close(scores[b, :, s], summed[:, s // page])
             else:
                 assert (scores[b, :, s] == float("-inf")).all()
-    # Top slots are top pages: the budget of two pages picks exactly the two best committed pages' slots
-    # (+ the current token), when its page is not among them.
+    # The selection is whole pages, as Quest's: a budget of 2 pages + 1 token rounds up to 3 pages, the query's
+    # own page (up to the query) and the two best of the others.
     policy = Quest(QuestOptions(dense_layers=0, page=page, budget=2 * page + 1, min_tokens=0))
     idx, valid = policy.select(0, q, cache, positions)
-    b = 0
-    for h in range(2):
-        page_scores = scores[b, h, :lengths[b]:page]
-        top = page_scores.topk(2).indices.tolist()
-        if lengths[b] // page not in top:
-            expected = {s for p in top for s in range(p * page, min((p + 1) * page, lengths[b]))}
-            assert _chosen(idx, valid, b, h) - {lengths[b]} == expected
+    for b, n in enumerate(lengths):
+        for h in range(2):
+            own = n // page
+            top = scores[b, h, :own * page:page].topk(2).indices.tolist()
+            expected = {s for p in top + [own] for s in range(p * page, min((p + 1) * page, n + 1))}
+            assert _chosen(idx, valid, b, h) == expected
 
 
 # ---------------------------------------------------------------------------------------------- Double Sparsity

@@ -14,7 +14,8 @@ triton = pytest.importorskip("triton")
 from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
                                          key_range, probe_tables, probe_tables_ref, score_keys, score_keys_ref)
 from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, topk_keys_ref  # noqa: E402
-from sparsespec.kernels.select import ordered_keys, select_topk, select_topk_ref  # noqa: E402
+from sparsespec.kernels.select import (expand_pages, expand_pages_ref, ordered_keys, select_topk,  # noqa: E402
+                                       select_topk_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -186,18 +187,56 @@ def test_topk_keys_equal_reference(G, D, S, dtype):
         assert torch.equal(keys[live], ref[live]), dot
 
 
-@pytest.mark.parametrize("G,D,S,page", [(1, 16, 37, 7), (4, 64, 130, 16), (7, 16, 70, 5), (2, 32, 64, 16)])
+@pytest.mark.parametrize("G,D,S,page", [(1, 16, 37, 7), (4, 64, 130, 16), (7, 16, 70, 5), (2, 32, 64, 16),
+                                        (3, 128, 45, 1)])
 def test_quest_keys_equal_reference(G, D, S, page):
     g = torch.Generator().manual_seed(G + D + S + page)
-    B, Hkv = 3, 2
+    B, Hkv = 4, 2
     NP = -(-S // page)
     q = dyadic(g, B, Hkv * G, D)
+    k = dyadic(g, B, Hkv, S, D).bfloat16()
     a, b = dyadic(g, B, Hkv, NP, D), dyadic(g, B, Hkv, NP, D)
     kmin, kmax = torch.minimum(a, b).bfloat16(), torch.maximum(a, b).bfloat16()
-    positions = torch.tensor([S - 1, S // 3, 0], dtype=torch.int32, device=DEVICE)
-    keys = quest_keys(q, kmin, kmax, positions, page, S)
-    ref = quest_keys_ref(q, kmin, kmax, positions, page, S)
-    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
-    assert torch.equal(keys[live], ref[live])
-    at_query = torch.arange(S, device=DEVICE) == positions.long().repeat_interleave(Hkv)[:, None]
-    assert bool((keys[at_query] == 0).all())  # the query's own slot is not scored (the window forces it)
+    # the last committed token opening a page, inside one, at slot 0, and the first query
+    positions = torch.tensor([S - 1, S // 3, 1, 0], dtype=torch.int32, device=DEVICE)
+    extrema = kmin.clone(), kmax.clone()
+    keys = quest_keys(q, k, kmin, kmax, positions, page)
+    ref = quest_keys_ref(q, k, *extrema, positions, page)
+    assert torch.equal(kmin, extrema[0]) and torch.equal(kmax, extrema[1])  # the same page refreshed alike
+    current = positions.long().repeat_interleave(Hkv)[:, None] // page
+    pages = torch.arange(NP, device=DEVICE)
+    assert torch.equal(keys[pages < current], ref[pages < current])
+    assert bool((keys[pages == current] == 0).all())  # the query's own page is not scored (the select forces it)
+    last = (positions.long() - 1).clamp_min(0)
+    for row in range(B):  # the refreshed page holds exactly the extrema of its committed slots
+        p = int(last[row]) // page
+        live = k[row, :, p * page:int(positions[row])]
+        if live.shape[1]:
+            assert torch.equal(kmin[row, :, p], live.amin(1)) and torch.equal(kmax[row, :, p], live.amax(1))
+
+
+@pytest.mark.parametrize("page,KP,width", [(16, 5, 80), (7, 9, 60), (1, 12, 12), (5, 3, 11)])
+def test_expand_pages_equals_reference(page, KP, width):
+    g = torch.Generator().manual_seed(page * 100 + KP)
+    B, Hkv = 3, 2
+    positions = torch.tensor([page * KP - 1, page * (KP - 1), page * 2 + 1], dtype=torch.int32)
+    count = torch.randint(1, KP + 1, (B * Hkv,), generator=g).int()
+    pages = torch.zeros(B * Hkv, KP, dtype=torch.int32)
+    for r in range(B * Hkv):  # increasing pages, the query's own page last
+        own = int(positions[r // Hkv]) // page
+        n = min(int(count[r]), own + 1)
+        count[r] = n
+        pages[r, :n] = torch.cat([torch.randperm(own, generator=g)[:n - 1].sort().values, torch.tensor([own])])
+    pages, count, positions = pages.to(DEVICE), count.to(DEVICE), positions.to(DEVICE)
+    ref_idx, ref_count = expand_pages_ref(pages, count, positions, page, width)
+    out = torch.full((B * Hkv, width), -1, dtype=torch.int32, device=DEVICE), torch.zeros(B * Hkv, dtype=torch.int32,
+                                                                                         device=DEVICE)
+    attended = torch.zeros(B, device=DEVICE)
+    idx, n = expand_pages(pages, count, positions, page, out, attended)
+    assert torch.equal(n, ref_count)
+    for r in range(B * Hkv):
+        assert torch.equal(idx[r, :n[r]], ref_idx[r, :n[r]])
+        want = sorted(s for p in pages[r, :count[r]].tolist() for s in range(p * page, (p + 1) * page)
+                      if s <= positions[r // Hkv])
+        assert idx[r, :n[r]].tolist() == want[:width]
+    assert torch.allclose(attended, ref_count.view(B, Hkv).float().mean(-1))

@@ -280,13 +280,18 @@ class SelectionPolicy(Policy):
         """After `build`: allocate the static buffers of fixed-width steps for this cache (their width covers every
         step up to the capacity); `decode` then takes the fixed-width path until `end_fixed`."""
         B, Hkv, S = cache.batch, cache.k[0].shape[1], cache.capacity
-        width = min(S, max(self.options.tokens(S), self.options.forced(S - 1) + self.extra_forced(S, lengths)))
+        width = self.fixed_width(S, lengths)
         zeros = lambda *shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=cache.device)  # noqa: E731
         every, layers = self.options.select_every, len(cache.k)
         kept = None if every == 1 else (zeros(layers, B * Hkv, width + every - 1), zeros(layers, B * Hkv))
         first = next((i for i in range(layers) if self.is_sparse(i)), layers)
         self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
                                zeros(B * Hkv), zeros(B), kept, first)
+
+    def fixed_width(self, capacity: int, lengths: list[int]) -> int:
+        """The selection width of fixed-width steps: the most slots any step up to `capacity` selects."""
+        return min(capacity, max(self.options.tokens(capacity),
+                                 self.options.forced(capacity - 1) + self.extra_forced(capacity, lengths)))
 
     def extra_forced(self, capacity: int, lengths: list[int]) -> int:
         """At most how many slots besides sinks and window the policy forces in at one step (bounds the width)."""
@@ -410,6 +415,13 @@ def _tie_broken(scores: torch.Tensor) -> torch.Tensor:
     bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes 0.0, a tie as in a sort
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()  # IEEE order as integers
     return (ordered << 32) | torch.arange(scores.shape[-1] - 1, -1, -1, device=scores.device)
+
+
+def selection_mask(idx: torch.Tensor, valid: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """A selection (idx / valid [..., K]) -> bool [..., kv_len]: the slots it attends to. Invalid columns select
+    nothing, whatever slot they hold (a selection may repeat one there)."""
+    spill = torch.zeros(*idx.shape[:-1], kv_len + 1, dtype=torch.bool, device=idx.device)  # the last takes invalid
+    return spill.scatter(-1, torch.where(valid, idx, kv_len), True)[..., :kv_len]
 
 
 def device_ints(values: list[int], device: torch.device) -> torch.Tensor:

@@ -6,13 +6,16 @@ elementwise min and max of the page's committed keys. For a query q the page bou
     Σ_d max(q_d · min_d, q_d · max_d)  =  q⁺ · max + q⁻ · min          (q⁺ = max(q, 0), q⁻ = min(q, 0))
 
 is an upper bound of q·k for every key k of the page. The bounds of a KV head's query heads are summed (GQA as
-Quest does it), and every slot takes its page's score, so the top-k slots are the top pages.
+Quest does it). A step selects whole pages, as Quest does: the query's own page, the pages holding the sinks and
+the recent window, then the best-bound pages until the budget (rounded up to whole pages) is filled; it attends to
+every slot of them up to the query.
 
-    page_extrema          (build at prefill; append after every commit or rollback)
-    page_bounds -> sum    (decode)
+    page_extrema                 (build at prefill; append after every commit or rollback)
+    page_bounds -> sum           (decode: one key a page; the page of the last committed token refreshed first)
+    select_topk over pages -> expand_pages -> exact attention
 
-Slots past a row's committed length are not in the index and score -inf (a page with no committed slot is never
-chosen); the current token's slot is forced in by select_top.
+`scores` gives every slot its page's bound (-inf past the committed length), for analysis; the selection itself
+works on pages, 16x fewer keys than slots at the default page.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..cache import KVCache
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectKeys, SelectionPolicy, device_ints, option
+from .policy import PolicyOptions, SelectionPolicy, device_ints, option
 
 
 @dataclass(frozen=True)
@@ -112,27 +116,99 @@ class Quest(SelectionPolicy):
         committed = device_ints(state.committed, q.device).view(B, 1, 1)
         return scores.masked_fill(slots >= committed, float("-inf"))
 
-    def fixed_keys(self, layer, q, cache):
+    # A step's selection, on pages: select_topk's arguments in page units, then the pages' slots.
+    def page_args(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [B] -> [3, B] int32: each row's own page (the last that exists), its budget in pages, and
+        the first page of its recent window (forced in from there on, its own page included)."""
+        page, pos = self.options.page, positions.long()
+        budget = -(-self.options.tokens_on_device(pos + 1) // page)
+        recent = (pos - max(self.options.window, 1) + 1).clamp_min(0) // page
+        return torch.stack([pos // page, budget, recent]).int()
+
+    def page_width(self, position: int) -> int:
+        """The most pages a query at `position` selects (budget or forced pages, whichever is more)."""
+        page, window = self.options.page, max(self.options.window, 1)
+        forced = -(-self.options.sinks // page) + (window + page - 2) // page + 1
+        return min(position // page + 1, max(-(-self.options.tokens(position + 1) // page), forced))
+
+    def select_pages(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor,
+                     args: torch.Tensor, pages: int, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """q [B, Hq, 1, D] -> (pages [B*Hkv, pages] int32 in page order, count [B*Hkv] int32); the extrema of the
+        page of each row's last committed token are refreshed first. Triton kernels on CUDA, references else."""
         from ..kernels import triton_ready
         from ..kernels.scores import quest_keys, quest_keys_ref
+        from ..kernels.select import select_topk, select_topk_ref
 
         state: QuestState = cache.policy_state[layer]
-        positions = self.fixed.positions.long()  # [B]: slots [0, position) are committed
-        refresh_last_page(state, cache.k[layer], positions, self.options.page)
         B, Hq, _, D = q.shape
-        keys = (quest_keys if triton_ready(q.device) else quest_keys_ref)(
-            q.view(B, Hq, D), state.kmin, state.kmax, self.fixed.positions, self.options.page, cache.capacity)
-        return SelectKeys(keys, 32)
+        if triton_ready(q.device):
+            keys = quest_keys(q.view(B, Hq, D), cache.k[layer], state.kmin, state.kmax, positions, self.options.page)
+        else:  # the pages up to the furthest query only (views: the refresh still lands in the index)
+            n = min(state.kmin.shape[2], max(self.host_positions(positions)) // self.options.page + 1)
+            keys = quest_keys_ref(q.view(B, Hq, D), cache.k[layer], state.kmin[:, :, :n], state.kmax[:, :, :n],
+                                  positions, self.options.page)  # [B*Hkv, n]
+        sel = (keys, args[0], args[1], args[2], pages, 32)
+        opts = dict(sinks=-(-self.options.sinks // self.options.page), window=1)
+        if triton_ready(q.device):
+            return select_topk(*sel, out=out, **opts)
+        idx, count = select_topk_ref(*sel, **opts)
+        if out is not None:
+            out[0].copy_(idx)
+            out[1].copy_(count)
+        return idx, count
+
+    def select(self, layer, q, cache, positions):
+        from ..kernels.select import expand_pages_ref
+
+        B, Hkv = q.shape[0], cache.k[layer].shape[1]
+        pages = max(self.page_width(p) for p in self.host_positions(positions))
+        idx, count = self.select_pages(layer, q, cache, positions, self.page_args(positions), pages)
+        idx, count = expand_pages_ref(idx, count, positions, self.options.page, pages * self.options.page)
+        valid = torch.arange(idx.shape[1], device=idx.device) < count[:, None].long()
+        return idx.long().view(B, Hkv, -1), valid.view(B, Hkv, -1)
+
+    def fixed_width(self, capacity: int, lengths: list[int]) -> int:
+        return min(capacity, self.page_width(capacity - 1) * self.options.page)
+
+    def plan_fixed(self, cache, lengths):
+        super().plan_fixed(cache, lengths)
+        R, B = cache.batch * cache.k[0].shape[1], cache.batch
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=cache.device)  # noqa: E731
+        self.pages = (zeros(R, self.page_width(cache.capacity - 1)), zeros(R))  # a step's page selection
+        self.step_args = zeros(3, B)  # page_args of the step, shared by its layers
+
+    def begin_step(self, positions):
+        super().begin_step(positions)
+        if not self.fixed.reusing:
+            self.step_args.copy_(self.page_args(positions))
+
+    def fixed_selection(self, layer, q, cache):
+        from ..kernels import triton_ready
+        from ..kernels.select import expand_pages, expand_pages_ref
+
+        plan = self.fixed
+        into = plan.buffers(layer)
+        pages, count = self.select_pages(layer, q, cache, plan.positions, self.step_args, self.pages[0].shape[1],
+                                         out=self.pages)
+        if triton_ready(q.device):
+            return expand_pages(pages, count, plan.positions, self.options.page, into, plan.attended)
+        idx, n = expand_pages_ref(pages, count, plan.positions, self.options.page, into[0].shape[1])
+        into[0].copy_(idx)
+        into[1].copy_(n)
+        plan.attended.add_(n.view(len(plan.positions), -1).float().mean(-1))
+        return into
 
 
-def refresh_last_page(state: QuestState, k: torch.Tensor, positions: torch.Tensor, page: int) -> None:
-    """Recompute, for every row at once, the extrema of the page holding slot positions[b] - 1 (the token the last
-    step committed) from the cache k [B, Hkv, S, D]; device-side, so a captured step keeps the index current."""
+def refresh_last_page(kmin: torch.Tensor, kmax: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                      page: int) -> None:
+    """Recompute, for every row at once, the extrema kmin / kmax [B, Hkv, NP, D] of the page holding slot
+    positions[b] - 1 (the token the last step committed) from the cache k [B, Hkv, S, D]; device-side, so a
+    captured step keeps the index current."""
     B, Hkv, S, D = k.shape
     last = (positions - 1).clamp_min(0)  # [B]
     slots = (last // page * page)[:, None] + torch.arange(page, device=k.device)  # [B, page]
     keep = (slots < positions[:, None])[:, None, :, None]  # [B, 1, page, 1]
     keys = k.gather(2, slots.clamp_max(S - 1)[:, None, :, None].expand(B, Hkv, page, D))  # [B, Hkv, page, D]
     at = (last // page)[:, None, None, None].expand(B, Hkv, 1, D)
-    state.kmin.scatter_(2, at, keys.masked_fill(~keep, float("inf")).amin(2, keepdim=True))
-    state.kmax.scatter_(2, at, keys.masked_fill(~keep, float("-inf")).amax(2, keepdim=True))
+    kmin.scatter_(2, at, keys.masked_fill(~keep, float("inf")).amin(2, keepdim=True))
+    kmax.scatter_(2, at, keys.masked_fill(~keep, float("-inf")).amax(2, keepdim=True))

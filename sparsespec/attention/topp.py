@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SparseSpecError
-from .policy import Policy, PolicyOptions, attend_selected, forced_slots, option
+from .policy import Policy, PolicyOptions, attend_selected, forced_slots, option, selection_mask
 
 
 @dataclass(frozen=True)
@@ -129,5 +129,5 @@ class Twilight(OracleTopP):
         logits = logits.masked_fill(~cand_valid[:, :, None], float("-inf"))
         keep = top_p_mask(logits.softmax(-1), self.options.p).any(2) & cand_valid  # [B, Hkv, K]
         kv_len = max(self.host_positions(positions)) + 1
-        chosen = torch.zeros(B, Hkv, kv_len, dtype=torch.bool, device=q.device).scatter(-1, cand, keep)
+        chosen = selection_mask(cand, keep, kv_len)
         return mask_to_indices(chosen | forced_slots(self.options, positions, kv_len))

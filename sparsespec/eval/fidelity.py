@@ -23,7 +23,7 @@ import torch
 from .. import corpora
 from ..attention import make_policy, parse_spec
 from ..attention.dense import causal_mask, dense_attention
-from ..attention.policy import attend_selected
+from ..attention.policy import attend_selected, selection_mask
 from ..cache import KVCache
 from ..errors import SparseSpecError
 from ..runner import Runner
@@ -141,8 +141,7 @@ def _attend(policy, layer: int, q: torch.Tensor, cache: KVCache, pos: int):
         out, stats = policy.decode_with_stats(layer, q, cache, positions)
         return out, exact[0], approx[0], stats["centroid_terms"][0].float()
     idx, valid = policy.select(layer, q, cache, positions)
-    chosen = torch.zeros(idx.shape[1], pos + 1, dtype=torch.bool, device=q.device)
-    chosen.scatter_(1, idx[0], valid[0])
+    chosen = selection_mask(idx[0], valid[0], pos + 1)
     return attend_selected(q, cache.k[layer], cache.v[layer], idx, valid), chosen, None, None
 
 

@@ -4,9 +4,11 @@ has its torch reference (`*_ref`), which is also the CPU path.
 
     topk   q [B, Hq, D], k [B, Hkv, S, D] (any float dtype), positions [B]
            -> keys [B*Hkv, S] int32: the group max of q·k; slots past a row's position are not written
-    quest  q [B, Hq, D], kmin / kmax [B, Hkv, NP, D] (page extrema, NP * page >= S), positions [B], page
-           -> keys [B*Hkv, S] int32: the page's bound Σ_g Σ_d max(q_d min_d, q_d max_d) for slots before the
-           position, 0 (never attend) from it on; slots past it are not written
+    quest  q [B, Hq, D], k [B, Hkv, S, D], kmin / kmax [B, Hkv, NP, D] (page extrema, NP * page >= S),
+           positions [B], page -> keys [B*Hkv, NP] int32, one a page: the bound Σ_g Σ_d max(q_d min_d, q_d max_d)
+           of the pages before the query's, 0 for the query's own page (the selection forces it in); pages past
+           it are not written. It first brings the extrema of the page holding slot position - 1 (the token the
+           last step committed) up to date from the cache, in place.
 """
 
 from __future__ import annotations
@@ -80,47 +82,65 @@ def topk_keys_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> 
 
 
 @triton.jit
-def _quest_kernel(q_ptr, kmin_ptr, kmax_ptr, positions_ptr, keys_ptr, S, NP, HKV: tl.constexpr, G: tl.constexpr,
-                  D: tl.constexpr, PAGE: tl.constexpr, PAGEP: tl.constexpr, BP: tl.constexpr):
+def _quest_kernel(q_ptr, k_ptr, kmin_ptr, kmax_ptr, positions_ptr, keys_ptr, S, NP, HKV: tl.constexpr,
+                  G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGEP: tl.constexpr, BP: tl.constexpr):
+    """Keys of pages [BP) of row r; the program holding the page of the last committed token (slot pos - 1)
+    recomputes its extrema from the cache first (stored, and used for its key)."""
     r = tl.program_id(0)
-    p = tl.program_id(1) * BP + tl.arange(0, BP)  # pages
+    p0 = tl.program_id(1) * BP
+    p = p0 + tl.arange(0, BP)  # pages
     pos = tl.load(positions_ptr + r // HKV)
+    current = pos // PAGE
+    rd = r.to(tl.int64)
     d = tl.arange(0, D)
-    page = (r.to(tl.int64) * NP + p)[:, None] * D + d[None, :]
-    used = (p * PAGE <= pos) & (p < NP)
-    lo = tl.load(kmin_ptr + page, mask=used[:, None], other=0.0).to(tl.float32)  # [BP, D]
-    hi = tl.load(kmax_ptr + page, mask=used[:, None], other=0.0).to(tl.float32)
+    page = (rd * NP + p)[:, None] * D + d[None, :]
+    scored = p < current
+    lo = tl.load(kmin_ptr + page, mask=scored[:, None], other=0.0).to(tl.float32)  # [BP, D]
+    hi = tl.load(kmax_ptr + page, mask=scored[:, None], other=0.0).to(tl.float32)
+    last = tl.maximum(pos - 1, 0) // PAGE
+    refresh = (last >= p0) & (last < p0 + BP)
+    if refresh:
+        t = tl.arange(0, PAGEP)
+        slot = last * PAGE + t
+        live = ((t < PAGE) & (slot < pos))[:, None]
+        keys = tl.load(k_ptr + (rd * S + slot)[:, None] * D + d[None, :], mask=live, other=0.0)  # [PAGEP, D]
+        new_lo = tl.min(tl.where(live, keys, float("inf")), 0)  # [D], exact in the key dtype
+        new_hi = tl.max(tl.where(live, keys, float("-inf")), 0)
+        tl.store(kmin_ptr + (rd * NP + last) * D + d, new_lo.to(kmin_ptr.dtype.element_ty))
+        tl.store(kmax_ptr + (rd * NP + last) * D + d, new_hi.to(kmax_ptr.dtype.element_ty))
+        fresh = ((p == last) & scored)[:, None]  # a scored page is whole: finite extrema
+        lo = tl.where(fresh, new_lo.to(tl.float32)[None, :], lo)
+        hi = tl.where(fresh, new_hi.to(tl.float32)[None, :], hi)
     bound = tl.zeros([BP], dtype=tl.float32)
     for g in tl.static_range(G):
         qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)[None, :]
         bound += tl.sum(tl.maximum(qg * lo, qg * hi), 1)
-    t = tl.arange(0, PAGEP)
-    slot = p[:, None] * PAGE + t[None, :]  # [BP, PAGEP]
-    key = tl.where(slot < pos, _ordered(bound)[:, None], 0)
-    tl.store(keys_ptr + r.to(tl.int64) * S + slot, key, mask=(t[None, :] < PAGE) & (slot <= pos) & (slot < S))
+    tl.store(keys_ptr + rd * NP + p, tl.where(scored, _ordered(bound), 0), mask=p <= current)
 
 
-def quest_keys(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, positions: torch.Tensor, page: int, S: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, D], kmin / kmax [B, Hkv, NP, D], positions [B], page size, S slots -> keys [B*Hkv, S] int32."""
+def quest_keys(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, positions: torch.Tensor,
+               page: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D], k [B, Hkv, S, D] (the cache), kmin / kmax [B, Hkv, NP, D] (page extrema, updated in place),
+    positions [B], page size -> keys [B*Hkv, NP] int32 (see the module)."""
     B, Hq, D = q.shape
-    Hkv, NP = kmin.shape[1], kmin.shape[2]
-    out = torch.empty(B * Hkv, S, dtype=torch.int32, device=q.device) if out is None else out
+    Hkv, S, NP = k.shape[1], k.shape[2], kmin.shape[2]
+    out = torch.empty(B * Hkv, NP, dtype=torch.int32, device=q.device) if out is None else out
     bp = min(32, triton.next_power_of_2(NP))
-    _quest_kernel[(B * Hkv, triton.cdiv(NP, bp))](q.contiguous(), kmin, kmax, positions, out, S, NP, HKV=Hkv,
+    _quest_kernel[(B * Hkv, triton.cdiv(NP, bp))](q.contiguous(), k, kmin, kmax, positions, out, S, NP, HKV=Hkv,
                                                  G=Hq // Hkv, D=D, PAGE=page, PAGEP=triton.next_power_of_2(page),
                                                  BP=bp, num_warps=4)
     return out
 
 
-def quest_keys_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, positions: torch.Tensor, page: int,
-                   S: int) -> torch.Tensor:
-    """The torch reference of `quest_keys` (every slot written)."""
-    from ..attention.quest import page_bounds
+def quest_keys_ref(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, positions: torch.Tensor,
+                   page: int) -> torch.Tensor:
+    """The torch reference of `quest_keys` (every page written: 0 from the current one on)."""
+    from ..attention.quest import page_bounds, refresh_last_page
 
     B, Hq, D = q.shape
-    Hkv = kmin.shape[1]
+    Hkv, NP = kmin.shape[1], kmin.shape[2]
+    refresh_last_page(kmin, kmax, k, positions.long(), page)
     bounds = page_bounds(q.view(B, Hkv, Hq // Hkv, D).float(), kmin.float(), kmax.float())  # [B, Hkv, G, NP]
-    scores = bounds.sum(2).repeat_interleave(page, dim=-1)[..., :S]  # [B, Hkv, S]
-    scores = scores.masked_fill(torch.arange(S, device=q.device) >= positions.long().view(B, 1, 1), float("-inf"))
+    current = (positions.long() // page).view(B, 1, 1)
+    scores = bounds.sum(2).masked_fill(torch.arange(NP, device=q.device) >= current, float("-inf"))  # [B, Hkv, NP]
     return ordered_keys(scores).flatten(0, 1)

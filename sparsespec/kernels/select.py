@@ -268,6 +268,49 @@ def select_topk_ref(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.T
     return idx, want.squeeze(-1).int()
 
 
+@triton.jit
+def _expand_kernel(pages_ptr, page_count_ptr, positions_ptr, idx_ptr, count_ptr, attended_ptr, KP, W,
+                   HKV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    b = r // HKV
+    pos = tl.load(positions_ptr + b).to(tl.int32)
+    n = tl.minimum(tl.load(page_count_ptr + r) * PAGE - (PAGE - 1 - pos % PAGE), W)
+    first = tl.load(pages_ptr + r.to(tl.int64) * KP + j // PAGE, mask=j < n, other=0)
+    tl.store(idx_ptr + r.to(tl.int64) * W + j, first * PAGE + j % PAGE, mask=j < n)
+    if tl.program_id(1) == 0:
+        tl.store(count_ptr + r, n)
+        if ATTENDED:
+            tl.atomic_add(attended_ptr + b, n.to(tl.float32) / HKV)
+
+
+def expand_pages(pages: torch.Tensor, page_count: torch.Tensor, positions: torch.Tensor, page: int,
+                 out: tuple[torch.Tensor, torch.Tensor], attended: torch.Tensor | None = None, block: int = 1024):
+    """A page selection -> its slots. pages [R, KP] int32 (in page order, the query's own page last, as
+    `select_topk` over page keys leaves it), page_count [R] int32, positions [B] -> out = (idx [R, W] int32 in
+    slot order, count [R] int32): every slot of the selected pages up to the query's. `attended` [B] fp32: each
+    row's mean count over its KV heads is added to it. Capturable in a CUDA graph."""
+    R, KP = pages.shape
+    idx, count = out
+    W = idx.shape[1]
+    block = min(block, triton.next_power_of_2(W))
+    _expand_kernel[(R, triton.cdiv(W, block))](pages, page_count, positions, idx, count,
+                                               count if attended is None else attended, KP, W, HKV=R // len(positions),
+                                               PAGE=page, BLOCK=block, ATTENDED=attended is not None, num_warps=4)
+    return idx, count
+
+
+def expand_pages_ref(pages: torch.Tensor, page_count: torch.Tensor, positions: torch.Tensor, page: int,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `expand_pages` -> (idx [R, width] int32, zeros past count; count [R] int32)."""
+    R, KP = pages.shape
+    pos = positions.long().repeat_interleave(R // len(positions))[:, None]  # [R, 1]
+    n = (page_count.long()[:, None] * page - (page - 1 - pos % page)).clamp_max(width)  # [R, 1]
+    j = torch.arange(width, device=pages.device)
+    first = pages.long().gather(1, (j // page).clamp_max(KP - 1).expand(R, -1))
+    return torch.where(j < n, first * page + j % page, 0).int(), n.squeeze(-1).int()
+
+
 def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
     """fp32 scores [..., S] -> int32 keys for `select_topk(key_bits=32)` in the same order: -inf (never attend)
     -> 0, +inf (forced) -> the maximum key, everything else in IEEE order in between."""
