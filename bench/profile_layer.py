@@ -67,6 +67,29 @@ def main() -> None:
                                                  16, sinks=o.sinks, window=o.window, out=(plan.idx, plan.count),
                                                  block=block, waves=waves, num_warps=warps))
                 print(f"  select_topk block={block} waves={waves} warps={warps}: {ms * 1e3:.1f} us")
+        if name == "topk":  # its scorer and its 32-bit select at several tuning settings, timed alone
+            from sparsespec.kernels.scores import topk_keys
+            from sparsespec.kernels.select import select_topk
+            from sparsespec.sparse_bench import time_ms
+
+            qf, plan = q.view(batch, cfg.num_heads, -1), policy.fixed
+            print(f"  topk_keys: {time_ms(lambda: topk_keys(qf, cache.k[0], positions)) * 1e3:.1f} us")
+            keys = topk_keys(qf, cache.k[0], positions)
+            for block, waves, warps in ((2048, 4, 8), (1024, 4, 4), (1024, 16, 4), (4096, 4, 8), (512, 8, 4),
+                                        (4096, 16, 8), (8192, 4, 8)):
+                ms = time_ms(lambda: select_topk(keys, plan.positions, plan.tokens, plan.positions + 1, plan.width,
+                                                 32, out=(plan.idx, plan.count), block=block, waves=waves,
+                                                 num_warps=warps))
+                print(f"  select_topk block={block} waves={waves} warps={warps}: {ms * 1e3:.1f} us")
+        if name == "quest":  # its page scorer at several tuning settings, timed alone
+            from sparsespec.kernels.scores import quest_keys
+            from sparsespec.sparse_bench import time_ms
+
+            state, qf = cache.policy_state[0], q.view(batch, cfg.num_heads, -1)
+            for block, warps in ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8), (16, 2)):
+                ms = time_ms(lambda: quest_keys(qf, cache.k[0], state.kmin, state.kmax, positions,
+                                                policy.options.page, block=block, num_warps=warps))
+                print(f"  quest_keys block={block} warps={warps}: {ms * 1e3:.1f} us")
         policy.end_fixed()
         del cache
         torch.cuda.empty_cache()

@@ -119,16 +119,17 @@ def _quest_kernel(q_ptr, k_ptr, kmin_ptr, kmax_ptr, positions_ptr, keys_ptr, S, 
 
 
 def quest_keys(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, positions: torch.Tensor,
-               page: int, out: torch.Tensor | None = None) -> torch.Tensor:
+               page: int, out: torch.Tensor | None = None, block: int = 32, num_warps: int = 4) -> torch.Tensor:
     """q [B, Hq, D], k [B, Hkv, S, D] (the cache), kmin / kmax [B, Hkv, NP, D] (page extrema, updated in place),
-    positions [B], page size -> keys [B*Hkv, NP] int32 (see the module)."""
+    positions [B], page size -> keys [B*Hkv, NP] int32 (see the module). Tuning: `block` pages and `num_warps`
+    a program."""
     B, Hq, D = q.shape
     Hkv, S, NP = k.shape[1], k.shape[2], kmin.shape[2]
     out = torch.empty(B * Hkv, NP, dtype=torch.int32, device=q.device) if out is None else out
-    bp = min(32, triton.next_power_of_2(NP))
+    bp = min(block, triton.next_power_of_2(NP))
     _quest_kernel[(B * Hkv, triton.cdiv(NP, bp))](q.contiguous(), k, kmin, kmax, positions, out, S, NP, HKV=Hkv,
                                                  G=Hq // Hkv, D=D, PAGE=page, PAGEP=triton.next_power_of_2(page),
-                                                 BP=bp, num_warps=4)
+                                                 BP=bp, num_warps=num_warps)
     return out
 
 

@@ -124,14 +124,16 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
             else:
                 above += tl.sum(((key >> high) > prefix).to(tl.int32), 0)
                 match = match & ((key >> high) == prefix)
-            part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
-            hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
+            matching = tl.sum(match.to(tl.int32), 0)
+            if matching > 0:  # past the first digit most blocks hold no key of the prefix: no histogram then
+                part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
+                hist += part - tl.where(tl.arange(0, BINS) == 0, BLOCK - matching, 0)
     if D == 0:
         tl.atomic_add(stats_ptr + r, n_forced)
     tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, BINS), hist)
-    if D == DIGITS - 1:
+    if D == DIGITS - 1:  # the program's keys of each last digit and above it (suffix sums), for the write pass
         own = part_ptr + (r * P + p).to(tl.int64) * (BINS + 1)
-        tl.store(own + tl.arange(0, BINS), hist)
+        tl.store(own + tl.arange(0, BINS), tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist)
         tl.store(own + BINS, above)
 
 
@@ -141,7 +143,7 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
                   LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
                   ATTENDED: tl.constexpr):
     """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
-    while the row still wants them. Where they start, from the earlier programs' last-digit histograms: their keys
+    while the row still wants them. Where they start, from the earlier programs' last-digit suffix sums: their keys
     above the threshold, and their keys equal to it as far as the row takes those. One scan a block: the running
     counts of keys above the threshold and of keys equal to it, packed as the low and high 16 bits of one int32
     (BLOCK < 2^16)."""
@@ -158,10 +160,10 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
     prog = tl.arange(0, PP)
     earlier = prog < p
     parts = part_ptr + (r * P).to(tl.int64) * (BINS + 1) + prog * (BINS + 1)  # [PP]
-    hists = tl.load(parts[:, None] + tl.arange(0, BINS)[None, :], mask=earlier[:, None], other=0)  # [PP, BINS]
-    digit = tl.arange(0, BINS)[None, :]
-    ties = tl.sum(tl.sum(tl.where(digit == t, hists, 0), 1), 0)  # keys equal to the threshold before this program's
-    out = (tl.sum(tl.load(parts + BINS, mask=earlier, other=0), 0) + tl.sum(tl.sum(tl.where(digit > t, hists, 0), 1), 0)
+    from_t = tl.load(parts + t, mask=earlier, other=0)  # earlier programs' keys of last digit >= t (and prefix)
+    past_t = tl.where(t + 1 < BINS, tl.load(parts + t + 1, mask=earlier, other=0), 0)  # ... > t
+    ties = tl.sum(from_t - past_t, 0)  # keys equal to the threshold before this program's
+    out = (tl.sum(tl.load(parts + BINS, mask=earlier, other=0), 0) + tl.sum(past_t, 0)
            + tl.minimum(ties, k))  # slots written before this program's
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
