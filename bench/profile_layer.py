@@ -47,52 +47,46 @@ def main() -> None:
         for e in sorted(events, key=lambda e: -e.device_time_total):
             print(f"  {e.device_time_total / args.steps:9.1f} us  x{e.count // args.steps:<3d} {e.key[:90]}")
         print(f"  {total:9.1f} us  total")
-        if name == "binarypc":  # the scorer and the select at several tuning settings, timed alone
-            from sparsespec.kernels.binarypc import probe_tables, score_keys
-            from sparsespec.kernels.select import select_topk
-            from sparsespec.sparse_bench import time_ms
-
-            state, o = cache.policy_state[0], policy.options
-            _, tables = probe_tables(q.view(batch, cfg.num_heads, -1), state.basis, o.probe_bits)
-            G = cfg.num_heads // cfg.num_kv_heads
-            for block, warps in ((2048, 8), (1024, 4), (4096, 8), (1024, 8)):
-                ms = time_ms(lambda: score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G,
-                                                block=block, num_warps=warps))
-                print(f"  score_keys block={block} warps={warps}: {ms * 1e3:.1f} us")
-            keys = score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G)
-            plan = policy.fixed
-            for block, waves, warps in ((2048, 4, 8), (1024, 4, 4), (1024, 16, 4), (2048, 16, 8), (4096, 4, 8),
-                                        (512, 8, 4), (1024, 8, 8), (4096, 16, 8)):
-                ms = time_ms(lambda: select_topk(keys, plan.positions, plan.tokens, state.encoded_dev, plan.width,
-                                                 16, sinks=o.sinks, window=o.window, out=(plan.idx, plan.count),
-                                                 block=block, waves=waves, num_warps=warps))
-                print(f"  select_topk block={block} waves={waves} warps={warps}: {ms * 1e3:.1f} us")
-        if name == "topk":  # its scorer and its 32-bit select at several tuning settings, timed alone
-            from sparsespec.kernels.scores import topk_keys
-            from sparsespec.kernels.select import select_topk
-            from sparsespec.sparse_bench import time_ms
-
-            qf, plan = q.view(batch, cfg.num_heads, -1), policy.fixed
-            print(f"  topk_keys: {time_ms(lambda: topk_keys(qf, cache.k[0], positions)) * 1e3:.1f} us")
-            keys = topk_keys(qf, cache.k[0], positions)
-            for block, waves, warps in ((2048, 4, 8), (1024, 4, 4), (1024, 16, 4), (4096, 4, 8), (512, 8, 4),
-                                        (4096, 16, 8), (8192, 4, 8)):
-                ms = time_ms(lambda: select_topk(keys, plan.positions, plan.tokens, plan.positions + 1, plan.width,
-                                                 32, out=(plan.idx, plan.count), block=block, waves=waves,
-                                                 num_warps=warps))
-                print(f"  select_topk block={block} waves={waves} warps={warps}: {ms * 1e3:.1f} us")
-        if name == "quest":  # its page scorer at several tuning settings, timed alone
-            from sparsespec.kernels.scores import quest_keys
-            from sparsespec.sparse_bench import time_ms
-
-            state, qf = cache.policy_state[0], q.view(batch, cfg.num_heads, -1)
-            for block, warps in ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8), (16, 2)):
-                ms = time_ms(lambda: quest_keys(qf, cache.k[0], state.kmin, state.kmax, positions,
-                                                policy.options.page, block=block, num_warps=warps))
-                print(f"  quest_keys block={block} warps={warps}: {ms * 1e3:.1f} us")
+        if name in ("binarypc", "topk", "quest"):
+            sweep(name, policy, cache, q, positions, cfg)
         policy.end_fixed()
         del cache
         torch.cuda.empty_cache()
+
+
+def sweep(name: str, policy, cache, q: torch.Tensor, positions: torch.Tensor, cfg) -> None:
+    """The policy's scorer and select at several tuning settings, each captured alone as a CUDA graph and timed."""
+    from sparsespec.kernels.binarypc import probe_tables, score_keys
+    from sparsespec.kernels.scores import quest_keys, topk_keys
+    from sparsespec.kernels.select import select_topk
+    from sparsespec.sparse_bench import graphed, time_ms
+
+    def show(label: str, fn) -> None:
+        print(f"  {label}: {time_ms(graphed(fn)) * 1e3:.1f} us")
+
+    batch, state, o, plan = q.shape[0], cache.policy_state[0], policy.options, policy.fixed
+    qf = q.view(batch, cfg.num_heads, -1)
+    if name == "quest":
+        for block, warps in ((32, 4), (16, 4), (64, 4), (64, 8), (128, 8), (16, 2)):
+            show(f"quest_keys block={block} warps={warps}", lambda: quest_keys(
+                qf, cache.k[0], state.kmin, state.kmax, positions, o.page, block=block, num_warps=warps))
+        return
+    if name == "binarypc":
+        _, tables = probe_tables(qf, state.basis, o.probe_bits)
+        G = cfg.num_heads // cfg.num_kv_heads
+        for block, warps in ((2048, 8), (1024, 4), (4096, 8), (1024, 8)):
+            show(f"score_keys block={block} warps={warps}", lambda: score_keys(
+                state.codes, tables, positions, o.probe_bits, o.bits, G, block=block, num_warps=warps))
+        keys, bits, forced_from = score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G), 16, \
+            state.encoded_dev
+    else:
+        show("topk_keys", lambda: topk_keys(qf, cache.k[0], positions))
+        keys, bits, forced_from = topk_keys(qf, cache.k[0], positions), 32, plan.positions + 1
+    for block, waves, warps in ((2048, 4, 8), (1024, 4, 4), (1024, 16, 4), (2048, 16, 8), (4096, 4, 8),
+                                (512, 8, 4), (1024, 8, 8), (4096, 16, 8)):
+        show(f"select_topk block={block} waves={waves} warps={warps}", lambda: select_topk(
+            keys, plan.positions, plan.tokens, forced_from, plan.width, bits, sinks=o.sinks, window=o.window,
+            out=(plan.idx, plan.count), block=block, waves=waves, num_warps=warps))
 
 
 if __name__ == "__main__":
