@@ -8,7 +8,8 @@ import torch
 
 from sparsespec.attention.dense import causal_mask, dense_attention
 from sparsespec.attention.doublep import (
-    DoubleP, DoublePOptions, capped, cluster_sums, csr_members, kmeans, merged_attention, nearest, top_p_prefix,
+    DoubleP, DoublePOptions, capped, cluster_sums, csr_members, kmeans, merged_attention, merged_attention_sparse,
+    nearest, top_p_prefix,
 )
 from sparsespec.attention.policy import parse_options
 from sparsespec.cache import KVCache
@@ -123,6 +124,36 @@ def test_merged_attention_equals_naive_term_list(dtype, scale):
     per_head = size.float().log().repeat_interleave(Hq // Hkv, dim=1)
     same = merged_attention(q, exact_k, exact_v, exact_valid, cent_logit, per_head, cent_vsum, cent_valid)
     assert torch.equal(same, out)
+
+
+@pytest.mark.parametrize("dtype,D,G", [(torch.float32, 64, 3), (torch.bfloat16, 128, 4), (torch.float16, 64, 1)])
+def test_sparse_merged_attention_equals_the_reference(dtype, D, G):
+    """The CUDA path (valid slots compacted, Triton's sparse attention with the centroid terms as one more split;
+    here through Triton's interpreter) against `merged_attention` over gathered K/V: valid slots scattered through
+    the list, a head group with no centroid term, one with no exact slot, one with neither."""
+    g = torch.Generator().manual_seed(D + G)
+    B, Hkv, S, M, C = 3, 2, 97, 41, 11
+    Hq = Hkv * G
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
+    slots = torch.rand(B, Hkv, S, generator=g).argsort(-1)[..., :M]  # distinct slots
+    valid = torch.rand(B, Hkv, M, generator=g) > 0.4
+    valid[1, 0] = False  # no exact slot
+    valid[2, 1] = False
+    slots = slots.masked_fill(~valid, 0)
+    cent_logit = torch.randn(B, Hq, C, generator=g) * 3
+    size = torch.randint(1, 30, (B, Hkv, C), generator=g)
+    cent_vsum = torch.randn(B, Hkv, C, D, generator=g) * size[..., None]
+    approx = torch.rand(B, Hkv, C, generator=g) > 0.5
+    approx[0, 1] = False  # no centroid term
+    approx[2, 1] = False  # neither: zeros
+    gather = lambda x: x.gather(2, slots[..., None].expand(-1, -1, -1, D))  # noqa: E731
+    ref = merged_attention(q, gather(k), gather(v), valid, cent_logit, size.float().log(), cent_vsum, approx)
+    out = merged_attention_sparse(q, k, v, slots, valid, cent_logit, size.float().log(), cent_vsum, approx)
+    assert out.shape == ref.shape and out.dtype == dtype
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert (out[2, G:2 * G] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

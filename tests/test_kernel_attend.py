@@ -89,6 +89,30 @@ def test_matches_reference(monkeypatch, B, Hkv, G, S, D, K, dtype, splits):
     check(monkeypatch, B, Hkv, G, S, D, K, dtype, splits, seed=1000 * K + S + D + G)
 
 
+@pytest.mark.parametrize("B,Hkv,G,S,D,K,dtype,splits", [(3, 2, 4, 37, 64, 30, torch.float32, 2),
+                                                        (3, 1, 7, 300, 128, 129, torch.bfloat16, None),
+                                                        (2, 2, 1, 300, 64, 0, torch.float32, 1)])
+def test_extra_terms_merge_like_one_softmax(monkeypatch, B, Hkv, G, S, D, K, dtype, splits):
+    """Extra softmax terms (Double-P's centroids): one more split of the merge. Rows with no selected slot (row 0)
+    output the extra terms alone; heads without extra terms (m = -inf) the slots alone; nothing at all, zeros."""
+    q, k, v, idx, count = make_case(B, Hkv, G, S, D, K, dtype, seed=S + K + G)
+    gen = torch.Generator().manual_seed(K)
+    Hq = Hkv * G
+    m = (torch.randn(B, Hq, generator=gen) * 3).to(DEVICE)
+    m[:, 0] = float("-inf")
+    l = torch.rand(B, Hq, generator=gen).to(DEVICE) * 50 * ~torch.isinf(m)
+    acc = torch.randn(B, Hq, D, generator=gen).to(DEVICE) * l[..., None]
+    with monkeypatch.context() as mp:
+        poisoned(mp)
+        out = sparse_decode_attention(q, k, v, idx, count, splits=splits, extra=(m, l, acc))
+    ref = sparse_decode_attention_ref(q, k, v, idx, count, extra=(m, l, acc))
+    assert not out.isnan().any() and rel_err(out, ref) < TOL[dtype]
+    assert rel_err(out[0, 1:], acc[0, 1:] / l[0, 1:, None]) < TOL[dtype]  # the extra terms alone
+    assert (out[0, 0] == 0).all()  # nothing at all
+    plain = sparse_decode_attention_ref(q, k, v, idx, count)
+    assert torch.equal(ref[1:, 0], plain[1:, 0])  # no extra terms: the slots alone
+
+
 def test_custom_scale(monkeypatch):
     check(monkeypatch, 3, 1, 4, 37, 64, 30, torch.float32, 2, seed=1, scale=0.37)
 

@@ -289,6 +289,39 @@ def merged_attention(q: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tens
     return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 
+def merged_attention_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                            valid: torch.Tensor, cent_logit: torch.Tensor, cent_logsize: torch.Tensor,
+                            cent_vsum: torch.Tensor, cent_valid: torch.Tensor) -> torch.Tensor:
+    """`merged_attention` reading K/V in place through the slot list (the CUDA path): the valid slots compacted to
+    the front of each (row, KV head), Triton's split-K sparse flash-decoding over them, and the centroid terms as
+    one more split of its log-sum-exp merge. q [B, Hq, 1, D], k/v [B, Hkv, S, D] (the cache), slots / valid
+    [B, Hkv, M], the centroid arguments as `merged_attention` -> [B, Hq, 1, D] in q's dtype."""
+    from ..kernels.attend import sparse_decode_attention
+
+    B, Hq, _, D = q.shape
+    Hkv, M = slots.shape[1], slots.shape[2]
+    G, C = Hq // Hkv, cent_logit.shape[-1]
+    at = torch.where(valid, valid.cumsum(-1) - 1, M)  # each valid slot's column; the invalid spill into column M
+    idx = torch.zeros(B, Hkv, M + 1, dtype=torch.int32, device=q.device).scatter_(-1, at, slots.int())[..., :M]
+    count = valid.sum(-1).int()  # [B, Hkv]
+    lc = cent_logit.reshape(B, Hkv, G, C).float().masked_fill(~cent_valid[:, :, None], float("-inf"))
+    lw = lc + cent_logsize.float().reshape(B, Hkv, -1, C)  # log(s_i e^{x_i})
+    m = lw.amax(-1)  # [B, Hkv, G]
+    top = m.masked_fill(torch.isinf(m), 0.0)[..., None]
+    l = (lw - top).exp().sum(-1)  # the centroid terms' part of the denominator, relative to e^m
+    acc = (lc - top).exp() @ cent_vsum.float()  # [B, Hkv, G, D]: of the numerator
+    out = sparse_decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, idx, count,
+                                  extra=(m.reshape(B, Hq), l.reshape(B, Hq), acc.reshape(B, Hq, D)))
+    return out.view(B, Hq, 1, D)
+
+
+def cluster_variance(key_sum: torch.Tensor, key_sq_sum: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """Per-dimension variance of each cluster's keys [..., C, D] fp32 from its sums and sizes [..., C] (empty: 0);
+    elementwise, so the rows of one cluster come out the same computed alone or with the rest."""
+    n = size.clamp_min(1)[..., None].float()
+    return (key_sq_sum / n - (key_sum / n).square()).clamp_min(0)
+
+
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [B, Hkv, S, D], idx [B, Hkv, M] -> [B, Hkv, M, D]."""
     return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
@@ -313,6 +346,9 @@ class DoublePState:
     # the same on the device [B] int64, which fixed-width steps read and advance (the lists follow on any eager call)
     clustered_end_dev: torch.Tensor | None = None
     csr_end_dev: torch.Tensor | None = None
+    # estimate="spread": each cluster's per-dimension key variance [B, Hkv, C, D] fp32 (`cluster_variance`), kept
+    # current wherever the sums change, so a step reads it instead of recomputing it from three tensors
+    spread: torch.Tensor | None = None
 
     def sync_ends(self, from_device: bool) -> None:
         """Fixed-width steps advance clustered_end on the device; eager code works on the lists."""
@@ -390,6 +426,8 @@ class DoubleP(Policy):
                           prefill_end=ends, clustered_end=list(ends), csr_end=list(ends))
         cache.policy_state[layer] = st
         st.sync_ends(from_device=False)
+        if o.estimate == "spread":
+            st.spread = torch.zeros(B, Hkv, C, D, device=dev)
         if max(counts) == 0:
             return
         # every row and KV head in one batched k-means: G = B * Hkv entries, row b's first counts[b] slots valid
@@ -412,6 +450,8 @@ class DoubleP(Policy):
         st.value_sum = cluster_sums(v[:, :, o.sinks:o.sinks + N].reshape(B * Hkv, N, D), assign, C, valid)[0] \
             .view(*shape, D)
         st.key_sq_sum = cluster_sums(keys.float().square(), assign, C, valid)[0].view(*shape, D)
+        if o.estimate == "spread":
+            st.spread = cluster_variance(st.key_sum, st.key_sq_sum, st.size)
         member = torch.where(valid, assign, C)  # [G, N]: the row's candidates by cluster, padding last
         st.perm[..., :N] = (member.argsort(dim=-1, stable=True) + o.sinks).view(B, Hkv, N)
         st.offsets[..., 1:] = st.size.cumsum(-1)
@@ -460,6 +500,8 @@ class DoubleP(Policy):
         size = st.size[row].gather(1, idx)[..., None]  # [Hkv, n, 1]
         mean = st.key_sum[row].gather(1, at) / size.clamp_min(1)
         st.centroids[row].scatter_(1, at, torch.where(size > 0, mean, st.centroids[row].gather(1, at)))
+        if st.spread is not None:
+            st.spread[row] = cluster_variance(st.key_sum[row], st.key_sq_sum[row], st.size[row])
 
     def plan(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> DoublePPlan:
         """q [B, Hq, 1, D] at `positions` [B] -> this step's cluster sets and exactly attended slots (widths from
@@ -522,10 +564,7 @@ class DoubleP(Policy):
         masses p1_mass (kept + p1 set) and exact_mass (kept + exact clusters)."""
         st: DoublePState = cache.policy_state[layer]
         plan = self.plan(layer, q, cache, positions)
-        B, Hq, _, _ = q.shape
-        out = merged_attention(q, _gather(cache.k[layer], plan.slots), _gather(cache.v[layer], plan.slots),
-                               plan.valid, plan.logits.reshape(B, Hq, -1), st.size.float().log(), st.value_sum,
-                               plan.approx)
+        out = self.attend(st, q, cache, layer, plan)
         stats = {"exact_tokens": plan.valid.sum(-1), "centroid_terms": plan.approx.sum(-1),
                  "clusters": (st.size > 0).sum(-1), "p1_clusters": plan.in_p1.sum(-1),
                  "exact_clusters": plan.exact.sum(-1), "p1_mass": plan.kept_mass + (plan.mass * plan.in_p1).sum(-1),
@@ -574,12 +613,20 @@ class DoubleP(Policy):
             self._cluster_leaving(st, cache, layer, fx.positions)
         plan = self.select(st, q, cache.k[layer], fx.positions, st.clustered_end_dev, st.csr_end_dev,
                            fx.kept_width, fx.decoded_width, fx.exact_cap)
-        B, Hq, _, _ = q.shape
-        out = merged_attention(q, _gather(cache.k[layer], plan.slots), _gather(cache.v[layer], plan.slots),
-                               plan.valid, plan.logits.reshape(B, Hq, -1), st.size.float().log(), st.value_sum,
-                               plan.approx)
+        out = self.attend(st, q, cache, layer, plan)
         fx.attended.add_((plan.valid.sum(-1) + plan.approx.sum(-1)).float().mean(-1))
         return out
+
+    @staticmethod
+    def attend(st: DoublePState, q: torch.Tensor, cache: KVCache, layer: int, plan: DoublePPlan) -> torch.Tensor:
+        """The plan's merged softmax -> [B, Hq, 1, D]: through the Triton sparse attention on CUDA
+        (`merged_attention_sparse`), through `merged_attention` (its reference) elsewhere."""
+        B, Hq, _, _ = q.shape
+        k, v = cache.k[layer], cache.v[layer]
+        cent = (plan.logits.reshape(B, Hq, -1), st.size.float().log(), st.value_sum, plan.approx)
+        if triton_ready(q.device):
+            return merged_attention_sparse(q, k, v, plan.slots, plan.valid, *cent)
+        return merged_attention(q, _gather(k, plan.slots), _gather(v, plan.slots), plan.valid, *cent)
 
     def _cluster_leaving(self, st: DoublePState, cache: KVCache, layer: int, positions: torch.Tensor) -> None:
         """Before a step at positions [B]: the slot that left the window since the last step joins its nearest
@@ -606,6 +653,9 @@ class DoubleP(Policy):
         size = st.size.gather(2, idx)[..., None]  # [B, Hkv, 1, 1]
         mean = st.key_sum.gather(2, at) / size.clamp_min(1)
         st.centroids.scatter_(2, at, torch.where(size > 0, mean, st.centroids.gather(2, at)))
+        if st.spread is not None:  # the changed cluster's variance, as `cluster_variance` computes every one
+            st.spread.scatter_(2, at, cluster_variance(st.key_sum.gather(2, at), st.key_sq_sum.gather(2, at),
+                                                       st.size.gather(2, idx)))
         at_slot = slot.view(B, 1, 1).expand(B, Hkv, 1)
         st.assign.scatter_(2, at_slot, torch.where(move.view(B, 1, 1), idx, st.assign.gather(2, at_slot)))
         st.clustered_end_dev.copy_(torch.where(move, target, st.clustered_end_dev))
@@ -617,9 +667,7 @@ class DoubleP(Policy):
         logits = (qg @ st.centroids.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, C]
         if self.options.estimate != "spread":
             return logits, logits
-        n = st.size.clamp_min(1)[..., None].float()
-        var = (st.key_sq_sum / n - (st.key_sum / n).square()).clamp_min(0)  # [B, Hkv, C, D]
-        return logits, logits + 0.5 * (qg.square() @ var.transpose(-1, -2)) / D
+        return logits, logits + 0.5 * (qg.square() @ st.spread.transpose(-1, -2)) / D
 
     def selected_slots(self, layer: int, q: torch.Tensor, cache: KVCache,
                        positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

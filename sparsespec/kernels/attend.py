@@ -46,7 +46,7 @@ def _softmax_step(m_i, l_i, acc, s, v_tile, V_DTYPE: tl.constexpr, DOT: tl.const
 
 
 @triton.jit
-def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chunk,
+def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chunk, PARTS,
                     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                     stride_ib, stride_ih, stride_cb, stride_ch,
                     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -82,7 +82,7 @@ def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chu
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
 
-    part = (b * (HKV * G) + heads) * tl.num_programs(1) + split  # [BLOCK_G] rows of m_part / l_part
+    part = (b * (HKV * G) + heads) * PARTS + split  # [BLOCK_G] rows of m_part / l_part
     tl.store(m_part + part, m_i, mask=in_group)
     tl.store(l_part + part, l_i, mask=in_group)
     tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=in_group[:, None])
@@ -134,8 +134,8 @@ def num_splits(k_cols: int, groups: int, head_dim: int, device: torch.device) ->
 
 
 def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-                            count: torch.Tensor, scale: float | None = None, splits: int | None = None
-                            ) -> torch.Tensor:
+                            count: torch.Tensor, scale: float | None = None, splits: int | None = None,
+                            extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one decode query per row over selected KV slots (GQA), split-K flash-decoding in Triton.
 
     q      [B, Hq, D]       bf16/fp16/fp32, contiguous; query head h uses KV head h // (Hq // Hkv)
@@ -143,6 +143,9 @@ def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     idx    [B, Hkv, K]      int32 slots; only the first count[b, h] columns are read (the rest may be garbage)
     count  [B, Hkv]         int32 in [0, K]; 0 gives a zero output for the head group
     scale  softmax scale (default D ** -0.5); splits: split-K factor (default `num_splits`, from shapes only)
+    extra  (m [B, Hq], l [B, Hq], acc [B, Hq, D]) fp32 or None: further terms of each head's softmax (Double-P's
+           centroid terms), merged as one more split: they add e^m · acc to the numerator and e^m · l to the
+           denominator (m in the logits' units; -inf with l = 0 and acc = 0: none)
     -> out [B, Hq, D]       q's dtype; softmax(q k_j * scale) v_j over the valid slots j, fp32 accumulation
     """
     B, Hq, D = q.shape
@@ -156,27 +159,34 @@ def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     splits = num_splits(K, B * Hkv, D, q.device) if splits is None else splits
     chunk = triton.cdiv(triton.cdiv(max(K, 1), block_n), splits) * block_n  # columns per split
 
-    m_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
-    l_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
-    acc_part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
+    parts = splits + (extra is not None)
+    m_part = torch.empty(B, Hq, parts, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, parts, dtype=torch.float32, device=q.device)
+    acc_part = torch.empty(B, Hq, parts, D, dtype=torch.float32, device=q.device)
+    if extra is not None:  # the last part: the merge's log2 domain
+        m_part[..., splits] = extra[0] * LOG2E
+        l_part[..., splits] = extra[1]
+        acc_part[..., splits, :] = extra[2]
     _partial_kernel[(B * Hkv, splits)](
-        q, k, v, idx, count, m_part, l_part, acc_part, scale * LOG2E, chunk,
+        q, k, v, idx, count, m_part, l_part, acc_part, scale * LOG2E, chunk, parts,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         idx.stride(0), idx.stride(1), count.stride(0), count.stride(1),
         HKV=Hkv, G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         # the interpreter (CPU tensors) multiplies bf16 as raw integers in tl.dot: do its dots in fp32
         DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=3)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, splits, D=D,
-                             BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(splits)), num_warps=4)
+    _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, parts, D=D,
+                             BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(parts)), num_warps=4)
     return out
 
 
 def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-                                count: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                                count: torch.Tensor, scale: float | None = None,
+                                extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch reference of `sparse_decode_attention` (gather, fp32 math, masked softmax).
 
-    q [B, Hq, D], k/v [B, Hkv, S, D], idx [B, Hkv, K] (valid below count), count [B, Hkv] -> [B, Hq, D] q's dtype
+    q [B, Hq, D], k/v [B, Hkv, S, D], idx [B, Hkv, K] (valid below count), count [B, Hkv], extra as there
+    -> [B, Hq, D] q's dtype
     """
     B, Hq, D = q.shape
     Hkv, K = idx.shape[1], idx.shape[2]
@@ -185,8 +195,16 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ks, vs = k.gather(2, gather).float(), v.gather(2, gather).float()  # [B, Hkv, K, D]
     qg = q.view(B, Hkv, Hq // Hkv, D).float()  # [B, Hkv, G, D]
     logits = qg @ ks.transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G, K]
-    probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1).nan_to_num(0.0)  # count 0 -> 0
-    return (probs @ vs).view(B, Hq, D).to(q.dtype)
+    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    none = logits.new_full(logits.shape[:-1], float("-inf"))  # [B, Hkv, G]
+    m, l, acc = (extra[0].view(B, Hkv, -1), extra[1].view(B, Hkv, -1), extra[2].view(B, Hkv, -1, D)) \
+        if extra is not None else (none, 0.0, 0.0)
+    top = torch.maximum(logits.amax(-1) if K else none, m)  # [B, Hkv, G]
+    top = top.masked_fill(torch.isinf(top), 0.0)  # nothing attended: zeros
+    p, w = (logits - top[..., None]).exp(), (m - top).exp()  # [B, Hkv, G, K], [B, Hkv, G]
+    den = p.sum(-1) + w * l
+    out = (p @ vs + w[..., None] * acc) / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return out.view(B, Hq, D).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- block queries
