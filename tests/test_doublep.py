@@ -147,6 +147,9 @@ def test_sparse_merged_attention_equals_the_reference(dtype, D, G):
     approx = torch.rand(B, Hkv, C, generator=g) > 0.5
     approx[0, 1] = False  # no centroid term
     approx[2, 1] = False  # neither: zeros
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: compiled on CUDA, interpreted on CPU
+    k, v, q, slots, valid, cent_logit, size, cent_vsum, approx = (
+        t.to(dev) for t in (k, v, q, slots, valid, cent_logit, size, cent_vsum, approx))
     gather = lambda x: x.gather(2, slots[..., None].expand(-1, -1, -1, D))  # noqa: E731
     ref = merged_attention(q, gather(k), gather(v), valid, cent_logit, size.float().log(), cent_vsum, approx)
     out = merged_attention_sparse(q, k, v, slots, valid, cent_logit, size.float().log(), cent_vsum, approx)
