@@ -7,8 +7,8 @@ elementwise min and max of the page's committed keys. For a query q the page bou
 
 is an upper bound of q·k for every key k of the page. The bounds of a KV head's query heads are summed (GQA as
 Quest does it). A step selects whole pages, as Quest does: the query's own page, the pages holding the sinks and
-the recent window, then the best-bound pages until the budget (rounded up to whole pages) is filled; it attends to
-every slot of them up to the query.
+the recent window, then the best-bound pages until the budget is filled (rounded up to whole pages: at least the
+budget's tokens are attended); it attends to every slot of them up to the query.
 
     page_extrema                 (build at prefill; append after every commit or rollback)
     page_bounds -> sum           (decode: one key a page; the page of the last committed token refreshed first)
@@ -119,9 +119,10 @@ class Quest(SelectionPolicy):
     # A step's selection, on pages: select_topk's arguments in page units, then the pages' slots.
     def page_args(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [B] -> [3, B] int32: each row's own page (the last that exists), its budget in pages, and
-        the first page of its recent window (forced in from there on, its own page included)."""
+        the first page of its recent window (forced in from there on, its own page included). The budget in
+        pages holds at least the budget in tokens, counting the query's own page only up to the query."""
         page, pos = self.options.page, positions.long()
-        budget = -(-self.options.tokens_on_device(pos + 1) // page)
+        budget = -(-(self.options.tokens_on_device(pos + 1) + page - 1 - pos % page) // page)
         recent = (pos - max(self.options.window, 1) + 1).clamp_min(0) // page
         return torch.stack([pos // page, budget, recent]).int()
 
@@ -129,7 +130,7 @@ class Quest(SelectionPolicy):
         """The most pages a query at `position` selects (budget or forced pages, whichever is more)."""
         page, window = self.options.page, max(self.options.window, 1)
         forced = -(-self.options.sinks // page) + (window + page - 2) // page + 1
-        return min(position // page + 1, max(-(-self.options.tokens(position + 1) // page), forced))
+        return min(position // page + 1, max(-(-(self.options.tokens(position + 1) + page - 1) // page), forced))
 
     def select_pages(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor,
                      args: torch.Tensor, pages: int, out: tuple[torch.Tensor, torch.Tensor] | None = None):
