@@ -663,11 +663,10 @@ class DoubleP(Policy):
     def _cluster_logits(self, st: DoublePState, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """qg [B, Hkv, G, D] fp32 -> (x_i [B, Hkv, G, C], the log-mass the selection ranks by: x_i, plus the
         spread term with estimate="spread")."""
-        D = qg.shape[-1]
-        logits = (qg @ st.centroids.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, C]
-        if self.options.estimate != "spread":
-            return logits, logits
-        return logits, logits + 0.5 * (qg.square() @ st.spread.transpose(-1, -2)) / D
+        from ..kernels.clusters import cluster_scores, cluster_scores_ref
+
+        spread = st.spread if self.options.estimate == "spread" else None
+        return (cluster_scores if triton_ready(qg.device) else cluster_scores_ref)(qg, st.centroids, spread)
 
     def selected_slots(self, layer: int, q: torch.Tensor, cache: KVCache,
                        positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@
                  encoding
     scores.py    oracle top-k (q·k group max) and Quest (page bounds) scorers writing the select's keys
     kmeans.py    the k-means assignment step (nearest centroid, argmax epilogue) of Double-P's build
+    clusters.py  Double-P's cluster scoring (q·centroid and the spread term, a KV head's query group in one pass)
     select.py    fixed-width top-k by radix select over integer keys, forced slots first
     attend.py    split-K flash-decoding over the selected slots (GQA: each K/V row read once per KV head)
 
