@@ -254,6 +254,10 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
                     times.append(time_ms(lambda: reusing(tokens, positions)))
                     del reusing
                 cell["reusing_ms"] = min(times)
+            if "reusing_ms" in cell:  # a selecting step and N - 1 reusing ones: the mean step of a cycle
+                every = policy.options.select_every
+                cell["cycle_ms"] = (ms + (every - 1) * cell["reusing_ms"]) / every
+                cell["cycle_speedup_vs_best"] = best_dense / cell["cycle_ms"]
             row[spec] = {**cell, "ms": ms, "speedup_vs_graph": row["dense_ms"] / ms,
                          "speedup_vs_best": best_dense / ms, "build_s": build_s,
                          "logits_finite": bool(torch.isfinite(logits).all()),
@@ -269,12 +273,15 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
              f"copy bandwidth {bw / 1e12:.2f} TB/s. Each cell: the faster of the sparse graph and the compiled "
              "sparse graph, ms per step (speedup over the dense graph / over the best dense); build: the policy's "
              "index over every layer after prefill (its kernels compiled by a throwaway one-layer build); with "
-             "select_every > 1 also the step between selections (the kept selections reused).", "",
+             "select_every > 1 also the step between selections (the kept selections reused) and the mean step of a "
+             "cycle (one selecting step, select_every - 1 reusing ones).", "",
              "| batch | context | floor (weights) | " + " | ".join(v[1] for v in DENSE_VARIANTS) + " | " + " | ".join(specs) + " |",
              "|---:|---:|---:|" + "---:|" * (len(DENSE_VARIANTS) + len(specs))]
     for r in rows:
         share = lambda s: f", {100 * r[s]['build_s'] / r['prefill_s']:.1f}% of prefill" if "prefill_s" in r else ""  # noqa: E731
-        reusing = lambda s: f"; reusing step {r[s]['reusing_ms']:.2f}" if "reusing_ms" in r[s] else ""  # noqa: E731
+        reusing = lambda s: (f"; reusing step {r[s]['reusing_ms']:.2f}, mean step of a selection cycle "  # noqa: E731
+                             f"{r[s]['cycle_ms']:.2f} = {r[s]['cycle_speedup_vs_best']:.2f}x"
+                             if "reusing_ms" in r[s] else "")
         cells = [f"{r[s]['ms']:.2f} ({r[s]['speedup_vs_graph']:.2f}x / {r[s]['speedup_vs_best']:.2f}x; build "
                  f"{r[s]['build_s']:.2f} s{share(s)}{reusing(s)})" for s in specs]
         lines.append(f"| {r['batch']} | {r['context']} | {r['dense_floor_ms']:.2f} ({r['weights_floor_ms']:.2f}) | "
