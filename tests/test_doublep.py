@@ -9,7 +9,7 @@ import torch
 from sparsespec.attention.dense import causal_mask, dense_attention
 from sparsespec.attention.doublep import (
     DoubleP, DoublePOptions, capped, cluster_sums, csr_members, kmeans, merged_attention, merged_attention_sparse,
-    nearest, top_p_prefix,
+    nearest, select_clusters, top_p_prefix,
 )
 from sparsespec.attention.policy import parse_options
 from sparsespec.cache import KVCache
@@ -745,3 +745,25 @@ def test_exact_cap_keeps_the_best_ranked_clusters_and_approximates_the_rest():
     assert int((counts * a.exact).sum(-1).max()) > 20 >= int((counts * b.exact).sum(-1).max())
     assert bool((b.exact <= a.exact).all()) and bool(((a.exact & ~b.exact) <= b.approx).all())
     assert torch.equal(a.in_p1, b.in_p1)
+
+
+@pytest.mark.parametrize("p1,p2", [(0.95, 0.7), (0.99, 0.9), (1.0, 0.5), (1.0, 1.0), (0.6, 0.6), (0.3, 0.1)])
+@pytest.mark.parametrize("selected", [False, True])
+@pytest.mark.parametrize("cap", [None, 0, 25, 10**6])
+def test_one_ranking_selects_what_the_two_prefixes_and_the_cap_select(p1, p2, selected, cap):
+    g = torch.Generator().manual_seed(int(p1 * 100 + p2 * 10) + (cap or 7))
+    B, Hkv, C = 3, 2, 40
+    mass = torch.rand(B, Hkv, C, generator=g).pow(4)
+    mass[0, 0, :10] = mass[0, 0, 10]  # ties
+    mass[1, 1] = 0.0  # every mass 0
+    valid = torch.rand(B, Hkv, C, generator=g) > 0.2
+    valid[2, 0] = False  # no cluster at all
+    mass = mass * valid / (mass * valid).sum(-1, keepdim=True).clamp_min(1e-9) * 0.8
+    base = torch.rand(B, Hkv, generator=g) * 0.3
+    members = torch.randint(0, 9, (B, Hkv, C), generator=g)
+    in_p1, wanted, exact = select_clusters(mass, valid, base, p1, p2, selected, members, cap)
+    ref_p1 = top_p_prefix(mass, valid, base, p1)
+    total = base + (mass * ref_p1).sum(-1) if selected else None
+    ref_wanted = top_p_prefix(mass, ref_p1, base, p2, total)
+    ref_exact = ref_wanted if cap is None else capped(ref_wanted, mass, members, cap)
+    assert torch.equal(in_p1, ref_p1) and torch.equal(wanted, ref_wanted) and torch.equal(exact, ref_exact)

@@ -244,6 +244,37 @@ def capped(exact: torch.Tensor, mass: torch.Tensor, members: torch.Tensor, cap: 
     return torch.zeros_like(exact).scatter(-1, order, fits)
 
 
+def select_clusters(mass: torch.Tensor, valid: torch.Tensor, base: torch.Tensor, p1: float, p2: float,
+                    selected: bool, members: torch.Tensor, cap: int | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both top-p stages and the cap from one sort: mass / valid [..., C], base [...] (the kept tokens' mass),
+    members [..., C] (each cluster's CSR member count) -> (in_p1, wanted, exact) bool [..., C], the same sets as
+
+        in_p1  = top_p_prefix(mass, valid, base, p1)
+        wanted = top_p_prefix(mass, in_p1, base, p2, base + Σ mass·in_p1 if selected else None)
+        exact  = wanted if cap is None else capped(wanted, mass, members, cap)
+
+    Each set is a prefix of the one before in the same order (decreasing mass, ties to the lower index), so one
+    ranking serves all three (the references sort three times)."""
+    order = mass.masked_fill(~valid, -1.0).argsort(dim=-1, descending=True, stable=True)
+    ok = valid.gather(-1, order)
+    ranked = mass.gather(-1, order)
+
+    def prefix(within: torch.Tensor, p: float, target: torch.Tensor | float) -> torch.Tensor:  # sorted order
+        if p >= 1:
+            return within
+        taken = ranked.masked_fill(~within, 0.0)
+        return within & (base.unsqueeze(-1) + (taken.cumsum(-1) - taken) < target)
+
+    back = lambda t: torch.zeros_like(valid).scatter(-1, order, t)  # noqa: E731  sorted order -> clusters
+    in_p1 = prefix(ok, p1, p1)
+    p1_set = back(in_p1)
+    total = base + (mass * p1_set).sum(-1) if selected else None
+    wanted = prefix(in_p1, p2, p2 if total is None else p2 * total.unsqueeze(-1))
+    exact = wanted if cap is None else wanted & ((members.gather(-1, order) * wanted).cumsum(-1) <= cap)
+    return p1_set, back(wanted), back(exact)
+
+
 def csr_members(perm: torch.Tensor, offsets: torch.Tensor, chosen: torch.Tensor,
                 width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The member slots of the chosen clusters, each cluster's gathered contiguously. perm [B, Hkv, N], offsets
@@ -539,10 +570,8 @@ class DoubleP(Policy):
         logits, ranked = self._cluster_logits(st, qg)
         cvalid = st.size > 0
         kept_mass, mass = estimate_masses(kept_logits, kept_valid, ranked, st.size.float().log(), cvalid)
-        in_p1 = top_p_prefix(mass, cvalid, kept_mass, o.p1)
-        total = kept_mass + (mass * in_p1).sum(-1) if o.p2_of == "selected" else None
-        wanted = top_p_prefix(mass, in_p1, kept_mass, o.p2, total)
-        exact = wanted if cap is None else capped(wanted, mass, st.offsets[..., 1:] - st.offsets[..., :-1], cap)
+        in_p1, wanted, exact = select_clusters(mass, cvalid, kept_mass, o.p1, o.p2, o.p2_of == "selected",
+                                               st.offsets[..., 1:] - st.offsets[..., :-1], cap)
         approx = in_p1 & ~exact if o.tail == "approx" else wanted & ~exact  # capped clusters stay as centroids
 
         # Exact clusters' members: prefill members via CSR (below csr_end), the later clustered slots
