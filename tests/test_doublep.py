@@ -533,10 +533,10 @@ def test_options_parse_from_strings():
                                           "cluster_size=32"])
     assert (opts.p1, opts.p2, opts.p2_of, opts.tail, opts.decoded, opts.cluster_size) == (
         0.9, 0.5, "selected", "drop", "window", 32)
-    assert (DoublePOptions().sinks, DoublePOptions().window, DoublePOptions().p1, DoublePOptions().p2) == (
-        4, 64, 0.95, 0.7)
+    defaults = DoublePOptions()
+    assert (defaults.sinks, defaults.window, defaults.p1, defaults.p2, defaults.cluster_size) == (4, 64, 0.99, 0.9, 8)
     with pytest.raises(SparseSpecError):
-        parse_options(DoublePOptions, ["p2=0.99"])
+        parse_options(DoublePOptions, ["p2=0.995"])  # above the default p1
 
 
 def test_recluster_equals_a_fresh_build_on_the_longer_cache():
