@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectKeys, SelectionPolicy, device_ints, group_max, option
+from .policy import PolicyOptions, SelectKeys, SelectionPolicy, device_ints, group_max, option, selection_mask
 
 WORD = 64
 
@@ -364,10 +364,9 @@ def encode_range(k: torch.Tensor, state: BinaryPCState, start: torch.Tensor, end
 def safeguard_mask(safe: torch.Tensor, counts: list[int], kv_len: int, capacity: int) -> torch.Tensor:
     """safe [B, Hkv, n] (slots < capacity by decreasing error) -> bool [B, Hkv, kv_len]: the first counts[b]
     slots of row b's list."""
-    B, Hkv, n = safe.shape
+    B, _, n = safe.shape
     listed = torch.arange(n, device=safe.device) < device_ints(counts, safe.device).view(B, 1, 1)
-    spill = torch.zeros(B, Hkv, capacity + 1, dtype=torch.bool, device=safe.device)  # column S: the unlisted
-    return spill.scatter(-1, torch.where(listed, safe.long(), capacity), True)[..., :kv_len]
+    return selection_mask(safe.long(), listed, capacity)[..., :kv_len]
 
 
 def fit_calibrated_basis(keys_per_layer: dict[int, torch.Tensor], bits: int, iters: int = 8,

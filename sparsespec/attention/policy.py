@@ -354,10 +354,15 @@ class SelectionPolicy(Policy):
             return select_topk(*args, out=into, attended=plan.attended, **opts)
         from ..kernels.select import select_topk_ref
 
-        idx, count = select_topk_ref(*args, **opts)
+        return self.keep_selection(*select_topk_ref(*args, **opts), into)
+
+    def keep_selection(self, idx: torch.Tensor, count: torch.Tensor,
+                       into: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A selection computed by a torch reference (idx [R, W], count [R]) -> the plan's buffers `into`, its mean
+        count per row added to `attended` (what the Triton kernels do in place)."""
         into[0].copy_(idx)
         into[1].copy_(count)
-        plan.attended.add_(count.view(len(plan.positions), -1).float().mean(-1))
+        self.fixed.attended.add_(count.view(len(self.fixed.positions), -1).float().mean(-1))
         return into
 
     def decode_fixed(self, layer: int, q: torch.Tensor, cache: KVCache) -> torch.Tensor:

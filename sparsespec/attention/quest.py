@@ -142,7 +142,8 @@ class Quest(SelectionPolicy):
 
         state: QuestState = cache.policy_state[layer]
         B, Hq, _, D = q.shape
-        if triton_ready(q.device):
+        fast = triton_ready(q.device)
+        if fast:
             keys = quest_keys(q.view(B, Hq, D), cache.k[layer], state.kmin, state.kmax, positions, self.options.page)
         else:  # the pages up to the furthest query only (views: the refresh still lands in the index)
             n = min(state.kmin.shape[2], max(self.host_positions(positions)) // self.options.page + 1)
@@ -150,7 +151,7 @@ class Quest(SelectionPolicy):
                                   positions, self.options.page)  # [B*Hkv, n]
         sel = (keys, args[0], args[1], args[2], pages, 32)
         opts = dict(sinks=-(-self.options.sinks // self.options.page), window=1)
-        if triton_ready(q.device):
+        if fast:
             return select_topk(*sel, out=out, **opts)
         idx, count = select_topk_ref(*sel, **opts)
         if out is not None:
@@ -193,11 +194,8 @@ class Quest(SelectionPolicy):
                                          out=self.pages)
         if triton_ready(q.device):
             return expand_pages(pages, count, plan.positions, self.options.page, into, plan.attended)
-        idx, n = expand_pages_ref(pages, count, plan.positions, self.options.page, into[0].shape[1])
-        into[0].copy_(idx)
-        into[1].copy_(n)
-        plan.attended.add_(n.view(len(plan.positions), -1).float().mean(-1))
-        return into
+        return self.keep_selection(*expand_pages_ref(pages, count, plan.positions, self.options.page,
+                                                     into[0].shape[1]), into)
 
 
 def refresh_last_page(kmin: torch.Tensor, kmax: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

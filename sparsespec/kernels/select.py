@@ -124,10 +124,8 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
             else:
                 above += tl.sum(((key >> high) > prefix).to(tl.int32), 0)
                 match = match & ((key >> high) == prefix)
-            matching = tl.sum(match.to(tl.int32), 0)
-            if matching > 0:  # past the first digit most blocks hold no key of the prefix: no histogram then
-                part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
-                hist += part - tl.where(tl.arange(0, BINS) == 0, BLOCK - matching, 0)
+            part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
+            hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
     if D == 0:
         tl.atomic_add(stats_ptr + r, n_forced)
     tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, BINS), hist)
