@@ -342,10 +342,25 @@ def merged_attention_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     m = lw.amax(-1)  # [B, Hkv, G]
     top = m.masked_fill(torch.isinf(m), 0.0)[..., None]
     l = (lw - top).exp().sum(-1)  # the centroid terms' part of the denominator, relative to e^m
-    acc = (lc - top).exp() @ cent_vsum.float()  # [B, Hkv, G, D]: of the numerator
+    acc = split_matmul((lc - top).exp(), cent_vsum.float())  # [B, Hkv, G, D]: of the numerator
     out = sparse_decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, idx, count,
                                   extra=(m.reshape(B, Hq), l.reshape(B, Hq), acc.reshape(B, Hq, D)))
     return out.view(B, Hq, 1, D)
+
+
+def split_matmul(w: torch.Tensor, x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """w [..., G, C] @ x [..., C, D] for a few rows G and many clusters C, split over chunks of C (each chunk one
+    batch entry of the product, the chunks' results summed): a batched product of a handful of rows over 16k
+    clusters otherwise runs as a few long programs (0.55 ms for one layer at 128k on the H200)."""
+    C = w.shape[-1]
+    if C <= chunk:
+        return w @ x
+    n = -(-C // chunk)
+    pad = n * chunk - C
+    if pad:
+        w, x = torch.nn.functional.pad(w, (0, pad)), torch.nn.functional.pad(x, (0, 0, 0, pad))
+    parts = w.unflatten(-1, (n, chunk)).transpose(-3, -2) @ x.unflatten(-2, (n, chunk))  # [..., n, G, D]
+    return parts.sum(-3)
 
 
 def cluster_variance(key_sum: torch.Tensor, key_sq_sum: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
