@@ -36,12 +36,14 @@ def option(default: Any, help: str) -> Any:
 class SelectKeys:
     """A fixed-width step's selection keys of one layer, as `select_topk` takes them: keys [B * Hkv, S] int16/int32
     of `key_bits` bits; slots from forced_from [B] on forced (None: after the query); a forced list extra
-    [B * Hkv, E] of which extra_n [B] count."""
+    [B * Hkv, E] of which extra_n [B] count; `counted`: the scorer ran the select's first radix pass into the plan's
+    scratch."""
     keys: torch.Tensor
     key_bits: int
     forced_from: torch.Tensor | None = None
     extra: torch.Tensor | None = None
     extra_n: torch.Tensor | None = None
+    counted: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class FixedPlan:
     idx: torch.Tensor  # [B * Hkv, width] int32: the selection of the layer being run (reused by every layer)
     count: torch.Tensor  # [B * Hkv] int32
     listed: torch.Tensor  # [B] int32: how many of the policy's own forced list (`fixed_keys`) count this step
+    scratch: torch.Tensor  # the select's counting buffers (`select_scratch`), zero between selects
     # select_every > 1: every layer keeps its selection, idx [L, B * Hkv, width + select_every - 1] int32 and
     # count [L, B * Hkv] int32 (room for the slots decoded until the next selection); layers from `first_sparse`
     kept: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -285,8 +288,9 @@ class SelectionPolicy(Policy):
         every, layers = self.options.select_every, len(cache.k)
         kept = None if every == 1 else (zeros(layers, B * Hkv, width + every - 1), zeros(layers, B * Hkv))
         first = next((i for i in range(layers) if self.is_sparse(i)), layers)
+        scratch = zeros(B * Hkv * (4 * 256 + 2))  # as `kernels.select.select_scratch`
         self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
-                               zeros(B * Hkv), zeros(B), kept, first)
+                               zeros(B * Hkv), zeros(B), scratch, kept, first)
 
     def fixed_width(self, capacity: int, lengths: list[int]) -> int:
         """The selection width of fixed-width steps: the most slots any step up to `capacity` selects."""
@@ -351,7 +355,8 @@ class SelectionPolicy(Policy):
         if triton_ready(q.device):
             from ..kernels.select import select_topk
 
-            return select_topk(*args, out=into, attended=plan.attended, **opts)
+            return select_topk(*args, out=into, attended=plan.attended, scratch=plan.scratch, counted=sk.counted,
+                               **opts)
         from ..kernels.select import select_topk_ref
 
         return self.keep_selection(*select_topk_ref(*args, **opts), into)

@@ -133,9 +133,11 @@ class Quest(SelectionPolicy):
         return min(position // page + 1, max(-(-(self.options.tokens(position + 1) + page - 1) // page), forced))
 
     def select_pages(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor,
-                     args: torch.Tensor, pages: int, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+                     args: torch.Tensor, pages: int, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     scratch: torch.Tensor | None = None):
         """q [B, Hq, 1, D] -> (pages [B*Hkv, pages] int32 in page order, count [B*Hkv] int32); the extrema of the
-        page of each row's last committed token are refreshed first. Triton kernels on CUDA, references else."""
+        page of each row's last committed token are refreshed first. Triton kernels on CUDA (`scratch`: the
+        select's counting buffers, a plan's), references else."""
         from ..kernels import triton_ready
         from ..kernels.scores import quest_keys, quest_keys_ref
         from ..kernels.select import select_topk, select_topk_ref
@@ -152,7 +154,7 @@ class Quest(SelectionPolicy):
         sel = (keys, args[0], args[1], args[2], pages, 32)
         opts = dict(sinks=-(-self.options.sinks // self.options.page), window=1)
         if fast:
-            return select_topk(*sel, out=out, **opts)
+            return select_topk(*sel, out=out, scratch=scratch, **opts)
         idx, count = select_topk_ref(*sel, **opts)
         if out is not None:
             out[0].copy_(idx)
@@ -191,7 +193,7 @@ class Quest(SelectionPolicy):
         plan = self.fixed
         into = plan.buffers(layer)
         pages, count = self.select_pages(layer, q, cache, plan.positions, self.step_args, self.pages[0].shape[1],
-                                         out=self.pages)
+                                         out=self.pages, scratch=plan.scratch)
         if triton_ready(q.device):
             return expand_pages(pages, count, plan.positions, self.options.page, into, plan.attended)
         return self.keep_selection(*expand_pages_ref(pages, count, plan.positions, self.options.page,

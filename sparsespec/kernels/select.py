@@ -19,6 +19,11 @@ program's own histogram and its count of keys above the prefix; the write pass t
 the earlier programs' (their keys above the threshold, and their keys equal to it, taken in slot order until the
 row has its count) and writes the selection compacted in slot order. Every pass reads the keys once (2 or 4 bytes
 a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then the write.
+
+The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
+of each row zeroes them again, so a plan keeps one scratch for every layer and step (no memset launch). A scorer
+may run the first radix pass itself over the keys it has just computed (`_first_digit`, BinaryPC's scorer): the
+select then starts at the second digit (`counted=True`), one launch and one read of the keys fewer.
 """
 
 from __future__ import annotations
@@ -31,17 +36,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _keys_block(row_ptr, start, n, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Keys of slots [start, start + BLOCK) (int32 up to 16 key bits, else int64), forced slots at the maximal key,
-    slots past the query at 0."""
+def _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr):
+    """Stored keys of slots s -> the keys the select ranks (int32 up to 16 key bits, else int64): forced slots at
+    the maximal key, slots past the query at 0."""
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    s = start + tl.arange(0, BLOCK)
-    inb = s < n
-    key = tl.load(row_ptr + s, mask=inb, other=0)
     key = (key.to(tl.int32) if KEY_BITS <= 16 else key.to(tl.int64)) & KEY_MASK
     forced = (s < SINKS) | (s > pos - WINDOW) | (s >= forced_from)
     key = tl.where(forced, KEY_MASK, key)
-    return s, tl.where(inb, key, 0)
+    return tl.where(s <= pos, key, 0)
+
+
+@triton.jit
+def _keys_block(row_ptr, start, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The ranked keys of slots [start, start + BLOCK)."""
+    s = start + tl.arange(0, BLOCK)
+    key = tl.load(row_ptr + s, mask=s <= pos, other=0)
+    return s, _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS)
+
+
+@triton.jit
+def _first_digit(key, KEY_BITS: tl.constexpr, LAST: tl.constexpr):
+    """Ranked keys [BLOCK] -> (the histogram of their top digit among the keys > 0 [256, or 2^LAST for one-digit
+    keys], how many of them are forced: maximal). The first radix pass; a scorer may run it on the keys it has
+    just computed (`select_topk(counted=True)`)."""
+    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
+    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    BINS: tl.constexpr = (1 << LAST) if DIGITS == 1 else 256
+    shift: tl.constexpr = 0 if DIGITS == 1 else KEY_BITS - 8
+    match = key > 0
+    part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
+    hist = part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
+    return hist, tl.sum((key == KEY_MASK).to(tl.int32), 0)
 
 
 @triton.jit
@@ -56,17 +81,36 @@ def _crossing(hist, k):
 
 
 @triton.jit
-def _force_kernel(keys_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, E, HKV: tl.constexpr, EBLOCK: tl.constexpr):
-    """The policy's forced list written into each row as maximal keys (all bits set)."""
+def _force_kernel(keys_ptr, positions_ptr, forced_from_ptr, extra_ptr, extra_n_ptr, hist_ptr, stats_ptr, S, E,
+                  SINKS, WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
+                  COUNTED: tl.constexpr, EBLOCK: tl.constexpr):
+    """The policy's forced list written into each row as maximal keys (all bits set). COUNTED: the first digit's
+    histogram and forced count already hold the row's keys (a scorer made them): the listed keys not yet forced
+    move to the top bin there. The list holds distinct slots."""
     r = tl.program_id(0)
     b = r // HKV
-    pos = tl.load(positions_ptr + b)
+    pos = tl.load(positions_ptr + b).to(tl.int32)
     n_extra = tl.load(extra_n_ptr + b)
+    row = keys_ptr + r.to(tl.int64) * S
+    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
+    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    BINS: tl.constexpr = (1 << LAST) if DIGITS == 1 else 256
+    shift: tl.constexpr = 0 if DIGITS == 1 else KEY_BITS - 8
+    moved = 0
     for j0 in range(0, E, EBLOCK):
         j = j0 + tl.arange(0, EBLOCK)
         slot = tl.load(extra_ptr + r.to(tl.int64) * E + j, mask=j < n_extra, other=0)
-        tl.store(keys_ptr + r.to(tl.int64) * S + slot, tl.full([EBLOCK], -1, tl.int32).to(
-            keys_ptr.dtype.element_ty), mask=(j < n_extra) & (slot <= pos))
+        live = (j < n_extra) & (slot <= pos)
+        if COUNTED:
+            key = _ranked_keys(slot, tl.load(row + slot, mask=live, other=0), pos,
+                               tl.load(forced_from_ptr + b).to(tl.int32), SINKS, WINDOW, KEY_BITS)
+            move = live & (key != KEY_MASK)
+            tl.atomic_add(hist_ptr + r * DIGITS * 256 + ((key >> shift) & (BINS - 1)), -1, mask=move & (key > 0))
+            moved += tl.sum(move.to(tl.int32), 0)
+        tl.store(row + slot, tl.full([EBLOCK], -1, tl.int32).to(keys_ptr.dtype.element_ty), mask=live)
+    if COUNTED:
+        tl.atomic_add(hist_ptr + r * DIGITS * 256 + ((KEY_MASK >> shift) & (BINS - 1)), moved)
+        tl.atomic_add(stats_ptr + r, moved)
 
 
 @triton.jit
@@ -102,7 +146,6 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
-    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
     BINS: tl.constexpr = (1 << LAST) if D == DIGITS - 1 else 256
     shift: tl.constexpr = 0 if D == DIGITS - 1 else KEY_BITS - 8 * (D + 1)  # of this digit
@@ -116,16 +159,17 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
-            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos, forced_from, SINKS, WINDOW,
-                                 KEY_BITS, BLOCK)
-            match = key > 0
+            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
+                                 BLOCK)
             if D == 0:
-                n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 0)
+                part, forced_here = _first_digit(key, KEY_BITS, LAST)
+                hist += part
+                n_forced += forced_here
             else:
                 above += tl.sum(((key >> high) > prefix).to(tl.int32), 0)
-                match = match & ((key >> high) == prefix)
-            part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
-            hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
+                match = (key > 0) & ((key >> high) == prefix)
+                part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
+                hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
     if D == 0:
         tl.atomic_add(stats_ptr + r, n_forced)
     tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, BINS), hist)
@@ -137,7 +181,7 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
 
 @triton.jit
 def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
-                  count_ptr, attended_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
+                  count_ptr, attended_ptr, done_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
                   LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
                   ATTENDED: tl.constexpr):
     """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
@@ -166,8 +210,8 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
-            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos + 1, pos, forced_from, SINKS, WINDOW,
-                                 KEY_BITS, BLOCK)
+            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
+                                 BLOCK)
             above = (key > 0) & (key > threshold)
             eq = (key > 0) & (key == threshold)
             run = tl.cumsum(above.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # inclusive
@@ -183,6 +227,14 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
         tl.store(count_ptr + r, want)
         if ATTENDED:
             tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
+    # the row's counts back to zero for the next select (a plan's scratch serves every layer and step): by the
+    # row's last program to get here, after every program of the row has read them
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr + r, 1) == P - 1:
+        for d in tl.static_range(DIGITS):
+            tl.store(hist_ptr + (r * DIGITS + d) * 256 + tl.arange(0, 256), tl.zeros([256], tl.int32))
+        tl.store(stats_ptr + r, 0)
+        tl.store(done_ptr + r, 0)
 
 
 def key_digits(key_bits: int) -> tuple[int, int]:
@@ -204,37 +256,55 @@ def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -
     return max(1, min(blocks, -(-waves * _multiprocessors(device) // rows)))
 
 
+def select_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
+    """The counting buffers of `select_topk` over `rows` rows, zeroed: int32 [rows * (4 * 256 + 2)] (the radix
+    histograms, the forced counts, the programs done). Every select leaves them zeroed again, so one scratch serves
+    every layer and step of a plan (no memset launch a select)."""
+    return torch.zeros(rows * (4 * 256 + 2), dtype=torch.int32, device=device)
+
+
+def _scratch_views(scratch: torch.Tensor, rows: int, digits: int):
+    """-> (hist [rows, digits, 256], stats [rows], done [rows]) views of a `select_scratch`."""
+    tail = rows * 4 * 256
+    return scratch[:rows * digits * 256].view(rows, digits, 256), scratch[tail:tail + rows], scratch[tail + rows:]
+
+
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                 k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attended: torch.Tensor | None = None, block: int = 2048, waves: int = 4, num_warps: int = 8):
+                attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, counted: bool = False,
+                block: int = 2048, waves: int = 4, num_warps: int = 8):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
-    (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. Tuning:
-    `block` slots per step of a program (a power of two), `waves` programs per SM, `num_warps` per program.
-    Shapes alone fix the launches: capturable in a CUDA graph."""
+    (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
+    `select_scratch` for R rows (default: a fresh one); `counted`: the scorer already ran the first radix pass into
+    it (`first_digit_pass`: the first digit's histogram and the forced count of every row). Tuning: `block` slots
+    per step of a program (a power of two), `waves` programs per SM, `num_warps` per program. Shapes alone fix
+    the launches: capturable in a CUDA graph."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
     B = positions.shape[0]
     hkv, digits, last = R // B, *key_digits(key_bits)
+    assert not counted or digits > 1, "one-digit keys: the first pass is the last, which the select runs itself"
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
                                               torch.empty(R, dtype=torch.int32, device=keys.device))
+    assert scratch is not None or not counted, "a counted first pass lives in the scratch it was counted into"
+    hist, stats, done = _scratch_views(select_scratch(R, keys.device) if scratch is None else scratch, R, digits)
     if extra is not None and extra.shape[1] > 0:
         E = extra.shape[1]
-        _force_kernel[(R,)](keys, positions, extra, extra_n, S, E, HKV=hkv,
+        _force_kernel[(R,)](keys, positions, forced_from, extra, extra_n, hist, stats, S, E, sinks, max(window, 1),
+                            HKV=hkv, KEY_BITS=key_bits, LAST=last, COUNTED=counted,
                             EBLOCK=min(256, triton.next_power_of_2(E)), num_warps=4)
     block = min(block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, block)
     P = programs_per_row(R, nb, keys.device, waves)
     bpp = triton.cdiv(nb, P)
-    counts = torch.zeros(R * digits * 256 + R, dtype=torch.int32, device=keys.device)  # one memset
-    hist, stats = counts[:R * digits * 256].view(R, digits, 256), counts[R * digits * 256:]
     part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
     common = (keys, positions, tokens, forced_from, hist, stats)
-    for d in range(digits):
+    for d in range(1 if counted else 0, digits):
         _histogram_kernel[(R, P)](*common, part, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits,
                                   LAST=last, D=d, P=P, BLOCK=block, num_warps=num_warps)
-    _write_kernel[(R, P)](*common, part, idx, count, count if attended is None else attended, S, k, sinks,
+    _write_kernel[(R, P)](*common, part, idx, count, count if attended is None else attended, done, S, k, sinks,
                           max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P,
                           PP=triton.next_power_of_2(P), BLOCK=block, ATTENDED=attended is not None,
                           num_warps=num_warps)
