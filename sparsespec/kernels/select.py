@@ -96,7 +96,9 @@ def _force_kernel(keys_ptr, positions_ptr, forced_from_ptr, extra_ptr, extra_n_p
     DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
     BINS: tl.constexpr = (1 << LAST) if DIGITS == 1 else 256
     shift: tl.constexpr = 0 if DIGITS == 1 else KEY_BITS - 8
-    moved = 0
+    bins = tl.arange(0, BINS)
+    moved = tl.zeros([BINS], dtype=tl.int32)  # COUNTED: the listed keys' top digits, where they leave
+    n_moved = 0
     for j0 in range(0, E, EBLOCK):
         j = j0 + tl.arange(0, EBLOCK)
         slot = tl.load(extra_ptr + r.to(tl.int64) * E + j, mask=j < n_extra, other=0)
@@ -105,12 +107,15 @@ def _force_kernel(keys_ptr, positions_ptr, forced_from_ptr, extra_ptr, extra_n_p
             key = _ranked_keys(slot, tl.load(row + slot, mask=live, other=0), pos,
                                tl.load(forced_from_ptr + b).to(tl.int32), SINKS, WINDOW, KEY_BITS)
             move = live & (key != KEY_MASK)
-            tl.atomic_add(hist_ptr + r * DIGITS * 256 + ((key >> shift) & (BINS - 1)), -1, mask=move & (key > 0))
-            moved += tl.sum(move.to(tl.int32), 0)
+            counted = move & (key > 0)
+            moved += tl.histogram(tl.where(counted, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
+            moved -= tl.where(bins == 0, tl.sum((~counted).to(tl.int32), 0), 0)
+            n_moved += tl.sum(move.to(tl.int32), 0)
         tl.store(row + slot, tl.full([EBLOCK], -1, tl.int32).to(keys_ptr.dtype.element_ty), mask=live)
-    if COUNTED:
-        tl.atomic_add(hist_ptr + r * DIGITS * 256 + ((KEY_MASK >> shift) & (BINS - 1)), moved)
-        tl.atomic_add(stats_ptr + r, moved)
+    if COUNTED:  # one update of the row's counts: out of their bins, into the top one
+        top = (KEY_MASK >> shift) & (BINS - 1)
+        tl.atomic_add(hist_ptr + r * DIGITS * 256 + bins, tl.where(bins == top, n_moved, 0) - moved)
+        tl.atomic_add(stats_ptr + r, n_moved)
 
 
 @triton.jit
