@@ -165,43 +165,34 @@ def test_select_topk_equals_reference(S, Hkv, key_bits, spread):
     assert {S - 3, S - 2, S - 1, 0} <= chosen and set(extra[0].tolist()) <= chosen
 
 
-@pytest.mark.parametrize("G,bits,m,S,block", [(4, 64, 7, 300, 32), (3, 64, 7, 77, 16), (2, 128, 5, 130, 2048),
-                                              (1, 40, 12, 90, 32)])
-def test_scorer_first_pass_then_counted_select_equal_reference(G, bits, m, S, block):
-    """BinaryPC's scorer running the select's first radix pass (several programs a row, or one), then the select
-    taking it from there with a forced list: the reference's selection; one scratch reused by every call and left
-    zeroed, counted or not."""
-    g = torch.Generator().manual_seed(S * 3 + G + bits)
-    B, Hkv, D = 3, 2, 16
-    R, W = B * Hkv, -(-bits // 64)
-    codes = torch.randint(-(1 << 62), 1 << 62, (B, Hkv, S, W), generator=g).to(DEVICE)
-    if bits % 64:
-        codes[..., -1] &= (1 << (bits % 64)) - 1
-    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
-    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
-    _, tables = probe_tables_ref(q, basis, m)
-    key_bits = key_range(bits, m)[1]
+@pytest.mark.parametrize("block", [32, 2048])
+def test_select_reusing_one_scratch_equals_reference(block):
+    """One scratch shared by selects of different keys, widths and forced lists (as a plan's layers and steps
+    share it): each the reference's selection, the scratch left zeroed by each."""
+    g = torch.Generator().manual_seed(block)
+    B, Hkv, S = 3, 2, 300
+    R = B * Hkv
     scratch = select_scratch(R, DEVICE)
-    extra = torch.stack([torch.randperm(S, generator=g)[:9] for _ in range(R)]).int().to(DEVICE)  # distinct
-    for positions, forced_from, tokens, extra_n, sinks, window in (
-            ([S - 1, S // 2, 3], [S - 3, S // 2 - 1, 0], [7, 3, 2], [9, 2, 0], 1, 2),
-            ([S - 2, 5, S - 1], [S - 1, 6, S], [40, 1, 12], [3, 9, 5], 0, 0),
-            ([S - 1, S - 1, 0], [S, S, 1], [S, 20, 1], [0, 0, 1], 4, 40)):
+    extra = torch.stack([torch.randperm(S, generator=g)[:9] for _ in range(R)]).int().to(DEVICE)
+    for key_bits, positions, forced_from, tokens, extra_n, sinks, window in (
+            (14, [S - 1, S // 2, 3], [S - 3, S // 2 - 1, 0], [7, 3, 2], [9, 2, 0], 1, 2),
+            (32, [S - 2, 5, S - 1], [S - 1, 6, S], [40, 1, 12], [3, 9, 5], 0, 0),
+            (8, [S - 1, S - 1, 0], [S, S, 1], [S, 20, 1], [0, 0, 1], 4, 40),
+            (14, [S - 1, 100, 7], [S, 101, 8], [30, 30, 30], [9, 9, 9], 0, 1)):
         positions, forced_from, tokens, extra_n = (torch.tensor(t, dtype=torch.int32, device=DEVICE) for t in
                                                    (positions, forced_from, tokens, extra_n))
+        if key_bits == 32:
+            keys = ordered_keys(torch.randn(R, S, generator=g).round(decimals=1).to(DEVICE))
+        else:
+            keys = torch.randint(1, 1 << key_bits - 1, (R, S), generator=g).to(torch.int16).to(DEVICE)
         opts = dict(sinks=sinks, window=window, extra=extra, extra_n=extra_n)
-        for counted in (True, False):
-            keys = score_keys(codes, tables, positions, m, bits, G, block=block,
-                              first_pass=(scratch, forced_from, sinks, window) if counted else None)
-            live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
-            keys = torch.where(live, keys, 0)  # slots past the position are never read: fix them for the reference
-            ref_idx, ref_count = select_topk_ref(keys, positions, tokens, forced_from, 48, key_bits, **opts)
-            idx, count = select_topk(keys, positions, tokens, forced_from, 48, key_bits, scratch=scratch,
-                                     counted=counted, block=block, **opts)
-            assert torch.equal(count, ref_count), counted
-            for r in range(R):
-                assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), (counted, r)
-            assert not bool(scratch.any())  # zero again for the next select
+        ref_idx, ref_count = select_topk_ref(keys, positions, tokens, forced_from, 48, key_bits, **opts)
+        idx, count = select_topk(keys.clone(), positions, tokens, forced_from, 48, key_bits, scratch=scratch,
+                                 block=block, **opts)
+        assert torch.equal(count, ref_count), key_bits
+        for r in range(R):
+            assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), (key_bits, r)
+        assert not bool(scratch.any())  # zero again for the next select
 
 
 def test_ordered_keys_keep_the_order_of_scores():

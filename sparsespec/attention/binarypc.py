@@ -322,19 +322,16 @@ class BinaryPC(SelectionPolicy):
         B, Hq, _, D = q.shape
         Hkv = state.basis.shape[1]
         key_bits = kernels.key_range(opts.bits, opts.probe_bits)[1]
-        counted = fast and key_bits > 8  # the scorer runs the select's first radix pass too
         if fast:  # byte tables of the quantised probe, then one table read per code byte
             _, tables = kernels.probe_tables(q.view(B, Hq, D), state.basis, opts.probe_bits)
-            first_pass = (plan.scratch, state.encoded_dev, opts.sinks, opts.window) if counted else None
-            keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv,
-                                      first_pass=first_pass)
+            keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv)
         else:
             probe = q.view(B, Hkv, Hq // Hkv, D).float() @ state.basis.transpose(-1, -2)  # [B, Hkv, G, b]
             keys = kernels.score_keys_ref(state.codes, quantize_probe(probe, opts.probe_bits).flatten(0, 1),
                                           plan.positions, opts.probe_bits, opts.bits)
         safe = opts.safeguard > 0
         return SelectKeys(keys, key_bits, state.encoded_dev, state.safe.flatten(0, 1) if safe else None,
-                          plan.listed if safe else None, counted)
+                          plan.listed if safe else None)
 
     def listed_forced(self, tokens):
         # the safeguard: the worst-described keys, a share of the budget (once per step, for every layer)

@@ -4,8 +4,7 @@ and the residual sign encoding of keys. Each has its torch reference (`*_ref`), 
     probe   q [B, Hq, D], basis [B, Hkv, b, D] fp32 -> probe [B*Hkv, G, b] int32 (p̃, the quantised probe) and
             tables [B*Hkv, T, NB, 256] int64 (NB = ceil(b / 8) code bytes; T tables of `lanes` query heads each)
     score   codes [B, Hkv, S, W] int64, tables, positions [B] -> keys [B*Hkv, S] int16/int32
-            key = max over the group of Σ_i p̃_i h_i, plus an offset that makes every key >= 1 (0 = never attend);
-            optionally also the select's first radix pass over these keys (`select_topk(counted=True)`)
+            key = max over the group of Σ_i p̃_i h_i, plus an offset that makes every key >= 1 (0 = never attend)
     encode  keys [B, Hkv, S, D], basis -> codes [B, Hkv, S, W] int64 and reconstruction error [B, Hkv, S] fp32
             of the slots [start[b], end[b]) of each row
 
@@ -28,7 +27,6 @@ import triton
 import triton.language as tl
 
 from ..attention.binarypc import encode, pack_bits, packed_scores, quantize_probe
-from .select import _first_digit, _ranked_keys, _scratch_views, key_digits, programs_per_row
 
 
 def key_range(bits: int, magnitude_bits: int) -> tuple[int, int]:
@@ -153,86 +151,49 @@ def probe_tables_ref(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
 # ---------------------------------------------------------------------------------------------- scoring
 
 @triton.jit
-def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, forced_from_ptr, hist_ptr, stats_ptr, S, OFFSET,
-                  BPP, SINKS, WINDOW, HKV: tl.constexpr, G: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                  NB: tl.constexpr, LANES: tl.constexpr, LANE_BITS: tl.constexpr, T: tl.constexpr,
-                  BIAS: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr, COUNT: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV: tl.constexpr, G: tl.constexpr,
+                  W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
+                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
-    p = tl.program_id(1)  # this program scores blocks p * BPP .. p * BPP + BPP - 1 of the row
-    pos = tl.load(positions_ptr + r // HKV).to(tl.int32)
+    s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = s <= tl.load(positions_ptr + r // HKV)
     w = tl.arange(0, WP)
+    tile = tl.load(codes_ptr + (r.to(tl.int64) * S + s[:, None]) * W + w[None, :],
+                   mask=live[:, None] & (w[None, :] < W), other=0)  # [BLOCK, WP]
     LANE_MASK: tl.constexpr = (1 << LANE_BITS) - 1
-    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
-    if COUNT:  # the select's first radix pass over the keys scored here
-        forced_from = tl.load(forced_from_ptr + r // HKV).to(tl.int32)
-        hist = tl.zeros([256], dtype=tl.int32)
-        n_forced = 0
-    for i in range(BPP):
-        start = (p * BPP + i) * BLOCK
-        if start <= pos:
-            s = start + tl.arange(0, BLOCK)
-            live = s <= pos
-            tile = tl.load(codes_ptr + (r.to(tl.int64) * S + s[:, None]) * W + w[None, :],
-                           mask=live[:, None] & (w[None, :] < W), other=0)  # [BLOCK, WP]
-            best = tl.full([BLOCK], -(1 << 40), tl.int64)
-            for tb in tl.static_range(T):
-                acc = tl.zeros([BLOCK], dtype=tl.int64)
-                table = tables_ptr + (r * T + tb) * NB * 256
-                for k in tl.static_range(W):
-                    word = tl.sum(tl.where(w[None, :] == k, tile, 0), 1)  # [BLOCK]
-                    for byte in tl.static_range(8):
-                        if k * 8 + byte < NB:
-                            # the byte's table held by the program and read through shared memory (a gather
-                            # through L1 touches ~16 cache lines a warp: 1.5x slower on the H200; one gather of
-                            # all 8 bytes' tables [8, 256] at once: 7x slower)
-                            table_j = tl.load(table + (k * 8 + byte) * 256 + tl.arange(0, 256))
-                            acc += tl.gather(table_j, ((word >> (8 * byte)) & 255).to(tl.int32), 0)
-                for lane in tl.static_range(LANES):
-                    if tb * LANES + lane < G:
-                        best = tl.maximum(best, (acc >> (lane * LANE_BITS)) & LANE_MASK)
-            key = best - NB * BIAS + OFFSET
-            tl.store(keys_ptr + r.to(tl.int64) * S + s, key.to(keys_ptr.dtype.element_ty), mask=live)
-            if COUNT:
-                part, forced_here = _first_digit(_ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS),
-                                                 KEY_BITS, LAST)
-                hist += part
-                n_forced += forced_here
-    if COUNT:
-        tl.atomic_add(hist_ptr + r * DIGITS * 256 + tl.arange(0, 256), hist)
-        tl.atomic_add(stats_ptr + r, n_forced)
+    best = tl.full([BLOCK], -(1 << 40), tl.int64)
+    for tb in tl.static_range(T):
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        table = tables_ptr + (r * T + tb) * NB * 256
+        for k in tl.static_range(W):
+            word = tl.sum(tl.where(w[None, :] == k, tile, 0), 1)  # [BLOCK]
+            for byte in tl.static_range(8):
+                if k * 8 + byte < NB:
+                    # the byte's table held by the program and read through shared memory (a gather through L1
+                    # touches ~16 cache lines a warp: 1.5x slower on the H200)
+                    table_j = tl.load(table + (k * 8 + byte) * 256 + tl.arange(0, 256))
+                    acc += tl.gather(table_j, ((word >> (8 * byte)) & 255).to(tl.int32), 0)
+        for lane in tl.static_range(LANES):
+            if tb * LANES + lane < G:
+                best = tl.maximum(best, (acc >> (lane * LANE_BITS)) & LANE_MASK)
+    key = best - NB * BIAS + OFFSET
+    tl.store(keys_ptr + r.to(tl.int64) * S + s, key.to(keys_ptr.dtype.element_ty), mask=live)
 
 
 def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, magnitude_bits: int, bits: int,
-               group: int, out: torch.Tensor | None = None, first_pass: tuple | None = None, block: int = 1024,
-               waves: int = 4, num_warps: int = 4) -> torch.Tensor:
+               group: int, out: torch.Tensor | None = None, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, tables from `probe_tables` (`group` query heads per KV head), positions [B]
-    -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written).
-    `first_pass` = (scratch, forced_from [B], sinks, window): also run `select_topk`'s first radix pass over the
-    keys into the `select_scratch` (then select with `counted=True`; keys of at least 13 bits). Tuning: `block`
-    slots a step of a program, `waves` programs per SM, `num_warps` a program."""
+    -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written). Tuning:
+    `block` slots and `num_warps` a program."""
     B, Hkv, S, W = codes.shape
-    R = B * Hkv
     lay = TableLayout.of(group, bits, magnitude_bits)
     offset, key_bits = key_range(bits, magnitude_bits)
-    digits, last = key_digits(key_bits)
     if out is None:
-        out = torch.empty(R, S, dtype=key_dtype(key_bits), device=codes.device)
+        out = torch.empty(B * Hkv, S, dtype=key_dtype(key_bits), device=codes.device)
     block = min(block, triton.next_power_of_2(S))
-    nb = triton.cdiv(S, block)
-    P = programs_per_row(R, nb, codes.device, waves)
-    if first_pass is not None:
-        assert digits > 1, "one-digit keys: the select runs its only pass itself"
-        scratch, forced_from, sinks, window = first_pass
-        hist, stats, _ = _scratch_views(scratch, R, digits)
-    else:
-        hist = stats = forced_from = positions  # not read
-        sinks = window = 0
-    _score_kernel[(R, P)](
-        codes, tables, positions, out, forced_from, hist, stats, S, offset, triton.cdiv(nb, P), sinks,
-        max(window, 1), HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb, LANES=lay.lanes,
-        LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, KEY_BITS=key_bits, LAST=last,
-        COUNT=first_pass is not None, BLOCK=block, num_warps=num_warps)
+    _score_kernel[(B * Hkv, triton.cdiv(S, block))](
+        codes, tables, positions, out, S, offset, HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb,
+        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BLOCK=block, num_warps=num_warps)
     return out
 
 

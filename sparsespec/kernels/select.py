@@ -21,9 +21,9 @@ row has its count) and writes the selection compacted in slot order. Every pass 
 a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then the write.
 
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
-of each row zeroes them again, so a plan keeps one scratch for every layer and step (no memset launch). A scorer
-may run the first radix pass itself over the keys it has just computed (`_first_digit`, BinaryPC's scorer): the
-select then starts at the second digit (`counted=True`), one launch and one read of the keys fewer.
+of each row zeroes them again, so a plan keeps one scratch for every layer and step (no memset launch a select).
+(Running the first radix pass inside BinaryPC's scorer instead, over the keys it has just computed, was measured on
+the H200 and was slower: 59 against 53 us a layer at 128k x 1, the same at 128k x 16.)
 """
 
 from __future__ import annotations
@@ -55,21 +55,6 @@ def _keys_block(row_ptr, start, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.co
 
 
 @triton.jit
-def _first_digit(key, KEY_BITS: tl.constexpr, LAST: tl.constexpr):
-    """Ranked keys [BLOCK] -> (the histogram of their top digit among the keys > 0 [256, or 2^LAST for one-digit
-    keys], how many of them are forced: maximal). The first radix pass; a scorer may run it on the keys it has
-    just computed (`select_topk(counted=True)`)."""
-    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
-    BINS: tl.constexpr = (1 << LAST) if DIGITS == 1 else 256
-    shift: tl.constexpr = 0 if DIGITS == 1 else KEY_BITS - 8
-    match = key > 0
-    part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
-    hist = part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
-    return hist, tl.sum((key == KEY_MASK).to(tl.int32), 0)
-
-
-@triton.jit
 def _crossing(hist, k):
     """hist [256] counts per digit, k >= 1 wanted from the top -> (digit where the count from the top reaches k,
     how many are still wanted among the keys of that digit)."""
@@ -81,41 +66,17 @@ def _crossing(hist, k):
 
 
 @triton.jit
-def _force_kernel(keys_ptr, positions_ptr, forced_from_ptr, extra_ptr, extra_n_ptr, hist_ptr, stats_ptr, S, E,
-                  SINKS, WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
-                  COUNTED: tl.constexpr, EBLOCK: tl.constexpr):
-    """The policy's forced list written into each row as maximal keys (all bits set). COUNTED: the first digit's
-    histogram and forced count already hold the row's keys (a scorer made them): the listed keys not yet forced
-    move to the top bin there. The list holds distinct slots."""
+def _force_kernel(keys_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, E, HKV: tl.constexpr, EBLOCK: tl.constexpr):
+    """The policy's forced list written into each row as maximal keys (all bits set)."""
     r = tl.program_id(0)
     b = r // HKV
-    pos = tl.load(positions_ptr + b).to(tl.int32)
+    pos = tl.load(positions_ptr + b)
     n_extra = tl.load(extra_n_ptr + b)
-    row = keys_ptr + r.to(tl.int64) * S
-    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
-    BINS: tl.constexpr = (1 << LAST) if DIGITS == 1 else 256
-    shift: tl.constexpr = 0 if DIGITS == 1 else KEY_BITS - 8
-    bins = tl.arange(0, BINS)
-    moved = tl.zeros([BINS], dtype=tl.int32)  # COUNTED: the listed keys' top digits, where they leave
-    n_moved = 0
     for j0 in range(0, E, EBLOCK):
         j = j0 + tl.arange(0, EBLOCK)
         slot = tl.load(extra_ptr + r.to(tl.int64) * E + j, mask=j < n_extra, other=0)
-        live = (j < n_extra) & (slot <= pos)
-        if COUNTED:
-            key = _ranked_keys(slot, tl.load(row + slot, mask=live, other=0), pos,
-                               tl.load(forced_from_ptr + b).to(tl.int32), SINKS, WINDOW, KEY_BITS)
-            move = live & (key != KEY_MASK)
-            counted = move & (key > 0)
-            moved += tl.histogram(tl.where(counted, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
-            moved -= tl.where(bins == 0, tl.sum((~counted).to(tl.int32), 0), 0)
-            n_moved += tl.sum(move.to(tl.int32), 0)
-        tl.store(row + slot, tl.full([EBLOCK], -1, tl.int32).to(keys_ptr.dtype.element_ty), mask=live)
-    if COUNTED:  # one update of the row's counts: out of their bins, into the top one
-        top = (KEY_MASK >> shift) & (BINS - 1)
-        tl.atomic_add(hist_ptr + r * DIGITS * 256 + bins, tl.where(bins == top, n_moved, 0) - moved)
-        tl.atomic_add(stats_ptr + r, n_moved)
+        tl.store(keys_ptr + r.to(tl.int64) * S + slot, tl.full([EBLOCK], -1, tl.int32).to(
+            keys_ptr.dtype.element_ty), mask=(j < n_extra) & (slot <= pos))
 
 
 @triton.jit
@@ -151,6 +112,7 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
+    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
     BINS: tl.constexpr = (1 << LAST) if D == DIGITS - 1 else 256
     shift: tl.constexpr = 0 if D == DIGITS - 1 else KEY_BITS - 8 * (D + 1)  # of this digit
@@ -166,15 +128,14 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
         if start <= pos:
             s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
                                  BLOCK)
+            match = key > 0
             if D == 0:
-                part, forced_here = _first_digit(key, KEY_BITS, LAST)
-                hist += part
-                n_forced += forced_here
+                n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 0)
             else:
                 above += tl.sum(((key >> high) > prefix).to(tl.int32), 0)
-                match = (key > 0) & ((key >> high) == prefix)
-                part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
-                hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
+                match = match & ((key >> high) == prefix)
+            part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
+            hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
     if D == 0:
         tl.atomic_add(stats_ptr + r, n_forced)
     tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, BINS), hist)
@@ -277,28 +238,24 @@ def _scratch_views(scratch: torch.Tensor, rows: int, digits: int):
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                 k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, counted: bool = False,
-                block: int = 2048, waves: int = 4, num_warps: int = 8):
+                attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, block: int = 2048,
+                waves: int = 4, num_warps: int = 8):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
-    `select_scratch` for R rows (default: a fresh one); `counted`: the scorer already ran the first radix pass into
-    it (`first_digit_pass`: the first digit's histogram and the forced count of every row). Tuning: `block` slots
-    per step of a program (a power of two), `waves` programs per SM, `num_warps` per program. Shapes alone fix
-    the launches: capturable in a CUDA graph."""
+    `select_scratch` for R rows (default: a fresh one). Tuning: `block` slots per step of a program (a power of
+    two), `waves` programs per SM, `num_warps` per program. Shapes alone fix the launches: capturable in a CUDA
+    graph."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
     B = positions.shape[0]
     hkv, digits, last = R // B, *key_digits(key_bits)
-    assert not counted or digits > 1, "one-digit keys: the first pass is the last, which the select runs itself"
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
                                               torch.empty(R, dtype=torch.int32, device=keys.device))
-    assert scratch is not None or not counted, "a counted first pass lives in the scratch it was counted into"
     hist, stats, done = _scratch_views(select_scratch(R, keys.device) if scratch is None else scratch, R, digits)
     if extra is not None and extra.shape[1] > 0:
         E = extra.shape[1]
-        _force_kernel[(R,)](keys, positions, forced_from, extra, extra_n, hist, stats, S, E, sinks, max(window, 1),
-                            HKV=hkv, KEY_BITS=key_bits, LAST=last, COUNTED=counted,
+        _force_kernel[(R,)](keys, positions, extra, extra_n, S, E, HKV=hkv,
                             EBLOCK=min(256, triton.next_power_of_2(E)), num_warps=4)
     block = min(block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, block)
@@ -306,7 +263,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     bpp = triton.cdiv(nb, P)
     part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
     common = (keys, positions, tokens, forced_from, hist, stats)
-    for d in range(1 if counted else 0, digits):
+    for d in range(digits):
         _histogram_kernel[(R, P)](*common, part, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits,
                                   LAST=last, D=d, P=P, BLOCK=block, num_warps=num_warps)
     _write_kernel[(R, P)](*common, part, idx, count, count if attended is None else attended, done, S, k, sinks,
