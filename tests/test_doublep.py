@@ -769,12 +769,14 @@ def test_one_ranking_selects_what_the_two_prefixes_and_the_cap_select(p1, p2, se
     assert torch.equal(in_p1, ref_p1) and torch.equal(wanted, ref_wanted) and torch.equal(exact, ref_exact)
 
 
-@pytest.mark.parametrize("clusters", [1, 255, 256, 257, 1000])
-def test_split_matmul_equals_the_product(clusters):
-    """The centroid terms' numerator split over chunks of clusters equals the plain product (odd sizes, fp64)."""
+@pytest.mark.parametrize("clusters,programs", [(1, 256), (257, 256), (1000, 256), (4096, 256), (4096, 8),
+                                               (96, 10_000)])
+def test_split_matmul_equals_the_product(clusters, programs):
+    """The centroid terms' numerator split over chunks of clusters (none, a few, many) equals the plain product
+    (odd sizes, fp64)."""
     from sparsespec.attention.doublep import split_matmul
 
     gen = torch.Generator().manual_seed(clusters)
     w = torch.randn(2, 3, 4, clusters, generator=gen, dtype=torch.float64)
     x = torch.randn(2, 3, clusters, 7, generator=gen, dtype=torch.float64)
-    torch.testing.assert_close(split_matmul(w, x, chunk=256), w @ x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(split_matmul(w, x, programs), w @ x, rtol=1e-12, atol=1e-12)
