@@ -131,7 +131,7 @@ class FixedPlan:
     idx: torch.Tensor  # [B * Hkv, width] int32: the selection of the layer being run (reused by every layer)
     count: torch.Tensor  # [B * Hkv] int32
     listed: torch.Tensor  # [B] int32: how many of the policy's own forced list (`fixed_keys`) count this step
-    scratch: torch.Tensor  # the select's counting buffers (`select_scratch`), zero between selects
+    scratch: torch.Tensor | None  # the Triton select's counting buffers (`select_scratch`), zero between selects
     # select_every > 1: every layer keeps its selection, idx [L, B * Hkv, width + select_every - 1] int32 and
     # count [L, B * Hkv] int32 (room for the slots decoded until the next selection); layers from `first_sparse`
     kept: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -280,13 +280,19 @@ class SelectionPolicy(Policy):
     def plan_fixed(self, cache: KVCache, lengths: list[int]) -> None:
         """After `build`: allocate the static buffers of fixed-width steps for this cache (their width covers every
         step up to the capacity); `decode` then takes the fixed-width path until `end_fixed`."""
+        from ..kernels import triton_ready
+
         B, Hkv, S = cache.batch, cache.k[0].shape[1], cache.capacity
         width = self.fixed_width(S, lengths)
         zeros = lambda *shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=cache.device)  # noqa: E731
         every, layers = self.options.select_every, len(cache.k)
         kept = None if every == 1 else (zeros(layers, B * Hkv, width + every - 1), zeros(layers, B * Hkv))
         first = next((i for i in range(layers) if self.is_sparse(i)), layers)
-        scratch = zeros(B * Hkv * (4 * 256 + 2))  # as `kernels.select.select_scratch`
+        scratch = None  # the Triton select's counting buffers (the torch reference needs none)
+        if triton_ready(cache.device):
+            from ..kernels.select import select_scratch
+
+            scratch = select_scratch(B * Hkv, cache.device)
         self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
                                zeros(B * Hkv), zeros(B), scratch, kept, first)
 
