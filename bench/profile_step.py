@@ -8,34 +8,24 @@ Random weights and keys in the Llama-3.1-8B shape.
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from sparsespec.attention import make_policy, parse_spec
 from sparsespec.graphs import CudaGraphDecodeStep
 from sparsespec.models.shapes import LLAMA31_8B, random_model
-from sparsespec.sparse_bench import random_cache, time_ms
+from sparsespec.sparse_bench import kernel_times, random_cache, time_ms
 
 
 def kernel_table(label: str, step, tokens: torch.Tensor, positions: torch.Tensor, steps: int = 10,
                  top: int = 30) -> None:
     """Print the step's time and its kernels' device time per step, largest first."""
     ms = time_ms(lambda: step(tokens, positions))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step(tokens, positions)
-        torch.cuda.synchronize()
-    total, calls = defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time_total
-            calls[e.name] += 1
-    print(f"\n{label}: {ms:.3f} ms a step; kernel sum {sum(total.values()) / steps / 1e3:.3f} ms, "
-          f"{sum(calls.values()) // steps} launches (us a step, launches a step):")
-    for k in sorted(total, key=total.get, reverse=True)[:top]:
-        print(f"  {total[k] / steps:8.1f} {calls[k] // steps:4d}  {k[:110]}")
+    *kernels, (_, total_us, launches) = kernel_times(lambda: step(tokens, positions), steps, top)
+    print(f"\n{label}: {ms:.3f} ms a step; kernel sum {total_us / 1e3:.3f} ms, {launches} launches "
+          "(us a step, launches a step):")
+    for name, us, n in kernels:
+        print(f"  {us:8.1f} {n:4d}  {name[:110]}")
 
 
 def main() -> None:

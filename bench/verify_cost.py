@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from sparsespec.cache import KVCache
 from sparsespec.graphs import CudaGraphStep, _step
 from sparsespec.models.rope import inverse_frequencies
 from sparsespec.models.shapes import SHAPES, random_model
 from sparsespec.spec.dflash import DFlash, DFlashConfig, DraftGraphs
-from sparsespec.sparse_bench import copy_bandwidth, time_ms
+from sparsespec.sparse_bench import copy_bandwidth, kernel_times, time_ms
 
 
 def draft_costs(cfg, target, layers: int, batch: int, context: int) -> dict:
@@ -69,18 +67,8 @@ def kernel_table(model, cache, tokens, positions, steps: int = 10, top: int = 12
         for _ in range(3):
             _step(model, cache, tokens, positions, (), None)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                _step(model, cache, tokens, positions, (), None)
-            torch.cuda.synchronize()
-    total, calls = defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time_total
-            calls[e.name] += 1
-    rows = sorted(total, key=total.get, reverse=True)
-    return [(name[:90], total[name] / steps, calls[name] // steps) for name in rows[:top]] + [
-        ("(all kernels)", sum(total.values()) / steps, sum(calls.values()) // steps)]
+        rows = kernel_times(lambda: _step(model, cache, tokens, positions, (), None), steps, top)
+    return [(name[:90], us, n) for name, us, n in rows]
 
 
 def main() -> None:

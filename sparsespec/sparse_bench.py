@@ -45,6 +45,27 @@ def time_ms(fn, iters: int = 20, repeats: int = 5) -> float:
     return statistics.median(results)
 
 
+def kernel_times(fn, steps: int = 10, top: int | None = None) -> list[tuple[str, float, int]]:
+    """fn() run `steps` times under torch.profiler -> [(kernel name, us per call of fn, launches per call)], largest
+    first (the `top` first), then ("(all kernels)", total us, total launches)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    total, calls = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time_total
+            calls[e.name] += 1
+    rows = sorted(total, key=total.get, reverse=True)[:top]
+    return [(name, total[name] / steps, calls[name] // steps) for name in rows] + [
+        ("(all kernels)", sum(total.values()) / steps, sum(calls.values()) // steps)]
+
+
 def graphed(fn):
     """fn() captured as a CUDA graph -> a replay callable (its outputs are overwritten by each replay)."""
     stream = torch.cuda.Stream()
