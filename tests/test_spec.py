@@ -12,6 +12,7 @@ from sparsespec.attention import make_policy
 from sparsespec.config import ModelConfig
 from sparsespec.generate import Engine, GenerationConfig
 from sparsespec.models.loading import LoadedModel
+from sparsespec.runner import Runner
 from sparsespec.models.transformer import Transformer
 from sparsespec.sampling import SamplingConfig
 from sparsespec.spec import verify
@@ -127,6 +128,32 @@ def test_self_drafting_over_kept_selections_is_lossless(policy):
     assert [b.token_ids for b in batch] == target.generate(prompts, gen).token_ids
     assert [b.token_ids for b in batch] == [speculative_generate(target, [p], make(), gen, 6)[0].token_ids
                                             for p in prompts]
+
+
+@pytest.mark.parametrize("policy", ["binarypc", "streaming"])
+@torch.inference_mode()
+def test_a_stopped_row_near_the_cache_end_rides_along_the_self_drafts_from_its_parked_slot(policy):
+    """A row that stopped after committing a whole block sits near the cache's end; the self-drafter steps every
+    row, so the step parks it first (at slot 0 here) instead of letting it step past the end (or cutting the live
+    row's drafts short), and the live row commits what it commits alone."""
+    target = tiny_engine(0)
+    prompts = [list(range(1, 21)), list(range(2, 22))]
+    live = prompts[1] + [5]
+
+    def step(rows, histories, ks, parked):
+        runner = Runner(target.model, len(rows), 27, make_policy(policy, {"budget": 1.0, "dense_layers": 0}))
+        d = SelfDrafter(runner.policy)
+        d.bind(runner)
+        runner.prefill(rows)
+        if len(rows) == 2:
+            runner.truncate([25, 20])  # row 0 committed up to slot 25 of 27 and stopped
+        n = len(rows)
+        return decode.speculative_step(runner, d, histories, ks, [SamplingConfig()] * n, [None] * n, 6, parked), runner
+
+    commits, runner = step(prompts, [None, live], [0, 5], [0, 0])
+    alone, _ = step(prompts[1:], [live], [5], [0])
+    assert len(alone[0]) == 6  # a full budget drafts what the target says: the whole block is accepted
+    assert commits == [None, alone[0]] and runner.cache.lengths == [0, 26]
 
 
 def test_a_drafter_that_is_the_target_is_always_accepted_and_stops_at_eos():
@@ -415,8 +442,23 @@ def test_divergence_finds_the_first_differing_token_and_the_plain_steps_margin()
     assert d["margin"] == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-4)
     assert d["delta"] < 1e-4 < d["margin"]
     assert not d["near_tie"] and not d["reproduced"]
+    assert d["resolution"] < 1e-5  # fp32: a step of the dtype explains no real margin
     d0 = divergence(engine, prompt, plain, [plain[0] + 1] + plain[1:], 4)
     assert d0["index"] == 0 and d0["margin"] is None
+
+
+def test_spacing_is_the_dtypes_step_at_a_value():
+    """bf16 logits in [16, 32) are 0.125 apart: a top-2 margin of one such step is a rounding near-tie."""
+    from sparsespec.spec.bench import spacing
+
+    assert spacing(torch.bfloat16, 20.0) == spacing(torch.bfloat16, -31.9) == 0.125
+    assert spacing(torch.bfloat16, 1.0) == 2.0 ** -7 and spacing(torch.float16, 1000.0) == 0.5
+    assert spacing(torch.float32, 3.0) == 2.0 ** -22
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for x in (0.37, 5.0, 17.25, 300.0):
+            v, step = float(torch.tensor(x, dtype=dtype)), spacing(dtype, x)
+            assert float(torch.tensor(v + step, dtype=torch.float64).to(dtype)) == v + step  # representable
+            assert float(torch.tensor(v + step / 2, dtype=torch.float64).to(dtype)) != v + step / 2  # nothing between
 
 
 def test_dflash_draft_over_the_whole_static_cache_equals_the_draft_over_its_context():

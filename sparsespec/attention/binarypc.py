@@ -265,7 +265,7 @@ class BinaryPC(SelectionPolicy):
         state: BinaryPCState | None = cache.policy_state[layer]
         if state is None:
             return
-        n = torch.tensor(lengths, dtype=torch.int32, device=state.encoded_dev.device)
+        n = device_ints(lengths, state.encoded_dev.device, torch.int32)
         torch.minimum(state.encoded_dev, n, out=state.encoded_dev)  # a rollback forgets codes past the length
         state.encoded = [min(e, m) for e, m in zip(state.encoded, lengths)]
         if self.options.encode_decoded and self.fixed is None:
@@ -273,7 +273,7 @@ class BinaryPC(SelectionPolicy):
             end = [max(e, m - max(self.options.window, 1) + 1) for e, m in zip(state.encoded, lengths)]
             most = max(e - s for s, e in zip(state.encoded, end))
             if most > 0:
-                end_dev = torch.tensor(end, dtype=torch.int32, device=n.device)
+                end_dev = device_ints(end, n.device, torch.int32)
                 encode_range(cache.k[layer], state, state.encoded_dev, end_dev, most)
                 state.encoded = end
                 state.encoded_dev.copy_(end_dev)

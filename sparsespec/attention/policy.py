@@ -437,9 +437,10 @@ def selection_mask(idx: torch.Tensor, valid: torch.Tensor, kv_len: int) -> torch
     return spill.scatter(-1, torch.where(valid, idx, kv_len), True)[..., :kv_len]
 
 
-def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """Python ints -> an int64 tensor on `device`; to a GPU through pinned memory, without waiting for it."""
-    t = torch.tensor(values, dtype=torch.long)
+def device_ints(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Python ints (a list, or nested lists of one width) -> a tensor on `device`; to a GPU through pinned memory,
+    without waiting for it (`torch.tensor(values, device="cuda")` synchronises the stream: the GPU drains first)."""
+    t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 

@@ -156,9 +156,18 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
-def open_gguf(path: Path):
-    import gguf
+def _gguf():
+    """The gguf package (a dependency of ours, but an environment may lack it): one clear error where it is missing."""
+    try:
+        import gguf
+        import gguf.quants
+    except ImportError as e:
+        raise SparseSpecError(f"reading GGUF files needs the gguf package ({e}); install it: pip install gguf") from None
+    return gguf
 
+
+def open_gguf(path: Path):
+    gguf = _gguf()
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise SparseSpecError(f"{path} is not a GGUF file (bad magic) and not a checkpoint folder")
@@ -174,7 +183,7 @@ def open_gguf(path: Path):
 
 
 def _read_gguf(path: Path, dtype: torch.dtype, progress: bool):
-    from gguf.quants import dequantize
+    dequantize = _gguf().quants.dequantize
 
     from ..progress import track
 

@@ -13,6 +13,7 @@ settings they were made with, see results.py).
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter, defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -98,7 +99,7 @@ class BenchConfig:
 
 
 def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, out: Path | None = None,
-              progress: bool = False, cuda_graph: bool = True) -> list[dict]:
+              progress: bool = False, cuda_graph: bool = True, compile: bool = False) -> list[dict]:
     """One row per (prompt, temperature, drafter); with `out`, each row is appended to out/spec.jsonl as it is
     measured and the rows already there are skipped (plain decoding too where every drafter's rows are there).
     Prompts run in batches of `cfg.batch` (of one kind, seeded by their first prompt): plain and speculative
@@ -127,7 +128,8 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                     bar.advance(task, 1 + len(drafters))
                     continue
                 sampling = SamplingConfig(temperature=T, seed=cfg.seed + first)
-                gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, cuda_graph=cuda_graph)
+                gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, cuda_graph=cuda_graph,
+                                       compile=compile)
                 plain = engine.generate(ids, gen)
                 plain_tps = _output_rate([len(t) for t in plain.token_ids], plain.decode_s)
                 bar.advance(task, 1 + len(drafters) - len(todo))
@@ -164,8 +166,10 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     loops did. -> None when the outputs agree (or one is a
     prefix of the other), else {"index": j, "plain_token", "spec_token", "margin": the decode step's top-1 minus
     top-2 logit, "delta": the largest |decode − verify| logit difference over those two tokens and the
-    speculative token, "reproduced": whether the recomputed steps disagree as the loops did, "near_tie": margin
-    <= 2 · delta (two paths that differ by delta per logit can swap a pair closer than 2 · delta)}."""
+    speculative token, "reproduced": whether the recomputed steps disagree as the loops did, "resolution": the
+    spacing of the model's dtype at the top logit (the LM head's output is rounded to it), "near_tie": margin
+    <= 2 · max(delta, resolution) (two paths that differ by delta per logit can swap a pair closer than 2 · delta;
+    a batch's GEMMs, which the one-row recomputation does not repeat, can move each logit by a step of the dtype)}."""
     j = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
     if j is None:
         return None
@@ -184,9 +188,17 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     ids = {int(top2.indices[0]), int(top2.indices[1]), spec[j]}
     delta = max(float((decode[i] - verify[i]).abs()) for i in ids)
     margin = float(top2.values[0] - top2.values[1])
-    return {**out, "margin": margin, "delta": delta,
+    resolution = spacing(engine.dtype, float(top2.values[0]))
+    return {**out, "margin": margin, "delta": delta, "resolution": resolution,
             "reproduced": int(decode.argmax()) == plain[j] and int(verify.argmax()) == spec[j],
-            "near_tie": margin <= 2 * delta}
+            "near_tie": margin <= 2 * max(delta, resolution)}
+
+
+def spacing(dtype: torch.dtype, x: float) -> float:
+    """The distance from |x| to the next larger value representable in `dtype` (its unit in the last place)."""
+    if x == 0 or not math.isfinite(x):
+        return float(torch.finfo(dtype).tiny) if x == 0 else float("inf")
+    return float(torch.finfo(dtype).eps) * 2.0 ** math.floor(math.log2(abs(x)))
 
 
 def _output_rate(tokens: list[int], seconds: float) -> float:

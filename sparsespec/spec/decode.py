@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.policy import device_ints
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..runner import Runner
@@ -84,6 +85,9 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     firsts = [int(sample(logits[r:r + 1], gen.sampling, rngs[r])[0]) for r in range(len(prompts))]
     ttft = time.perf_counter() - start
 
+    if gen.cuda_graph:  # set-up, timed neither as first token nor decoding: the graphs captured (and compiled) now
+        runner.capture_verify(block_size)
+        drafter.capture()
     histories = [list(p) + [f] for p, f in zip(prompts, firsts)]
     outs = [[f] for f in firsts]
     live = [not engine._stopped(out, gen) for out in outs]
@@ -118,10 +122,14 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
                      cfgs: list[SamplingConfig], rngs: list[torch.Generator | None], block_size: int,
                      parked: list[int]) -> list[list[int] | None]:
     """One draft-verify-commit step of every row of the runner's batch. histories[r]: row r's committed tokens, the
-    last one pending (its slot is the row's length), or None for a row that does not decode now (it rides along and
-    is put back at parked[r] slots); up to ks[r] proposals drawn under cfgs[r] with rngs[r]. -> per row the tokens
+    last one pending (its slot is the row's length), or None for a row that does not decode now (it rides along at
+    parked[r] slots and is left there); up to ks[r] proposals drawn under cfgs[r] with rngs[r]. -> per row the tokens
     it commits (its accepted proposals, then the target's next token), None where it does not decode. The runner
     and the drafter are left at each decoding row's new length."""
+    if any(h is None and n != p for h, n, p in zip(histories, runner.cache.lengths, parked)):
+        # a row that does not decode rides along from its parked slot (a self-drafter steps every row: a row that
+        # stopped after a whole block, left at its end, could step past the cache)
+        runner.truncate([p if h is None else n for h, n, p in zip(histories, runner.cache.lengths, parked)])
     lengths = list(runner.cache.lengths)
     proposals, probs = drafter.propose(histories, ks, cfgs, rngs)
     # every row's block is written from its length on: near the context's end the widest block must fit too
@@ -129,7 +137,7 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
     blocks = [[0] * width if h is None else [h[-1]] + p + [h[-1]] * (width - 1 - len(p))
               for h, p in zip(histories, proposals)]
-    logits, features = runner.verify(torch.tensor(blocks, device=runner.device), block_size)  # [B, width, V]
+    logits, features = runner.verify(device_ints(blocks, runner.device), block_size)  # [B, width, V]
     live = [h is not None for h in histories]
     if all(c.greedy for c, on in zip(cfgs, live) if on):  # every row at once, one read-back
         commits = [new if on else None for new, on in zip(verify_greedy_rows(proposals, logits), live)]

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..attention.policy import Policy
+from ..attention.policy import Policy, device_ints
 from ..errors import SparseSpecError
 from ..runner import Runner
 from ..sampling import SamplingConfig
@@ -45,6 +45,9 @@ class Drafter(ABC):
     @abstractmethod
     def start(self, prompts: list[list[int]], features: list[torch.Tensor] | None, capacity: int) -> None:
         """`capacity`: the most positions any row will reach (prompt + new tokens + a block)."""
+
+    def capture(self) -> None:
+        """After `start`, on CUDA: capture the drafter's graphs now, before the timed decoding (else at first use)."""
 
     def start_row(self, row: int, prompt: list[int], features: torch.Tensor | None) -> None:
         """Continuous batching: row `row` (of a batch started with `start`) begins `prompt`, now in the target's
@@ -148,6 +151,9 @@ class ModelDrafter(Drafter):
         if any(prompts):  # (continuous batching starts empty rows)
             self.runner.prefill(prompts)
 
+    def capture(self):
+        self.runner.capture()
+
     @torch.inference_mode()
     def start_row(self, row, prompt, features):
         self.runner.prefill_row(row, prompt, 0)
@@ -159,9 +165,9 @@ class ModelDrafter(Drafter):
         # a stopped row is parked at slot 0 (its cache is not needed again)
         news = [[0] if h is None else h[n:] for h, n in zip(histories, runner.cache.lengths)]
         width = max(len(t) for t in news)
-        block = torch.tensor([t + t[-1:] * (width - len(t)) for t in news], device=runner.device)  # [B, width]
+        block = device_ints([t + t[-1:] * (width - len(t)) for t in news], runner.device)  # [B, width]
         hidden = runner.forward(block)  # [B, width, H]
-        last = torch.tensor([len(t) - 1 for t in news], device=runner.device)
+        last = device_ints([len(t) - 1 for t in news], runner.device)
         logits = self.engine.model.logits(hidden[torch.arange(len(news), device=runner.device), last])  # [B, V]
         runner.truncate([0 if h is None else len(h) for h in histories])
         kmax = max((k for h, k in zip(histories, ks) if h is not None), default=0)
@@ -206,6 +212,9 @@ class SelfDrafter(Drafter):
         if self.runner is None:
             raise SparseSpecError("the self drafter drafts through the target's runner: bind it first")
 
+    def capture(self):
+        self.runner.capture()  # the sparse decode graph (and the one reusing kept selections)
+
     def start_row(self, row, prompt, features):
         """(The target's runner builds the row's index: `Runner.index_row`.)"""
 
@@ -213,8 +222,10 @@ class SelfDrafter(Drafter):
     def propose(self, histories, ks, cfgs, rngs):
         runner = self.runner
         lengths = list(runner.cache.lengths)  # row r's pending token (histories[r][-1]) goes to slot lengths[r]
-        step = torch.tensor([0 if h is None else h[-1] for h in histories], device=runner.device)  # [B]
-        kmax = max((k for h, k in zip(histories, ks) if h is not None), default=0)
+        step = device_ints([0 if h is None else h[-1] for h in histories], runner.device)  # [B]
+        # a row drafting fewer than kmax tokens takes kmax steps too: none may step past the cache's end
+        kmax = min(max((k for h, k in zip(histories, ks) if h is not None), default=0),
+                   runner.cache.capacity - max(lengths))
         tokens, probs = [[] for _ in histories], [[] for _ in histories]
         for i in range(kmax):
             logits = runner.decode(step)  # [B, V]: a sparse step of every row

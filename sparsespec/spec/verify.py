@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..attention.policy import device_ints
 from ..sampling import SamplingConfig, filter_logits
 
 AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,8 +36,8 @@ def verify_greedy_rows(proposals: list[list[int]], target_logits: torch.Tensor) 
     if len(proposals) != B or any(len(p) > w - 1 for p in proposals):
         raise ValueError(f"need at most {w - 1} proposals for each of {B} rows")
     best = target_logits.argmax(-1)  # [B, w]
-    padded = torch.tensor([p + [-1] * (w - 1 - len(p)) for p in proposals], dtype=torch.long,
-                          device=best.device).view(B, w - 1)  # -1 matches no token: a row stops at its k_r
+    padded = device_ints([p + [-1] * (w - 1 - len(p)) for p in proposals], best.device).view(B, w - 1)
+    # (-1 matches no token: a row stops at its k_r)
     n = (best[:, :w - 1] == padded).long().cumprod(1).sum(1)  # [B] accepted proposals
     out = torch.cat([n[:, None], best], 1).tolist()  # one sync
     return [row[1:row[0] + 2] for row in out]
