@@ -527,7 +527,7 @@ def cmd_bench_sparse(args) -> None:
     from .attention import POLICIES, make_policy, parse_spec
     from .models.shapes import shape
 
-    cfg = shape(args.shape)
+    shape(args.shape)  # an unknown shape is refused first
     if not torch.cuda.is_available():
         raise SparseSpecError(f"bench {args.what} measures the GPU path: no CUDA device is available")
     for spec in args.attention:
@@ -540,13 +540,12 @@ def cmd_bench_sparse(args) -> None:
         if args.what == "attention":
             contexts = [_ints(c) for c in args.contexts.split(",")]
             batches = [_ints(b) for b in args.batches.split(",")]
-            sparse_bench.bench_attention(args.attention, contexts, batches, cfg=cfg, out=out)
+            sparse_bench.bench_attention(args.attention, contexts, batches, args.shape, out=out)
         else:
             shapes = [tuple(_ints(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
             if any(len(s) != 2 for s in shapes):
                 raise ValueError
-            sparse_bench.bench_decode(args.attention, shapes, cfg=cfg, compile=not args.no_compile,
-                                      out=out, shape_name=args.shape)
+            sparse_bench.bench_decode(args.attention, shapes, args.shape, compile=not args.no_compile, out=out)
     except ValueError:
         raise SparseSpecError("invalid sizes: --contexts / --batches take integers, --shapes BATCHxCONTEXT") from None
 

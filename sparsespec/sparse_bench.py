@@ -24,7 +24,7 @@ from .cache import KVCache
 from .config import ModelConfig
 from .generate import prefill
 from .graphs import CudaGraphDecodeStep
-from .models.shapes import LLAMA31_8B, random_model
+from .models.shapes import random_model, shape
 from .models.transformer import BLOCK_QUERIES
 
 
@@ -103,8 +103,9 @@ def policy_bytes(policy, batch: int, context: int, cfg: ModelConfig, attended: f
     return batch * cfg.num_kv_heads * (context * index + attended * kv_row)
 
 
-def bench_attention(specs: list[str], contexts: list[int], batches: list[int], cfg: ModelConfig = LLAMA31_8B,
+def bench_attention(specs: list[str], contexts: list[int], batches: list[int], model_shape: str = "llama-3.1-8b",
                     out: Path | None = None) -> list[dict]:
+    cfg = shape(model_shape)
     bw = copy_bandwidth()
     rows = []
     for context in contexts:
@@ -199,10 +200,10 @@ DENSE_VARIANTS = [("dense_ms", "dense graph", BLOCK_QUERIES, False),
                   ("dense_compiled_sdpa_ms", "dense compiled (SDPA)", 0, True)]
 
 
-def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConfig = LLAMA31_8B,
-                 compile: bool = True, out: Path | None = None, prefill_batch1: bool = True,
-                 shape_name: str = "llama-3.1-8b") -> list[dict]:
+def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: str = "llama-3.1-8b",
+                 compile: bool = True, out: Path | None = None, prefill_batch1: bool = True) -> list[dict]:
     """`prefill_batch1`: also time the dense prefill of batch-1 shapes, which a policy's build follows."""
+    cfg = shape(model_shape)
     # one compilation per (batch, context) of the dense step; per layer, shape and policy around sparse graph breaks
     torch._dynamo.config.recompile_limit = 2048
     torch._dynamo.config.accumulated_recompile_limit = 8192
@@ -291,7 +292,7 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], cfg: ModelConf
         print(json.dumps(row), flush=True)
         del cache
         torch.cuda.empty_cache()
-    lines = [f"Whole decode step, {shape_name} shape, random bf16 weights and keys; {torch.cuda.get_device_name()}, "
+    lines = [f"Whole decode step, {model_shape} shape, random bf16 weights and keys; {torch.cuda.get_device_name()}, "
              f"copy bandwidth {bw / 1e12:.2f} TB/s. Each cell: the faster of the sparse graph and the compiled "
              "sparse graph, ms per step (speedup over the dense graph / over the best dense); build: the policy's "
              "index over every layer after prefill (its kernels compiled by a throwaway one-layer build); with "
