@@ -3,6 +3,7 @@ with its default dense layers and with none), replayed as CUDA graphs under torc
 Random weights and keys in a real shape (Llama-3.1-8B by default).
 
     python bench/profile_step.py --policy binarypc:budget=0.02 --shapes 1x32768,4x131072 [--shape qwen2.5-coder-1.5b]
+                                [--policy none] [--compiled-only] [--autotune] [--row-invariant]
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import torch
 
 from sparsespec.attention import make_policy, parse_spec
 from sparsespec.graphs import CudaGraphDecodeStep
-from sparsespec.models.shapes import random_model, shape
-from sparsespec.sparse_bench import kernel_times, random_cache, time_ms
+from sparsespec.sparse_bench import kernel_times, random_cache, step_model, step_options, time_ms
 
 
 def kernel_table(label: str, step, tokens: torch.Tensor, positions: torch.Tensor, steps: int = 10,
@@ -30,16 +30,14 @@ def kernel_table(label: str, step, tokens: torch.Tensor, positions: torch.Tensor
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policy", default="binarypc:budget=0.02")
+    ap.add_argument("--policy", default="binarypc:budget=0.02", help="the sparse policy ('none': the dense step only)")
+    ap.add_argument("--compiled-only", action="store_true", help="skip the sparse step without torch.compile")
     ap.add_argument("--shapes", default="1x32768,4x131072", help="BATCHxCONTEXT,...")
     ap.add_argument("--shape", default="llama-3.1-8b", help="the model shape of the random weights")
+    step_options(ap)
     args = ap.parse_args()
-    # around a sparse policy's graph breaks Dynamo compiles each decoder layer's frame: allow it
-    torch._dynamo.config.recompile_limit = 2048
-    torch._dynamo.config.accumulated_recompile_limit = 8192
-    cfg = shape(args.shape)
-    model = random_model(cfg)
-    name, opts = parse_spec(args.policy)
+    cfg, model = step_model(args, args.shape)
+    name, opts = parse_spec(args.policy) if args.policy != "none" else (None, [])
     for size in args.shapes.split(","):
         batch, context = (int(x) for x in size.split("x"))
         cache = random_cache(cfg, batch, context + 1)
@@ -49,14 +47,15 @@ def main() -> None:
         dense = CudaGraphDecodeStep(model, cache, compile=True)
         kernel_table(f"dense compiled {size}", dense, tokens, positions)
         del dense
+        if args.policy == "none":
+            continue
         for extra in ([], ["dense_layers=0"]):
             policy = make_policy(name, [*opts, *extra])
             policy.build_all(cache, cache.lengths)
             policy.plan_fixed(cache, cache.lengths)
-            for compiled in (True, False):
+            for compiled in (True,) if args.compiled_only else (True, False):
                 sparse = CudaGraphDecodeStep(model, cache, compile=compiled, policy=policy)
-                for layer in range(cfg.num_layers):
-                    policy.append(layer, cache, cache.lengths)  # the warm-up steps ran at the last slot
+                policy.append_all(cache, cache.lengths)  # the warm-up steps ran at the last slot
                 kernel_table(f"{args.policy} {' '.join(extra)} compiled={compiled} {size}", sparse, tokens,
                              positions)
                 del sparse

@@ -25,6 +25,16 @@ class _TopParser(_Parser):
         return super().parse_args(args, namespace)
 
 
+ROW_INVARIANT_HELP = ("cuda, bf16/fp16: decode and verify steps multiply through a row-invariant kernel, so each "
+                      "token's logits are bitwise the same in a speculative verify block as in a plain decode step "
+                      "(greedy speculation then equals plain greedy exactly, near-ties included)")
+
+
+def _check_row_invariant(args, dtype: str) -> None:
+    if args.row_invariant and (args.device != "cuda" or dtype not in ("bfloat16", "float16")):
+        raise SparseSpecError(f"--row-invariant runs on cuda in bfloat16 or float16 (got {args.device}, {dtype})")
+
+
 def _version() -> str:
     from importlib import metadata
 
@@ -95,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk", type=_positive_int, default=1024)
     g.add_argument("--compile", action="store_true",
                    help="cuda: torch.compile the CUDA-graphed decode step (about 30 s to start, ~1.3x faster steps)")
+    g.add_argument("--row-invariant", action="store_true", help=ROW_INVARIANT_HELP)
     g.add_argument("--attention", default="dense", help="decode attention policy (see `sparsespec policies`)")
     g.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="policy option, e.g. budget=0.02 sinks=4 (repeatable)")
@@ -192,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-cuda-graph", action="store_true", help="cuda: run plain and verify steps eagerly")
     sp.add_argument("--compile", action="store_true", help="cuda: torch.compile the graphed plain, verify and "
                     "sparse draft steps (the fastest plain decoding; compilation is set-up, not timed)")
+    sp.add_argument("--row-invariant", action="store_true", help=ROW_INVARIANT_HELP)
     sp.add_argument("--out", default=None, help="folder for spec.jsonl, spec.md and spec_histogram.png (a rerun "
                     "with the same settings resumes it)")
 
@@ -358,7 +370,10 @@ def cmd_generate(args) -> None:
     progress = args.progress or sys.stderr.isatty()
     if args.draft != "none" and policy is not None:
         raise SparseSpecError("--draft with a sparse --attention policy is not supported yet: use one of them")
+    _check_row_invariant(args, dtype)
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
+    if args.row_invariant:
+        engine.model.row_invariant()
     ids = [engine.encode(p, chat=args.chat, system=args.system) for p in prompts]
     if args.draft != "none":
         _speculate(args, engine, ids, gen, dtype, progress)
@@ -503,12 +518,17 @@ def cmd_bench(args) -> None:
                 "cuda_graph": not args.no_cuda_graph, **cfg.settings()}
     if args.compile:
         settings["compile"] = True
+    _check_row_invariant(args, dtype)
+    if args.row_invariant:
+        settings["row_invariant"] = True
     if args.out:
         check_folder(args.out, settings, ROW_FILES)
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     if engine.config.sliding_window is not None:
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
+    if args.row_invariant:
+        engine.model.row_invariant()
     drafters = {d: make_drafter(d, engine, name, args.device, dtype, progress, not args.no_cuda_graph)
                 for d in cfg.drafters}
     out = _writable_folder(args.out) if args.out else None  # only now: a refused run leaves no folder behind

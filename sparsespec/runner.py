@@ -187,8 +187,7 @@ class Runner:
             if policy.fixed is not None:
                 policy.stepped(self.sparse_layers)
             else:
-                for layer in range(self.model.cfg.num_layers):
-                    policy.append(layer, cache, cache.lengths)
+                policy.append_all(cache, cache.lengths)
         return logits
 
     @torch.inference_mode()
@@ -279,5 +278,4 @@ class Runner:
         self.cache.truncate(lengths)
         self.since_select = None  # kept selections may hold slots past the new lengths: select again
         if self.policy is not None:
-            for layer in range(self.model.cfg.num_layers):
-                self.policy.append(layer, self.cache, self.cache.lengths)
+            self.policy.append_all(self.cache, self.cache.lengths)

@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .generate import prefill
 from .graphs import CudaGraphDecodeStep
 from .models.shapes import random_model, shape
-from .models.transformer import BLOCK_QUERIES
+from .models.transformer import BLOCK_QUERIES, Transformer
 
 
 
@@ -85,6 +85,32 @@ def copy_bandwidth() -> float:
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.numel() / (time_ms(lambda: dst.copy_(src), iters=10) / 1e3)
+
+
+def step_options(ap) -> None:
+    """The options of the GPU step benchmarks (bench/*.py) for the random model and how its steps compile."""
+    ap.add_argument("--autotune", action="store_true",
+                    help="compiled steps: Inductor benchmarks Triton GEMM templates against cuBLAS for every matrix "
+                         "product (max_autotune_gemm) and tunes its fused kernels (coordinate descent); slow")
+    ap.add_argument("--row-invariant", action="store_true",
+                    help="matrix products of decode and verify steps through the row-invariant kernel")
+
+
+def step_model(args, model_shape: str) -> tuple[ModelConfig, Transformer]:
+    """`step_options` applied -> (the shape's config, a random model of it). Dynamo may compile each decoder layer's
+    frame around a sparse policy's graph breaks: its recompile limits are raised for that."""
+    if args.autotune:
+        import torch._inductor.config as inductor
+
+        inductor.max_autotune_gemm = True
+        inductor.coordinate_descent_tuning = True
+    torch._dynamo.config.recompile_limit = 2048
+    torch._dynamo.config.accumulated_recompile_limit = 8192
+    cfg = shape(model_shape)
+    model = random_model(cfg)
+    if args.row_invariant:
+        model.row_invariant()
+    return cfg, model
 
 
 def random_cache(cfg: ModelConfig, batch: int, capacity: int, layers: int | None = None) -> KVCache:
@@ -252,16 +278,14 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
             build_s = time.perf_counter() - start
             policy.plan_fixed(cache, cache.lengths)
             sparse = CudaGraphDecodeStep(model, cache, policy=policy)
-            for layer in range(cfg.num_layers):
-                policy.append(layer, cache, cache.lengths)  # the warm-up steps ran at the last slot
+            policy.append_all(cache, cache.lengths)  # the warm-up steps ran at the last slot
             ms = time_ms(lambda: sparse(tokens, positions))
             logits = sparse(tokens, positions).clone()
             del sparse
             cell = {"graph_ms": ms}
             if compile:  # the same step through torch.compile (the sparse calls stay outside its graphs)
                 sparse_c = CudaGraphDecodeStep(model, cache, compile=True, policy=policy)
-                for layer in range(cfg.num_layers):
-                    policy.append(layer, cache, cache.lengths)
+                policy.append_all(cache, cache.lengths)
                 cell["compiled_ms"] = time_ms(lambda: sparse_c(tokens, positions))
                 cell["compiled_max_logit_diff"] = float((sparse_c(tokens, positions) - logits).abs().max())
                 del sparse_c

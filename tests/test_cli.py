@@ -363,3 +363,13 @@ def test_sparse_attention_shows_tokens_attended_and_warns_when_few(capsys, byte_
 def test_a_folder_of_rows_without_recorded_settings_is_refused(capsys, tmp_path):
     (tmp_path / "results.jsonl").write_text('{"task": "vt"}\n')  # made before folders recorded their settings
     assert_clear_error(*run_main(capsys, "eval", "--out", str(tmp_path))[::2], "without a record", "another --out")
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "no-such-model", "--prompt", "hi", "--row-invariant"],  # on cpu
+    ["generate", "--model", "no-such-model", "--prompt", "hi", "--row-invariant", "--device", "cuda",
+     "--dtype", "float32"],
+    ["bench", "spec", "--target", "no-such-model", "--row-invariant"],
+])
+def test_row_invariant_products_are_refused_where_they_do_not_run(capsys, argv):
+    assert_clear_error(*run_main(capsys, *argv)[::2], "--row-invariant runs on cuda in bfloat16 or float16")

@@ -200,16 +200,19 @@ def test_select_every_in_the_runner_selects_then_reuses_and_selects_again_after_
     prompts = [list(range(1, 41)), [7] * 23]
     dense = Runner(model, 2, 80)
     full = Runner(model, 2, 80, make_policy("binarypc", {"budget": 1.0, "dense_layers": 0, "select_every": 3}))
+    # every layer dense (no sparse layer keeps a selection): reusing steps are dense steps
+    none = Runner(model, 2, 80, make_policy("binarypc", {"budget": 0.2, "dense_layers": 8, "select_every": 3}))
     small = Runner(model, 2, 80, make_policy("binarypc", {"budget": 0.2, "dense_layers": 0, "select_every": 3,
                                                           "min_tokens": 0}))
     assert full.fixed and small.fixed  # select_every needs the fixed-width path, on CPU too
     calls = []
     select = small.policy.fixed_selection
     small.policy.fixed_selection = lambda *a: calls.append(1) or select(*a)
-    tokens = [r.model.logits(r.prefill(prompts)).argmax(-1) for r in (dense, full, small)]
+    tokens = [r.model.logits(r.prefill(prompts)).argmax(-1) for r in (dense, full, small, none)]
     for step in range(7):
-        tokens = [r.decode(t).argmax(-1) for r, t in zip((dense, full, small), tokens)]
+        tokens = [r.decode(t).argmax(-1) for r, t in zip((dense, full, small, none), tokens)]
         assert torch.equal(tokens[1], tokens[0])  # a full budget reused is still every token: dense greedy
+        assert torch.equal(tokens[3], tokens[0])
     assert len(calls) == 2 * 3  # steps 0, 3, 6 select (two layers each); the others reuse
     small.truncate([n - 2 for n in small.cache.lengths])
     small.decode(tokens[2])

@@ -114,12 +114,20 @@ def test_greedy_rows_equal_verify_greedy_row_by_row():
     best = logits.argmax(-1)
     proposals = [best[0, :5].tolist(), best[1, :2].tolist() + [int(best[1, 2]) ^ 1], [], best[3, :3].tolist(),
                  torch.randint(0, 4, (4,), generator=g).tolist()]
-    rows = verify_greedy_rows(proposals, logits)
+    counts = [len(p) for p in proposals]
+    # the padding past a row's proposals is ignored: here it is the target's own tokens, which would all match
+    proposed = best[:, :5].clone()
+    for r, p in enumerate(proposals):
+        proposed[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+    rows = verify_greedy_rows(proposed, counts, logits)
     assert rows == [verify_greedy(torch.tensor(p, dtype=torch.long), logits[r, :len(p) + 1])
                     for r, p in enumerate(proposals)]
     assert rows[0] == best[0].tolist() and rows[2] == [int(best[2, 0])] and len(rows[1]) == 3
+    assert rows[3] == best[3, :4].tolist()  # its padding matches: still only its 3 proposals count
     with pytest.raises(ValueError):
-        verify_greedy_rows([[0] * 6] + [[]] * 4, logits)
+        verify_greedy_rows(proposed, [6, 0, 0, 0, 0], logits)
+    with pytest.raises(ValueError):
+        verify_greedy_rows(proposed[:, :3], counts, logits)
 
 
 def test_greedy_config_delegates_to_verify_greedy():

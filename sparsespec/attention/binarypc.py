@@ -281,6 +281,18 @@ class BinaryPC(SelectionPolicy):
                 state.encoded = end
                 state.encoded_dev.copy_(end_dev)
 
+    def append_all(self, cache, lengths):
+        states = [s for s in cache.policy_state if s is not None]
+        if self.fixed is None or not states:
+            super().append_all(cache, lengths)  # (eager steps may encode decoded tokens, layer by layer)
+            return
+        # fixed-width steps encode in their graphs: a rollback only forgets the codes past the lengths, every
+        # layer's in one copy and one launch (a speculative loop rolls back twice a step)
+        n = device_ints(lengths, states[0].encoded_dev.device, torch.int32)
+        torch._foreach_minimum_([s.encoded_dev for s in states], [n] * len(states))
+        for s in states:
+            s.encoded = [min(e, m) for e, m in zip(s.encoded, lengths)]
+
     def _safeguarded(self, positions: list[int]) -> list[int]:
         """Per row, how many of the budget go to the worst-described keys."""
         return [int(self.options.safeguard * self.options.tokens(p + 1)) for p in positions]

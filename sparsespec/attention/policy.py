@@ -242,6 +242,11 @@ class Policy(ABC):
     def append(self, layer: int, cache: KVCache, lengths: list[int]) -> None:
         """Slots [0, lengths[b]) are now committed (after each decode step; smaller after a rollback)."""
 
+    def append_all(self, cache: KVCache, lengths: list[int]) -> None:
+        """`append` for every layer of the cache (a step or a rollback moves every layer's length at once)."""
+        for layer in range(len(cache.k)):
+            self.append(layer, cache, lengths)
+
     @abstractmethod
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, 1, D] of the tokens at `positions` [B] (already in the cache) -> output [B, Hq, 1, D]."""
@@ -327,7 +332,7 @@ class SelectionPolicy(Policy):
         slot = positions.to(idx.dtype).repeat_interleave(R // B).expand(L, R)  # [L', R]
         idx.scatter_(2, count.clamp_max(W - 1).long()[..., None], slot[..., None])
         count.add_(1).clamp_(max=W)
-        plan.attended.add_(count.view(L, B, -1).float().mean(-1).sum(0))
+        plan.attended.add_(count.view(L, B, R // B).float().mean(-1).sum(0))  # (L may be 0: every layer dense)
 
     def listed_forced(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Per row's budget [B], how many slots of the policy's own forced list a step takes (None: no list)."""

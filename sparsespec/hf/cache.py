@@ -123,8 +123,7 @@ class SparseCache(Cache):
                 policy.plan_fixed(kv, lengths)
             self.built = True
         elif self.indexed != n:
-            for layer in range(len(self.layers)):
-                policy.append(layer, kv, lengths)
+            policy.append_all(kv, lengths)
         self.indexed = n
         self.step = DecodeStep(policy, kv, 0, lengths, device_ints(lengths, kv.device))  # shared by every layer
         if self.fixed:

@@ -85,8 +85,8 @@ def speculative_generate(model, input_ids: torch.LongTensor, logits_processor: L
         cache.crop(accepted + 1 - block.shape[1])
         ids, done = _commit(ids, new, stopping_criteria)
         if not done:
-            drafter.commit([ids[0].tolist()], [accepted],
-                           [tapped_features(out.hidden_states, taps)[0, :accepted + 1]] if taps else None)
+            drafter.commit([ids.shape[1]], [accepted],
+                           tapped_features(out.hidden_states, taps)[:, :accepted + 1] if taps else None)
     return ids
 
 
@@ -141,11 +141,11 @@ class HFModelDrafter(Drafter):
         self.drafted = max(k - 1, 0)
         return [proposals], [None]
 
-    def commit(self, histories, accepted, features):
+    def commit(self, lengths, accepted, features):
         # the cache holds the old history and the first `drafted` proposals; keep only what was accepted
-        (history,), (a,) = histories, accepted
+        (length,), (a,) = lengths, accepted
         if a is not None:
-            keep = len(history) - a - 1 + min(a, self.drafted)
+            keep = length - a - 1 + min(a, self.drafted)
             self.cache.crop(keep - self.cache.get_seq_length())
 
 

@@ -21,6 +21,40 @@ from ..kernels import triton_ready
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
+# With row-invariant products on (`Transformer.row_invariant`), CUDA steps of up to this many rows (batch x tokens a
+# row: a decode step, a verify block of the batch) multiply through the row-invariant kernel; larger ones (prefill)
+# through cuBLAS.
+ROW_INVARIANT_ROWS = 256
+
+
+@torch.library.custom_op("sparsespec::row_linear", mutates_args=())
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] · weight [N, K]ᵀ + bias through `kernels.matmul.row_matmul` (a custom op: torch.compile keeps it
+    whole inside its graph)."""
+    from ..kernels.matmul import row_matmul
+
+    return row_matmul(x, weight, bias)
+
+
+@row_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose products of at most `rows` rows (0: never) run through the row-invariant kernel on CUDA
+    (bf16/fp16): a row's result then does not depend on how many rows the step has, so a speculative verify step
+    computes each token's logits bitwise as the one-token decode step does."""
+
+    rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if 0 < rows <= self.rows and x.dtype in (torch.bfloat16, torch.float16) and triton_ready(x.device):
+            return row_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -54,8 +88,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
@@ -126,8 +160,8 @@ def begin_sparse_step(policy: Policy, positions: torch.Tensor) -> None:
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -158,9 +192,17 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
         self.register_buffer("inv_freq", inv, persistent=False)
+
+    def row_invariant(self, rows: int = ROW_INVARIANT_ROWS) -> None:
+        """Steps of up to `rows` rows (batch x tokens a row; 0: off) multiply through the row-invariant kernel on
+        CUDA: a token's logits are then bitwise the same in a verify block as in a decode step, so greedy
+        speculative output equals plain greedy output in bf16 too (not only up to near-ties)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.rows = rows
 
     def tie_weights(self) -> None:
         if self.cfg.tie_embeddings:

@@ -113,6 +113,8 @@ class _Slot:
         self.prefilled = 0  # prompt tokens in the cache
         self.features: list[torch.Tensor] = []  # with a drafter's taps: the prompt chunks' target features
         self.next_token: int | None = None  # decoding: the token the next step feeds
+        self.history = list(job.prompt)  # the prompt and every generated token (grown in place: a speculative step
+        #                                  must not copy a long context per row)
 
     @property
     def decoding(self) -> bool:
@@ -297,7 +299,7 @@ class Scheduler:
         start = time.perf_counter()
         block, cap = self.config.block_size, self.runner.cache.capacity
         decoding = [s is not None and s.decoding for s in self.slots]
-        histories = [s.job.prompt + s.output.ids if d else None for s, d in zip(self.slots, decoding)]
+        histories = [s.history if d else None for s, d in zip(self.slots, decoding)]
         ks = [min(block - 1, min(len(s.job.prompt) + s.job.gen.max_new_tokens + block, cap) - n - 1) if d else 0
               for s, d, n in zip(self.slots, decoding, self.runner.cache.lengths)]
         commits = speculative_step(
@@ -321,6 +323,7 @@ class Scheduler:
             self._free(i, "cancelled")
             return
         text = slot.output.add(token)
+        slot.history.append(token)
         if slot.output.done:
             text += slot.output.finish()
             slot.job.deliver(Event(text, len(slot.output.ids), slot.output.finish_reason))

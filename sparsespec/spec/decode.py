@@ -7,7 +7,7 @@ back — for a batch of rows of any lengths.
                                                                 one forward, a graph of block_size slots on CUDA)
           committed = verify(proposals[r], logits[r])          (per row: accepted prefix + one target token)
           runner.truncate(n_r + accepted_r + 1)                (the rollback is "don't advance", row by row)
-          drafter.commit(histories, accepted, features of the newly cached tokens)
+          drafter.commit(lengths, accepted, features of the newly cached tokens)
 
 The target's cache slots past a row's committed length hold rejected drafts or padding: dead, rewritten by the
 next step. Output stops exactly where plain decoding would (max new tokens, EOS, stop strings), so greedy output is
@@ -131,22 +131,32 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
         # stopped after a whole block, left at its end, could step past the cache)
         runner.truncate([p if h is None else n for h, n, p in zip(histories, runner.cache.lengths, parked)])
     lengths = list(runner.cache.lengths)
-    proposals, probs = drafter.propose(histories, ks, cfgs, rngs)
-    # every row's block is written from its length on: near the context's end the widest block must fit too
-    width = min(1 + max(len(p) for p in proposals), runner.cache.capacity - max(lengths))
-    proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
-    blocks = [[0] * width if h is None else [h[-1]] + p + [h[-1]] * (width - 1 - len(p))
-              for h, p in zip(histories, proposals)]
-    logits, features = runner.verify(device_ints(blocks, runner.device), block_size)  # [B, width, V]
     live = [h is not None for h in histories]
-    if all(c.greedy for c, on in zip(cfgs, live) if on):  # every row at once, one read-back
-        commits = [new if on else None for new, on in zip(verify_greedy_rows(proposals, logits), live)]
+    greedy = all(c.greedy for c, on in zip(cfgs, live) if on)
+    # every row's block is written from its length on: near the context's end the widest block must fit too
+    room = runner.cache.capacity - max(lengths)
+    pending = [h[-1] if on else 0 for h, on in zip(histories, live)]
+    if greedy and drafter.device_drafts:  # the drafts stay on the device: the verify is queued right behind them
+        drafts, counts = drafter.propose_greedy(histories, ks)  # [B, K], row r's first counts[r] proposed
+        width = min(1 + max(counts), room)
+        block = torch.cat([device_ints(pending, runner.device)[:, None], drafts[:, :width - 1]], 1)  # [B, width]
+    else:
+        proposals, probs = drafter.propose(histories, ks, cfgs, rngs)
+        width = min(1 + max(len(p) for p in proposals), room)
+        proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
+        block = device_ints([[t] + p + [t] * (width - 1 - len(p)) for t, p in zip(pending, proposals)],
+                            runner.device)
+        counts = [len(p) for p in proposals]
+    counts = [min(c, k, width - 1) for c, k in zip(counts, ks)]
+    logits, features = runner.verify(block, block_size)  # [B, width, V]
+    if greedy:  # every row at once, one read-back
+        commits = [new if on else None for new, on in zip(verify_greedy_rows(block[:, 1:], counts, logits), live)]
     else:  # row by row, each with its own settings and generator (as alone)
         commits = [verify_sampling(torch.tensor(p, dtype=torch.long, device=logits.device),
                                    None if q is None else q[:len(p)], logits[r, :len(p) + 1], cfgs[r], rngs[r])
                    if on else None for r, (p, q, on) in enumerate(zip(proposals, probs, live))]
     accepted = [None if c is None else len(c) - 1 for c in commits]
     runner.truncate([n + a + 1 if a is not None else rest for n, a, rest in zip(lengths, accepted, parked)])
-    drafter.commit([None if c is None else h + c for h, c in zip(histories, commits)], accepted,
-                   None if features is None else [features[r, :width] for r in range(len(blocks))])
+    drafter.commit([None if c is None else len(h) + len(c) for h, c in zip(histories, commits)], accepted,
+                   features)  # [B, width, taps * hidden] or None
     return commits

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..attention.dense import causal_mask, dense_attention
+from ..attention.policy import device_ints
 from ..cache import KVCache
 from ..config import ModelConfig, RopeScaling
 from ..errors import SparseSpecError
@@ -251,18 +252,18 @@ class DraftGraphs:
             lambda: model.draft_tokens(target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
         self.ingest_graph, _ = capture(lambda: model.ingest(features, at[:, None] + offsets, cache), dev)
 
-    def propose(self, tokens: list[int], starts: list[int]) -> list[list[int]]:
-        self.tokens.copy_(torch.tensor(tokens), non_blocking=True)
-        self.starts.copy_(torch.tensor(starts), non_blocking=True)
+    def propose(self, tokens: list[int], starts: list[int]) -> torch.Tensor:
+        """-> the proposals [N, B − 1] on the device (the graph's output: the next replay overwrites it)."""
+        self.tokens.copy_(device_ints(tokens, self.tokens.device))
+        self.starts.copy_(device_ints(starts, self.starts.device))
         self.propose_graph.replay()
-        return self.proposals.tolist()  # the step's one read-back
+        return self.proposals
 
-    def ingest(self, features: list[torch.Tensor | None], starts: list[int | None]) -> None:
-        """Row r's features [T_r <= B, ·] at starts[r] on; None: the row writes nothing of use (parked)."""
-        for r, f in enumerate(features):
-            if f is not None:
-                self.features[r, :f.shape[0]] = f
-        self.at.copy_(torch.tensor([self.park if s is None else s for s in starts]), non_blocking=True)
+    def ingest(self, features: torch.Tensor, starts: list[int | None]) -> None:
+        """features [N, T <= B, ·] at starts[r] on for row r (slots past its accepted tokens are dead); None: the
+        row writes at the parking slots."""
+        self.features[:, :features.shape[1]].copy_(features)
+        self.at.copy_(device_ints([self.park if s is None else s for s in starts], self.at.device))
         self.ingest_graph.replay()
 
 
@@ -316,36 +317,43 @@ class DFlashDrafter(Drafter):
         for r, f in enumerate(features):
             if f is not None:
                 padded[r, :f.shape[0]] = f
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # [N, T]
+        positions = device_ints(starts, device)[:, None] + torch.arange(T, device=device)  # [N, T]
         self.model.ingest(padded, positions, self.cache)
+
+    device_drafts = True
 
     @torch.inference_mode()
     def propose(self, histories, ks, cfgs, rngs):
+        drafts, counts = self.propose_greedy(histories, ks)
+        best = drafts.tolist()  # the step's one read-back
+        return [row[:n] for row, n in zip(best, counts)], [None] * len(histories)
+
+    @torch.inference_mode()
+    def propose_greedy(self, histories, ks):
         B = self.model.cfg.block_size
-        if all(h is None or k < 1 for h, k in zip(histories, ks)):
-            return [[] for _ in histories], [None] * len(histories)
+        counts = [0 if h is None else max(min(k, B - 1), 0) for h, k in zip(histories, ks)]
+        device = self.model.fc.weight.device
+        if not any(counts):
+            return torch.zeros(len(histories), 0, dtype=torch.long, device=device), counts
         # row r's pending token sits at len(history) - 1, its context covers [0, that); a stopped row drafts at
         # the parking slots (graphs) or at 0 (eager: its context is never used again)
         tokens = [0 if h is None else h[-1] for h in histories]
         if self.graphs is not None:
-            best = self.graphs.propose(tokens, [self.park if h is None else len(h) - 1 for h in histories])
-        else:
-            starts = [0 if h is None else len(h) - 1 for h in histories]
-            device = self.model.fc.weight.device
-            best = self.model.draft_tokens(self.target, torch.tensor(tokens, device=device),
-                                           torch.tensor(starts, device=device), self.cache, max(starts) + B).tolist()
-        return [[] if h is None else row[:min(k, B - 1)] for h, k, row in zip(histories, ks, best)], \
-            [None] * len(histories)
+            return self.graphs.propose(tokens, [self.park if h is None else len(h) - 1 for h in histories]), counts
+        starts = [0 if h is None else len(h) - 1 for h in histories]
+        return self.model.draft_tokens(self.target, device_ints(tokens, device), device_ints(starts, device),
+                                       self.cache, max(starts) + B), counts
 
     @torch.inference_mode()
-    def commit(self, histories, accepted, features):
-        # row r's context covers [0, n); its newly cached target tokens sit at n..n + accepted
+    def commit(self, lengths, accepted, features):
+        # row r's context covers [0, n); its newly cached target tokens sit at n..n + accepted (the block's other
+        # positions are written too, past the row's new length: dead)
         lengths = list(self.cache.lengths)
-        live = [a is not None for a in accepted]
-        if any(live):
-            rows = [f[:a + 1] if a is not None else None for f, a in zip(features, accepted)]
+        if any(a is not None for a in accepted):
             if self.graphs is not None:
-                self.graphs.ingest(rows, [n if a is not None else None for n, a in zip(lengths, accepted)])
+                self.graphs.ingest(features, [n if a is not None else None for n, a in zip(lengths, accepted)])
             else:
-                self._ingest(rows, lengths)
+                positions = device_ints(lengths, features.device)[:, None] + torch.arange(features.shape[1],
+                                                                                         device=features.device)
+                self.model.ingest(features, positions, self.cache)  # [B, w, ·] at [B, w]
         self.cache.truncate([n + a + 1 if a is not None else 0 for n, a in zip(lengths, accepted)])

@@ -10,9 +10,13 @@ The speculative loop (decode.py) drives a drafter through three calls, for every
                                      state); -> per row up to ks[r] proposed continuations, and the distributions
                                      they were drawn from ([k_r, V], drawn under cfgs[r] with rngs[r]) or None for
                                      point-mass proposals (argmax drafts, copies)
-    commit(histories, accepted, features)  after verification: row r kept accepted[r] proposals (then one target
-                                     token; None for a stopped row); features[r] of the tokens the target has just
-                                     cached, [accepted[r] + 1, ·]
+    propose_greedy(histories, ks)    drafters with `device_drafts`, every decoding row greedy: the argmax drafts
+                                     left on the device ([B, K] and per row how many it proposes), so the verify
+                                     step is queued behind the drafts without reading them back
+    commit(lengths, accepted, features)  after verification: row r kept accepted[r] proposals (then one target
+                                     token; None for a stopped row) and has lengths[r] committed tokens now (its
+                                     history's length; None for a stopped row); features [B, w, taps * hidden] of
+                                     the verify block (row r's first accepted[r] + 1 are its newly cached tokens)
 
 A row's proposals and random draws depend on that row alone, so a batch drafts for each row what it would alone.
 Continuous batching (`serve`) starts rows one at a time: `start` of the empty batch, then `start_row` as each
@@ -38,6 +42,7 @@ class Drafter(ABC):
     name: str = ""
     taps: tuple[int, ...] = ()  # target decoder layers whose outputs the drafter conditions on
     policy: Policy | None = None  # drafts with the target itself under this attention policy (see `bind`)
+    device_drafts: bool = False  # has `propose_greedy`
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
@@ -59,8 +64,13 @@ class Drafter(ABC):
                 rngs: list[torch.Generator | None]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         ...
 
-    def commit(self, histories: Rows, accepted: list[int | None],
-               features: list[torch.Tensor | None] | None) -> None:
+    def propose_greedy(self, histories: Rows, ks: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """`propose` for a batch whose decoding rows are all greedy, without reading the drafts back -> (drafts
+        [B, K] long on the target's device, counts): row r proposes its first counts[r] <= ks[r] (0 for a stopped
+        row); the other columns are padding, any token id. Valid until the drafter's next call."""
+        raise NotImplementedError(f"the {self.name} drafter has no device drafts")
+
+    def commit(self, lengths: list[int | None], accepted: list[int | None], features: torch.Tensor | None) -> None:
         """Default: nothing to update (stateless drafters)."""
 
 
@@ -81,6 +91,11 @@ def _drafted(tokens: list[list[torch.Tensor]], probs: list[list[torch.Tensor]]):
         out.append(flat[i:i + len(row)])
         i += len(row)
     return out, [torch.stack(p) if p else None for p in probs]
+
+
+def _stacked(drafts: list[torch.Tensor], rows: int, device: torch.device) -> torch.Tensor:
+    """Per draft step the batch's tokens [B] -> [B, steps] (steps may be 0)."""
+    return torch.stack(drafts, 1) if drafts else torch.zeros(rows, 0, dtype=torch.long, device=device)
 
 
 class NgramDrafter(Drafter):
@@ -158,18 +173,24 @@ class ModelDrafter(Drafter):
     def start_row(self, row, prompt, features):
         self.runner.prefill_row(row, prompt, 0)
 
-    @torch.inference_mode()
-    def propose(self, histories, ks, cfgs, rngs):
+    device_drafts = True
+
+    def _catch_up(self, histories: Rows) -> torch.Tensor:
+        """Feed each row the committed tokens it has not drafted on yet -> the next-token logits [B, V]; every row's
+        cache then ends at its history (a stopped row is parked at slot 0: its cache is not needed again)."""
         runner = self.runner
-        # the committed tokens each row has not drafted on yet, padded to one width (the padding is rolled back);
-        # a stopped row is parked at slot 0 (its cache is not needed again)
         news = [[0] if h is None else h[n:] for h, n in zip(histories, runner.cache.lengths)]
-        width = max(len(t) for t in news)
+        width = max(len(t) for t in news)  # padded to one width (the padding is rolled back)
         block = device_ints([t + t[-1:] * (width - len(t)) for t in news], runner.device)  # [B, width]
         hidden = runner.forward(block)  # [B, width, H]
         last = device_ints([len(t) - 1 for t in news], runner.device)
         logits = self.engine.model.logits(hidden[torch.arange(len(news), device=runner.device), last])  # [B, V]
         runner.truncate([0 if h is None else len(h) for h in histories])
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, histories, ks, cfgs, rngs):
+        logits = self._catch_up(histories)
         kmax = max((k for h, k in zip(histories, ks) if h is not None), default=0)
         tokens, probs = [[] for _ in histories], [[] for _ in histories]
         for i in range(kmax):
@@ -183,14 +204,27 @@ class ModelDrafter(Drafter):
                         probs[r].append(p)
                 step.append(tokens[r][-1] if tokens[r] else logits.new_zeros(1, dtype=torch.long))
             if i < kmax - 1:
-                logits = runner.decode(torch.cat(step))  # [B, V]
+                logits = self.runner.decode(torch.cat(step))  # [B, V]
         self.drafted = [max(min(k, kmax) - 1, 0) for k in ks]
         return _drafted(tokens, probs)
 
-    def commit(self, histories, accepted, features):
+    @torch.inference_mode()
+    def propose_greedy(self, histories, ks):
+        logits = self._catch_up(histories)
+        kmax = max((k for h, k in zip(histories, ks) if h is not None), default=0)
+        drafts = []
+        for i in range(kmax):  # every row drafts kmax tokens; a row wanting fewer ignores the rest
+            drafts.append(logits.argmax(-1))  # [B]
+            if i < kmax - 1:
+                logits = self.runner.decode(drafts[-1])
+        counts = [0 if h is None else min(k, kmax) for h, k in zip(histories, ks)]
+        self.drafted = [max(kmax - 1, 0) if h is not None else 0 for h in histories]
+        return _stacked(drafts, len(histories), logits.device), counts
+
+    def commit(self, lengths, accepted, features):
         # row r's cache holds its old history and its first `drafted` proposals; keep only what was accepted
-        self.runner.truncate([0 if a is None else len(h) - a - 1 + min(a, drafted)
-                              for h, a, drafted in zip(histories, accepted, self.drafted)])
+        self.runner.truncate([0 if a is None else n - a - 1 + min(a, drafted)
+                              for n, a, drafted in zip(lengths, accepted, self.drafted)])
 
 
 class SelfDrafter(Drafter):
@@ -218,14 +252,19 @@ class SelfDrafter(Drafter):
     def start_row(self, row, prompt, features):
         """(The target's runner builds the row's index: `Runner.index_row`.)"""
 
+    device_drafts = True
+
+    def _steps(self, histories: Rows, ks: list[int]) -> int:
+        """How many sparse steps every row takes (a row wanting fewer takes them too): none past the cache's end."""
+        return min(max((k for h, k in zip(histories, ks) if h is not None), default=0),
+                   self.runner.cache.capacity - max(self.runner.cache.lengths))
+
     @torch.inference_mode()
     def propose(self, histories, ks, cfgs, rngs):
         runner = self.runner
         lengths = list(runner.cache.lengths)  # row r's pending token (histories[r][-1]) goes to slot lengths[r]
         step = device_ints([0 if h is None else h[-1] for h in histories], runner.device)  # [B]
-        # a row drafting fewer than kmax tokens takes kmax steps too: none may step past the cache's end
-        kmax = min(max((k for h, k in zip(histories, ks) if h is not None), default=0),
-                   runner.cache.capacity - max(lengths))
+        kmax = self._steps(histories, ks)
         tokens, probs = [[] for _ in histories], [[] for _ in histories]
         for i in range(kmax):
             logits = runner.decode(step)  # [B, V]: a sparse step of every row
@@ -242,3 +281,17 @@ class SelfDrafter(Drafter):
             step = torch.cat(drawn)
         runner.truncate(lengths)  # the verify step writes the block again, densely
         return _drafted(tokens, probs)
+
+    @torch.inference_mode()
+    def propose_greedy(self, histories, ks):
+        runner = self.runner
+        lengths = list(runner.cache.lengths)
+        step = device_ints([0 if h is None else h[-1] for h in histories], runner.device)  # [B]
+        kmax = self._steps(histories, ks)
+        drafts = []
+        for _ in range(kmax):  # every row steps kmax times; a row wanting fewer ignores the rest
+            step = runner.decode(step).argmax(-1)  # [B]: a sparse step of every row
+            drafts.append(step)
+        runner.truncate(lengths)  # the verify step writes the block again, densely
+        return _stacked(drafts, len(histories), runner.device), \
+            [0 if h is None else min(k, kmax) for h, k in zip(histories, ks)]

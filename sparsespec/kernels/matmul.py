@@ -1,0 +1,133 @@
+"""Row-invariant matrix products for decode and verify steps: y = x · Wᵀ (+ b) over a few rows (a batch's decode
+tokens, a speculative verify block), each row's result bitwise the same whatever the other rows are — however many
+rows the step has and wherever the row sits among them.
+
+cuBLAS chooses its algorithm (tile shapes, split-K) by the number of rows, so a token's logits in a 6-token verify
+step can round differently from the same token's in a 1-token decode step; at a near-tie the greedy output of
+speculative decoding then departs from plain decoding. Here every output element is reduced in an order fixed by
+(N, K) and the device alone:
+
+    _partial_kernel  grid (cdiv(N, BLOCK_N), splits): split s of the K dimension for BLOCK_N output columns; the
+                     rows in tiles of BLOCK_M = 16 (one MMA shape for any row count; the K-chunk's weight tile is
+                     re-read from L2 for the next row tile, not from memory); fp32 accumulation
+                     -> part [splits, M, N] fp32, or with one split y itself (bias added, cast)
+    _reduce_kernel   grid (cdiv(M·N, BLOCK),): the splits summed in split order, bias added, cast -> y [M, N]
+
+    row_matmul(x [M, K], weight [N, K], bias [N] | None) -> y [M, N]: x, weight, bias bf16 or fp16 (one dtype);
+    contiguous rows. `row_matmul_ref` is the torch reference (fp32 products, one rounding).
+
+Launch parameters depend on shapes alone (no read-back): a caller can capture them in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows per MMA tile, whatever M is: part of the reduction order's definition
+BLOCK_N = 64
+BLOCK_K = 64
+REDUCE_BLOCK = 1024
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _partial_kernel(x, w, bias, out, M, N, K, chunk, stride_xm, stride_wn, stride_os, stride_om,
+                    HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_start = split * chunk
+    k_end = tl.minimum(k_start + chunk, K)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + offs_k
+            k_ok = ks < k_end
+            a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            b = tl.load(w + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                        mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]: Wᵀ's tile
+            acc = tl.dot(a.to(DOT), b.to(DOT), acc, input_precision="ieee")
+        mask = m_ok[:, None] & n_ok[None, :]
+        dest = out + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        if FINAL:
+            if HAS_BIAS:
+                acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(dest, acc.to(out.dtype.element_ty), mask=mask)
+        else:
+            tl.store(dest, acc, mask=mask)
+
+
+@triton.jit
+def _reduce_kernel(part, bias, y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part + offs, mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(part + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y + offs, acc.to(y.dtype.element_ty), mask=ok)
+
+
+def plan(n: int, k: int, programs: int) -> tuple[int, int]:
+    """(splits of K, K chunk per split) for an [·, k] x [k, n] product on a device that runs about `programs`
+    programs at once: enough splits to give it ~2 programs each, chunks of whole BLOCK_K tiles, at least 4 tiles a
+    split. Independent of the row count (that is the point)."""
+    tiles_k = triton.cdiv(k, BLOCK_K)
+    splits = max(1, min(triton.cdiv(2 * programs, triton.cdiv(n, BLOCK_N)), tiles_k // 4))
+    chunk = triton.cdiv(tiles_k, splits) * BLOCK_K
+    return triton.cdiv(k, chunk), chunk
+
+
+def _programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the CPU interpreter (tests)
+
+
+def row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               programs: int | None = None) -> torch.Tensor:
+    """x [M, K], weight [N, K], bias [N] or None -> y [M, N] = x · weightᵀ + bias, in x's dtype (bf16/fp16), fp32
+    accumulation, every row reduced in the same order whatever M is. `programs`: the parallelism the K splits are
+    planned for (default: the device's multiprocessor count)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or weight.dtype != x.dtype or x.dtype not in _TL_DTYPES:
+        raise ValueError(f"row_matmul needs x [M, K] and weight [N, K] of one dtype (bf16/fp16), got "
+                         f"{list(x.shape)} {x.dtype} and {list(weight.shape)} {weight.dtype}")
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    splits, chunk = plan(N, K, programs or _programs(x.device))
+    has_bias = bias is not None
+    b = bias if has_bias else weight  # (not read)
+    grid = (triton.cdiv(N, BLOCK_N), splits)
+    # (the CPU interpreter's bf16/fp16 dot is unreliable: it multiplies the same values in fp32 there)
+    dot = tl.float32 if x.device.type == "cpu" else _TL_DTYPES[x.dtype]
+    if splits == 1:
+        _partial_kernel[grid](x, weight, b, y, M, N, K, chunk, x.stride(0), weight.stride(0), 0, y.stride(0),
+                              HAS_BIAS=has_bias, FINAL=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                              DOT=dot)
+        return y
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    _partial_kernel[grid](x, weight, b, part, M, N, K, chunk, x.stride(0), weight.stride(0), part.stride(0),
+                          part.stride(1), HAS_BIAS=False, FINAL=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                          BLOCK_K=BLOCK_K, DOT=dot)
+    _reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](part, b, y, M * N, N, SPLITS=splits, HAS_BIAS=has_bias,
+                                                        BLOCK=REDUCE_BLOCK)
+    return y
+
+
+def row_matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference of `row_matmul`: fp32 products and sum, one rounding to x's dtype."""
+    y = x.float() @ weight.float().T
+    return (y if bias is None else y + bias.float()).to(x.dtype)

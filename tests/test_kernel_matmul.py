@@ -1,0 +1,111 @@
+"""The row-invariant matrix product against its torch reference, and its defining property: a row's result does not
+depend on the other rows (interpreted on CPU at small sizes, native on CUDA)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from sparsespec.kernels.matmul import BLOCK_K, plan, row_matmul, row_matmul_ref  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+cuda_only = pytest.mark.skipif(not CUDA, reason="larger sizes run on CUDA only")
+
+
+def case(M, N, K, dtype, seed, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEVICE, dtype)
+    b = torch.randn(N, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, w, b
+
+
+def close(y, ref):
+    # fp32 sums in another order, one rounding each: at most a step or two of the output dtype apart
+    err = (y.float() - ref.float()).abs()
+    assert (err <= 2 * torch.finfo(y.dtype).eps * ref.float().abs() + 1e-3).all(), err.max().item()
+
+
+#  M,  N,   K,   dtype,          bias,  programs (K splits planned for it)
+CASES = [
+    (1, 8, 16, torch.bfloat16, True, 8),
+    (3, 33, 70, torch.float16, False, 8),
+    (16, 64, 64, torch.bfloat16, True, 1),
+    (17, 100, 200, torch.bfloat16, True, 8),  # a second row tile; several splits
+    (40, 65, 333, torch.float16, True, 64),  # more splits than fit: the last one short
+    (5, 130, 1000, torch.bfloat16, False, 16),
+    (2, 7, 5, torch.float16, True, 4),  # K shorter than a tile
+]
+
+
+@pytest.mark.parametrize("M,N,K,dtype,bias,programs", CASES)
+def test_row_matmul_matches_its_reference(M, N, K, dtype, bias, programs):
+    x, w, b = case(M, N, K, dtype, M * 1000 + N + K)
+    y = row_matmul(x, w, b, programs)
+    assert y.shape == (M, N) and y.dtype == dtype
+    close(y, row_matmul_ref(x, w, b))
+
+
+@pytest.mark.parametrize("M,N,K,dtype,bias,programs", CASES)
+def test_a_row_is_the_same_whatever_the_other_rows_are(M, N, K, dtype, bias, programs):
+    x, w, b = case(M, N, K, dtype, M + N * 7 + K)
+    y = row_matmul(x, w, b, programs)
+    for r in {0, M // 2, M - 1}:
+        assert torch.equal(row_matmul(x[r:r + 1], w, b, programs), y[r:r + 1])  # alone
+    other = torch.cat([x.flip(0), torch.randn(5, K).to(DEVICE, dtype)])  # reordered, more rows
+    assert torch.equal(row_matmul(other, w, b, programs)[:M].flip(0), y)
+
+
+def test_the_split_plan_depends_on_the_shape_alone_and_covers_k():
+    for n, k, programs in [(8, 16, 8), (2048, 1536, 132), (1536, 8960, 132), (151936, 1536, 132), (64, 999, 200)]:
+        splits, chunk = plan(n, k, programs)
+        assert splits >= 1 and chunk % BLOCK_K == 0
+        assert (splits - 1) * chunk < k <= splits * chunk  # every split has work, together all of K
+    assert plan(151936, 1536, 132)[0] == 1  # a wide product needs no split
+
+
+def test_row_matmul_refuses_mixed_or_fp32_inputs():
+    x, w, _ = case(2, 8, 16, torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="one dtype"):
+        row_matmul(x, w.half())
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        row_matmul(x.float(), w.float())
+
+
+@cuda_only
+@pytest.mark.parametrize("M", [1, 6, 16, 96, 200])
+@pytest.mark.parametrize("N,K", [(2048, 1536), (1536, 8960), (17920, 1536), (151936, 1536)])
+def test_row_matmul_at_model_sizes(M, N, K):
+    x, w, b = case(M, N, K, torch.bfloat16, M + N)
+    y = row_matmul(x, w, b)
+    close(y, row_matmul_ref(x, w, b))
+    assert torch.equal(row_matmul(x[-1:], w, b), y[-1:])
+
+
+def test_the_models_linear_takes_the_kernel_up_to_its_row_limit(monkeypatch):
+    from sparsespec.models import transformer
+
+    if not CUDA:
+        monkeypatch.setattr(transformer, "triton_ready", lambda device: True)  # the kernel, interpreted
+    torch.manual_seed(0)
+    lin = transformer.Linear(40, 24, bias=True).to(DEVICE, torch.bfloat16)
+    x = torch.randn(3, 4, 40).to(DEVICE, torch.bfloat16)  # 12 rows
+    calls = []
+    monkeypatch.setattr(transformer, "row_linear", lambda *a: calls.append(1) or row_matmul(*a))
+    plain = lin(x)
+    assert not calls  # rows = 0: off
+    lin.rows = 12
+    y = lin(x)
+    assert calls and y.shape == (3, 4, 24)
+    close(y, row_matmul_ref(x.reshape(12, 40), lin.weight, lin.bias).view(3, 4, 24))
+    assert torch.equal(lin(x[1:2, 2:3]), y[1:2, 2:3])  # a row alone: bitwise the same
+    close(plain, y)
+    lin.rows = 11
+    calls.clear()
+    lin(x)
+    assert not calls  # past the limit: F.linear (cuBLAS on CUDA)
