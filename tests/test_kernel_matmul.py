@@ -109,3 +109,7 @@ def test_the_models_linear_takes_the_kernel_up_to_its_row_limit(monkeypatch):
     calls.clear()
     lin(x)
     assert not calls  # past the limit: F.linear (cuBLAS on CUDA)
+    # the custom op the model calls (what torch.compile keeps whole in its graph), with and without a bias
+    rows = x.reshape(12, 40)
+    assert torch.equal(torch.ops.sparsespec.row_linear(rows, lin.weight, lin.bias), y.reshape(12, 24))
+    assert torch.equal(torch.ops.sparsespec.row_linear(rows, lin.weight, None), row_matmul(rows, lin.weight))
