@@ -20,9 +20,15 @@ Inputs, each measured elsewhere and read from its results file:
   block b). Each draft is taken as accepted with one probability α (a geometric model; α the maximum-likelihood
   fit of the runs, each step's accepted drafts censored at b − 1), so τ(γ) = (1 − α^(γ+1)) / (1 − α).
 
+Or, with --cycle (a `bench/spec_cycle.py` run), every step cost from that one run at its (batch, context): the dense
+step, the selecting and reusing sparse steps and the verify of the run's block, whose cost over a dense step is held
+flat over the widths projected (at long context the verify reads the cache once whatever its width: an assumption
+past the measured width).
+
     python bench/project_self_spec.py [--decode docs/results/sparse-gpu/bench_decode.json]
         [--spec docs/results/spec-self-cpu/spec.jsonl] [--verify docs/results/verify-cost/verify_cost.json]
         [--policy binarypc:budget=0.02] [--drafter self:binarypc:budget=0.02] [--max-gamma 15]
+        [--cycle docs/results/spec-cycle/spec_cycle.json --select-every N]
 """
 
 from __future__ import annotations
@@ -66,9 +72,11 @@ def main() -> None:
     ap.add_argument("--drafter", default="self:binarypc:budget=0.02", help="the drafter of the spec rows")
     ap.add_argument("--block", type=int, default=None, help="block size of the spec run (default: its settings)")
     ap.add_argument("--max-gamma", type=int, default=15)
+    ap.add_argument("--cycle", default=None, help="step costs from a bench/spec_cycle.py run (spec_cycle.json)")
+    ap.add_argument("--select-every", type=int, default=None,
+                    help="--cycle: the select_every projected (default: the drafter's)")
     args = ap.parse_args()
 
-    decode_rows = json.loads(Path(args.decode).read_text())["rows"]
     every = next((int(o.split("=")[1]) for o in args.drafter.split(":")[-1].split(",")
                   if o.startswith("select_every=")), 1)
     spec_rows = [json.loads(line) for line in Path(args.spec).read_text().splitlines() if line.strip()]
@@ -79,6 +87,10 @@ def main() -> None:
     block = args.block or json.loads(settings.read_text())["block_size"]
     alpha = acceptance([r["committed"] for r in spec_rows], block)
     measured_tau = sum(sum(r["committed"]) for r in spec_rows) / sum(r["steps"] for r in spec_rows)
+    if args.cycle:
+        cycle_rows(Path(args.cycle), alpha, measured_tau, block, args)
+        return
+    decode_rows = json.loads(Path(args.decode).read_text())["rows"]
     verify = next(r for r in json.loads(Path(args.verify).read_text())["rows"] if r["model"] == args.verify_model)
     base = verify["steps"]["1"]["compiled"]
     ratios = {int(w): s["compiled"] / base for w, s in verify["steps"].items()}
@@ -103,6 +115,26 @@ def main() -> None:
         shown = f"{sparse:.2f}" + (f" (reusing {reuse:.2f})" if reuse != sparse else "")
         print(f"| {row['batch']} | {row['context']} | {dense:.2f} | {shown} | {dense / sparse:.2f}x | {best} | "
               f"{tau(alpha, best):.2f} | {speed:.2f}x |")
+
+
+def cycle_rows(path: Path, alpha: float, measured_tau: float, block: int, args) -> None:
+    """The projection from one spec_cycle run's step costs, for every γ up to --max-gamma."""
+    run = json.loads(path.read_text())
+    every = args.select_every or next((int(o.split("=")[1]) for o in run["policy"].split(",")
+                                       if o.startswith("select_every=")), 1)
+    print(f"PROJECTED, not measured. Acceptance α = {alpha:.3f} per draft ({args.drafter}, block {block}: measured "
+          f"τ {measured_tau:.2f}); step costs of {path} ({run['shape']}, random weights, self:{run['policy']}, "
+          f"verify of {run['block']} tokens held flat over γ); select_every {every}")
+    print()
+    print("| batch | context | dense step ms | select / reuse / verify ms | γ | τ(γ) | cycle ms | projected speedup |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in run["rows"]:
+        for g in range(1, args.max_gamma + 1):
+            selecting = -(-g // every)
+            cycle = selecting * row["select_ms"] + (g - selecting) * row["reuse_ms"] + row["verify_ms"]
+            print(f"| {row['batch']} | {row['context']} | {row['dense_ms']:.2f} | {row['select_ms']:.2f} / "
+                  f"{row['reuse_ms']:.2f} / {row['verify_ms']:.2f} | {g} | {tau(alpha, g):.2f} | {cycle:.2f} | "
+                  f"{tau(alpha, g) * row['dense_ms'] / cycle:.2f}x |")
 
 
 if __name__ == "__main__":
