@@ -126,7 +126,8 @@ def cycle_rows(path: Path, alpha: float, measured_tau: float, block: int, args) 
           f"τ {measured_tau:.2f}); step costs of {path} ({run['shape']}, random weights, self:{run['policy']}, "
           f"verify of {run['block']} tokens held flat over γ); select_every {every}")
     print()
-    print("| batch | context | dense step ms | select / reuse / verify ms | γ | τ(γ) | cycle ms | projected speedup |")
+    print("| batch | context | dense step ms | select / reuse / verify ms | γ | τ(γ) | cycle ms "
+          "| projected speedup |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in run["rows"]:
         for g in range(1, args.max_gamma + 1):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from sparsespec.attention import make_policy, parse_spec
+from sparsespec.attention.policy import device_ints
 from sparsespec.graphs import CudaGraphDecodeStep
 from sparsespec.runner import Runner
 from sparsespec.sampling import SamplingConfig
@@ -93,7 +94,13 @@ def main() -> None:
         cycle = cycle_ms(runner, drafter, C, args.block, args.cycles)
         host = None
         if args.host_drafts:
-            drafter.device_drafts = False  # this instance reads its drafts back, as for sampled rows
+            on_device = drafter.propose_greedy
+
+            def read_back(histories, ks, device):  # the drafts to the host and back before the verify
+                drafts, counts = on_device(histories, ks, device)
+                return device_ints(drafts.tolist(), device).view_as(drafts), counts
+
+            drafter.propose_greedy = read_back
             host = cycle_ms(runner, drafter, C, args.block, args.cycles)
         dense = CudaGraphDecodeStep(model, runner.cache, compile=args.compile)
         dense_ms = time_ms(lambda: dense(tokens, positions))

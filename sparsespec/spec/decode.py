@@ -136,9 +136,10 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     # every row's block is written from its length on: near the context's end the widest block must fit too
     room = runner.cache.capacity - max(lengths)
     pending = [h[-1] if on else 0 for h, on in zip(histories, live)]
-    if greedy and drafter.device_drafts:  # the drafts stay on the device: the verify is queued right behind them
-        drafts, counts = drafter.propose_greedy(histories, ks)  # [B, K], row r's first counts[r] proposed
+    if greedy:  # drafts drawn on the device stay there: the verify is queued right behind them
+        drafts, counts = drafter.propose_greedy(histories, ks, runner.device)  # [B, K], row r's first counts[r]
         width = min(1 + max(counts), room)
+        counts = [min(c, k, width - 1) for c, k in zip(counts, ks)]
         block = torch.cat([device_ints(pending, runner.device)[:, None], drafts[:, :width - 1]], 1)  # [B, width]
     else:
         proposals, probs = drafter.propose(histories, ks, cfgs, rngs)
@@ -146,8 +147,6 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
         proposals = [p[:min(k, width - 1)] for p, k in zip(proposals, ks)]
         block = device_ints([[t] + p + [t] * (width - 1 - len(p)) for t, p in zip(pending, proposals)],
                             runner.device)
-        counts = [len(p) for p in proposals]
-    counts = [min(c, k, width - 1) for c, k in zip(counts, ks)]
     logits, features = runner.verify(block, block_size)  # [B, width, V]
     if greedy:  # every row at once, one read-back
         commits = [new if on else None for new, on in zip(verify_greedy_rows(block[:, 1:], counts, logits), live)]

@@ -320,16 +320,14 @@ class DFlashDrafter(Drafter):
         positions = device_ints(starts, device)[:, None] + torch.arange(T, device=device)  # [N, T]
         self.model.ingest(padded, positions, self.cache)
 
-    device_drafts = True
-
     @torch.inference_mode()
     def propose(self, histories, ks, cfgs, rngs):
-        drafts, counts = self.propose_greedy(histories, ks)
+        drafts, counts = self.propose_greedy(histories, ks, self.model.fc.weight.device)
         best = drafts.tolist()  # the step's one read-back
         return [row[:n] for row, n in zip(best, counts)], [None] * len(histories)
 
     @torch.inference_mode()
-    def propose_greedy(self, histories, ks):
+    def propose_greedy(self, histories, ks, device):
         B = self.model.cfg.block_size
         counts = [0 if h is None else max(min(k, B - 1), 0) for h, k in zip(histories, ks)]
         device = self.model.fc.weight.device

@@ -10,9 +10,10 @@ The speculative loop (decode.py) drives a drafter through three calls, for every
                                      state); -> per row up to ks[r] proposed continuations, and the distributions
                                      they were drawn from ([k_r, V], drawn under cfgs[r] with rngs[r]) or None for
                                      point-mass proposals (argmax drafts, copies)
-    propose_greedy(histories, ks)    drafters with `device_drafts`, every decoding row greedy: the argmax drafts
-                                     left on the device ([B, K] and per row how many it proposes), so the verify
-                                     step is queued behind the drafts without reading them back
+    propose_greedy(histories, ks, device)  every decoding row greedy: the proposals as one tensor on the target's
+                                     device ([B, K] and per row how many it proposes); drafters that draft on the
+                                     device leave them there, so the verify step is queued behind the drafts
+                                     without reading them back
     commit(lengths, accepted, features)  after verification: row r kept accepted[r] proposals (then one target
                                      token; None for a stopped row) and has lengths[r] committed tokens now (its
                                      history's length; None for a stopped row); features [B, w, taps * hidden] of
@@ -42,7 +43,6 @@ class Drafter(ABC):
     name: str = ""
     taps: tuple[int, ...] = ()  # target decoder layers whose outputs the drafter conditions on
     policy: Policy | None = None  # drafts with the target itself under this attention policy (see `bind`)
-    device_drafts: bool = False  # has `propose_greedy`
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
@@ -64,11 +64,16 @@ class Drafter(ABC):
                 rngs: list[torch.Generator | None]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         ...
 
-    def propose_greedy(self, histories: Rows, ks: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """`propose` for a batch whose decoding rows are all greedy, without reading the drafts back -> (drafts
-        [B, K] long on the target's device, counts): row r proposes its first counts[r] <= ks[r] (0 for a stopped
-        row); the other columns are padding, any token id. Valid until the drafter's next call."""
-        raise NotImplementedError(f"the {self.name} drafter has no device drafts")
+    def propose_greedy(self, histories: Rows, ks: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """`propose` for a batch whose decoding rows are all greedy -> (drafts [B, K] long on `device`, counts): row
+        r proposes its first counts[r] <= ks[r] (0 for a stopped row); the other columns are padding, any token id.
+        Valid until the drafter's next call. Default: `propose`'s proposals, uploaded (drafters that draft on the
+        host); drafters that draft on the device override it and read nothing back."""
+        B = len(histories)
+        proposals, _ = self.propose(histories, ks, [SamplingConfig()] * B, [None] * B)
+        counts = [len(p) for p in proposals]
+        width = max(counts, default=0)
+        return device_ints([p + [0] * (width - len(p)) for p in proposals], device).view(B, width), counts
 
     def commit(self, lengths: list[int | None], accepted: list[int | None], features: torch.Tensor | None) -> None:
         """Default: nothing to update (stateless drafters)."""
@@ -173,8 +178,6 @@ class ModelDrafter(Drafter):
     def start_row(self, row, prompt, features):
         self.runner.prefill_row(row, prompt, 0)
 
-    device_drafts = True
-
     def _catch_up(self, histories: Rows) -> torch.Tensor:
         """Feed each row the committed tokens it has not drafted on yet -> the next-token logits [B, V]; every row's
         cache then ends at its history (a stopped row is parked at slot 0: its cache is not needed again)."""
@@ -209,7 +212,7 @@ class ModelDrafter(Drafter):
         return _drafted(tokens, probs)
 
     @torch.inference_mode()
-    def propose_greedy(self, histories, ks):
+    def propose_greedy(self, histories, ks, device):
         logits = self._catch_up(histories)
         kmax = max((k for h, k in zip(histories, ks) if h is not None), default=0)
         drafts = []
@@ -252,8 +255,6 @@ class SelfDrafter(Drafter):
     def start_row(self, row, prompt, features):
         """(The target's runner builds the row's index: `Runner.index_row`.)"""
 
-    device_drafts = True
-
     def _steps(self, histories: Rows, ks: list[int]) -> int:
         """How many sparse steps every row takes (a row wanting fewer takes them too): none past the cache's end."""
         return min(max((k for h, k in zip(histories, ks) if h is not None), default=0),
@@ -283,7 +284,7 @@ class SelfDrafter(Drafter):
         return _drafted(tokens, probs)
 
     @torch.inference_mode()
-    def propose_greedy(self, histories, ks):
+    def propose_greedy(self, histories, ks, device):
         runner = self.runner
         lengths = list(runner.cache.lengths)
         step = device_ints([0 if h is None else h[-1] for h in histories], runner.device)  # [B]
