@@ -7,9 +7,10 @@ step can round differently from the same token's in a 1-token decode step; at a 
 speculative decoding then departs from plain decoding. Here every output element is reduced in an order fixed by
 (N, K) and the device alone:
 
-    _partial_kernel  grid (cdiv(N, BLOCK_N), splits): split s of the K dimension for BLOCK_N output columns; the
-                     rows in tiles of BLOCK_M = 16 (one MMA shape for any row count; the K-chunk's weight tile is
-                     re-read from L2 for the next row tile, not from memory); fp32 accumulation
+    _partial_kernel  grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits): split s of the K dimension for a tile of
+                     BLOCK_M = 16 rows (one MMA shape for any row count) and BLOCK_N output columns; the row tiles
+                     of one weight tile are neighbouring programs, so it comes from memory once and from L2 for
+                     the rest; fp32 accumulation
                      -> part [splits, M, N] fp32, or with one split y itself (bias added, cast)
     _reduce_kernel   grid (cdiv(M·N, BLOCK),): the splits summed in split order, bias added, cast -> y [M, N]
 
@@ -36,33 +37,33 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 def _partial_kernel(x, w, bias, out, M, N, K, chunk, stride_xm, stride_wn, stride_os, stride_om,
                     HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
+    pid_m = tl.program_id(0)  # fastest: the row tiles sharing a weight tile run side by side (it is read once)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
     n_ok = offs_n < N
     k_start = split * chunk
     k_end = tl.minimum(k_start + chunk, K)
-    for m0 in range(0, M, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            ks = k0 + offs_k
-            k_ok = ks < k_end
-            a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            b = tl.load(w + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                        mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]: Wᵀ's tile
-            acc = tl.dot(a.to(DOT), b.to(DOT), acc, input_precision="ieee")
-        mask = m_ok[:, None] & n_ok[None, :]
-        dest = out + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        if FINAL:
-            if HAS_BIAS:
-                acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(dest, acc.to(out.dtype.element_ty), mask=mask)
-        else:
-            tl.store(dest, acc, mask=mask)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < k_end
+        a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(w + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]: Wᵀ's tile
+        acc = tl.dot(a.to(DOT), b.to(DOT), acc, input_precision="ieee")
+    mask = m_ok[:, None] & n_ok[None, :]
+    dest = out + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if FINAL:
+        if HAS_BIAS:
+            acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(dest, acc.to(out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dest, acc, mask=mask)
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     splits, chunk = plan(N, K, programs or _programs(x.device))
     has_bias = bias is not None
     b = bias if has_bias else weight  # (not read)
-    grid = (triton.cdiv(N, BLOCK_N), splits)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)
     # (the CPU interpreter's bf16/fp16 dot is unreliable: it multiplies the same values in fp32 there)
     dot = tl.float32 if x.device.type == "cpu" else _TL_DTYPES[x.dtype]
     if splits == 1:
