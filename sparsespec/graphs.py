@@ -30,7 +30,8 @@ class CudaGraphStep:
         # a plain function, not a bound method: a graph object must not sit in a reference cycle, or the cyclic
         # GC may free it (and its memory pool) in the middle of a later capture, which invalidates that capture
         # (a sparse policy's calls stay outside the compiled graphs: graph breaks, replayed inside the CUDA graph)
-        self.step = torch.compile(_step, fullgraph=policy is None, dynamic=False) if compile else _step
+        self.step = (torch.compile(_step, fullgraph=policy is None, dynamic=False,
+                                   options=invariant_options(model)) if compile else _step)
         self.tokens = torch.zeros(cache.batch, width, dtype=torch.long, device=device)  # [B, W]
         # Warm-up and capture write at the last W slots of each row: never committed tokens (capacity >= length + W).
         last = torch.arange(cache.capacity - width, cache.capacity, device=device)
@@ -52,6 +53,17 @@ class CudaGraphStep:
         self.positions.copy_(positions)
         self.graph.replay()
         return self.logits, self.features
+
+
+def invariant_options(model: Transformer) -> dict[str, bool] | None:
+    """Inductor options for a model with row-invariant products: the compiled norms and element-wise kernels must
+    round a row alike whatever the step's row count too. Inductor otherwise picks a reduction's block shape by the
+    row count and by timing candidate configurations on the device (which differs from one compilation to the
+    next); `deterministic` stops the timing, `batch_invariant` (newer torch) fixes the shape."""
+    if not model.invariant_rows:
+        return None
+    config = torch._inductor.config
+    return {key: True for key in ("deterministic", "batch_invariant") if hasattr(config, key)} or None
 
 
 def capture(fn: Callable[[], object], device: torch.device, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -113,3 +113,24 @@ def test_the_models_linear_takes_the_kernel_up_to_its_row_limit(monkeypatch):
     rows = x.reshape(12, 40)
     assert torch.equal(torch.ops.sparsespec.row_linear(rows, lin.weight, lin.bias), y.reshape(12, 24))
     assert torch.equal(torch.ops.sparsespec.row_linear(rows, lin.weight, None), row_matmul(rows, lin.weight))
+
+
+def test_a_row_invariant_model_compiles_with_inductors_invariant_options():
+    """Row-invariant products alone are not enough under torch.compile: Inductor picks a norm's reduction blocks by
+    the row count and by timing candidates, so a compiled step of such a model asks for its deterministic (and,
+    where torch has it, batch-invariant) mode; a plain model compiles as before."""
+    from sparsespec.graphs import invariant_options
+    from sparsespec.config import ModelConfig
+    from sparsespec.models.transformer import Transformer
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, max_position=64)
+    model = Transformer(cfg)
+    assert invariant_options(model) is None
+    model.row_invariant(64)
+    options = invariant_options(model)
+    config = torch._inductor.config
+    assert options and options["deterministic"]
+    assert all(hasattr(config, key) for key in options)  # torch.compile refuses an unknown option
+    model.row_invariant(0)
+    assert invariant_options(model) is None

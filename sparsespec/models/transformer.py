@@ -189,6 +189,7 @@ class Transformer(nn.Module):
         # it against the engine's: cuDNN's kernel reads a full static cache a little faster but is not
         # deterministic and reads the dead slots too)
         self.block_queries = BLOCK_QUERIES
+        self.invariant_rows = 0  # see `row_invariant`
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
@@ -200,6 +201,7 @@ class Transformer(nn.Module):
         """Steps of up to `rows` rows (batch x tokens a row; 0: off) multiply through the row-invariant kernel on
         CUDA: a token's logits are then bitwise the same in a verify block as in a decode step, so greedy
         speculative output equals plain greedy output in bf16 too (not only up to near-ties)."""
+        self.invariant_rows = rows
         for module in self.modules():
             if isinstance(module, Linear):
                 module.rows = rows
