@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("eval-every", 200, "steps between held-out evaluations (and checkpoints)")):
         td.add_argument(f"--{name}", type=_positive_int, default=default, help=f"{text} (default: %(default)s)")
     td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: 0, the target's)")
+    td.add_argument("--init", default=None, help="start from this drafter's weights (same shape; e.g. one trained "
+                    "in an earlier session on other prompts: --seed picks new ones); fresh optimiser and schedule")
     td.add_argument("--lr", type=_float, default=6e-4, help="AdamW peak learning rate (default: %(default)s)")
     td.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
     td.add_argument("--seed", type=int, default=0, help="seed of the prompts and the training (default: %(default)s)")
@@ -479,7 +481,10 @@ def cmd_serve(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from pathlib import Path
+
     from .generate import Engine
+    from .spec.dflash import drafter_files
     from .spec.train import TrainConfig, train_dflash
 
     cfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
@@ -488,11 +493,17 @@ def cmd_train(args) -> None:
                       anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
                       time_limit=args.time_limit, seed=args.seed)
     out = _writable_folder(args.out)
+    init = None
+    if args.init:
+        init = Path(args.init)
+        if not all(f.is_file() for f in drafter_files(init)):
+            raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     summary = train_dflash(engine, cfg, out, args.target, progress=progress,
-                           log=lambda m: print(m, file=sys.stderr, flush=True))
+                           log=lambda m: print(m, file=sys.stderr, flush=True),
+                           init=init)
     print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['heldout_tau']:.2f}, "
           f"{summary['train_seconds']:.0f} s of training)")
 

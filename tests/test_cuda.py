@@ -378,28 +378,45 @@ def test_graphed_dflash_drafts_what_the_eager_drafter_drafts():
 
 @cuda
 @pytest.mark.parametrize("compile", [False, True])
-def test_row_invariant_products_make_a_verify_block_compute_the_decode_steps_logits(compile):
-    """With row-invariant products a token's logits in a graphed verify block of the batch are bitwise those of the
-    graphed one-token decode step (cuBLAS picks its algorithm by the row count: without them they may differ in the
-    last bits), so greedy speculation equals plain greedy exactly in bf16."""
+@pytest.mark.parametrize("heads", ["tiny", "qwen2.5-1.5b"])
+def test_row_invariant_products_make_a_verify_block_compute_the_decode_steps_logits(compile, heads):
+    """With row-invariant products and norms a token's logits in a graphed verify block of the batch are bitwise
+    those of the graphed one-token decode step (cuBLAS and the compiled norms choose their algorithms by the row
+    count: without them they may differ in the last bits), so greedy speculation equals plain greedy exactly in
+    bf16. "qwen2.5-1.5b": its attention layout (6 query heads a KV head, head_dim 128, q/k/v biases), 16 rows, a
+    verify block of 8 (48 query rows a KV head in the attention's tile against 6 in the decode step's)."""
+    from sparsespec.config import ModelConfig
+    from sparsespec.generate import Engine
+    from sparsespec.models.loading import LoadedModel
+    from sparsespec.models.transformer import Transformer
     from sparsespec.spec.decode import speculative_generate
 
-    from .test_spec import self_drafter, tiny_engine
+    from .test_spec import _Tokenizer, self_drafter, tiny_engine
 
-    target = tiny_engine(0, vocab=512, layers=3)
+    if heads == "tiny":
+        target, width = tiny_engine(0, vocab=512, layers=3), 6
+        prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50)), [5, 4]]
+    else:
+        cfg = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                          num_heads=12, num_kv_heads=2, head_dim=128, max_position=512, qkv_bias=True)
+        torch.manual_seed(0)
+        target, width = Engine(LoadedModel(Transformer(cfg).eval().requires_grad_(False), _Tokenizer(), cfg,
+                                           None)), 8
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(1, 512, (int(n),), generator=gen).tolist()
+                   for n in torch.randint(2, 90, (16,), generator=gen)]
     target.model.to("cuda", torch.bfloat16)
     target.device = torch.device("cuda")
     target.model.row_invariant()
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50)), [5, 4]]
     runner = Runner(target.model, len(prompts), 120, compile=compile)
     hidden = runner.prefill(prompts)
     first = target.model.logits(hidden).argmax(-1)  # [B]
     lengths = list(runner.cache.lengths)
     decoded = runner.decode(first).clone()  # [B, V]
     runner.truncate(lengths)
-    block = torch.cat([first[:, None], torch.randint(0, 512, (len(prompts), 5), device="cuda")], 1)
-    verified, _ = runner.verify(block, 6)  # [B, 6, V]
+    block = torch.cat([first[:, None], torch.randint(0, 512, (len(prompts), width - 1), device="cuda")], 1)
+    verified, _ = runner.verify(block, width)  # [B, width, V]
     assert torch.equal(verified[:, 0], decoded)
     gen = GenerationConfig(max_new_tokens=40, compile=compile)
-    out = speculative_generate(target, prompts, self_drafter("binarypc"), gen, 6)
+    out = speculative_generate(target, prompts, self_drafter("binarypc"), gen, width)
     assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids

@@ -55,13 +55,35 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+@torch.library.custom_op("sparsespec::row_rms_norm", mutates_args=())
+def row_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, N] normalised row by row through `kernels.norm.rms_norm` (a custom op: Inductor neither fuses nor
+    re-tunes it, so its reduction order stays the kernel's)."""
+    from ..kernels.norm import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+@row_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm; with `invariant` set (`Transformer.row_invariant`) CUDA bf16/fp16 rows go through the row-invariant
+    kernel: a row's result then does not depend on how many rows the step has (nor on Inductor's choices)."""
+
+    invariant = False
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.invariant and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype
+                and triton_ready(x.device)):
+            return row_rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -199,12 +221,15 @@ class Transformer(nn.Module):
 
     def row_invariant(self, rows: int = ROW_INVARIANT_ROWS) -> None:
         """Steps of up to `rows` rows (batch x tokens a row; 0: off) multiply through the row-invariant kernel on
-        CUDA: a token's logits are then bitwise the same in a verify block as in a decode step, so greedy
-        speculative output equals plain greedy output in bf16 too (not only up to near-ties)."""
+        CUDA, and every norm runs through the row-invariant RMSNorm kernel: a token's logits are then bitwise the
+        same in a verify block as in a decode step, so greedy speculative output equals plain greedy output in bf16
+        too (not only up to near-ties)."""
         self.invariant_rows = rows
         for module in self.modules():
             if isinstance(module, Linear):
                 module.rows = rows
+            elif isinstance(module, RMSNorm):
+                module.invariant = rows > 0
 
     def tie_weights(self) -> None:
         if self.cfg.tie_embeddings:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
-from .dflash import DFlash, DFlashConfig, block_labels, block_mask, default_taps, loss_weights
+from .dflash import DFlash, DFlashConfig, block_labels, block_mask, default_taps, drafter_files, loss_weights
 from .prompts import make_prompts
 
 
@@ -158,8 +158,10 @@ def acceptance(drafter: DFlash, target, data: Dataset, anchors_per_row: int = 64
 
 
 def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, progress: bool = False,
-                 log=print) -> dict:
-    """Train (or resume) a drafter for `engine`'s model into `out`; return the final summary."""
+                 log=print, init: Path | None = None) -> dict:
+    """Train (or resume) a drafter for `engine`'s model into `out`; return the final summary. `init`: a drafter
+    of the same shape (e.g. one trained in an earlier session on other prompts) whose weights the run starts from
+    (a fresh optimiser and schedule); a checkpoint in `out` takes precedence."""
     out.mkdir(parents=True, exist_ok=True)
     device = engine.device
     torch.manual_seed(cfg.seed)
@@ -168,6 +170,14 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     _check_settings(out / "settings.json", {
         "target": dcfg.target.__dict__ | {"rope_scaling": dcfg.target.rope_scaling.__dict__}, "drafter": dcfg.to_json(),
         "data": {k: getattr(cfg, k) for k in ("prompts", "heldout", "max_new_tokens", "seed")}})
+    # before the data: a wrong --init fails at once
+    drafter = DFlash(dcfg).to(device)
+    with torch.no_grad():
+        drafter.mask_embedding.normal_(0, float(engine.model.embed_tokens.weight.float().std()))
+    started_from = None
+    if init is not None:
+        started_from = start_from(drafter, init)
+        log(f"starting from {init} (held-out tau {started_from.get('heldout_tau', float('nan')):.2f} there)")
     data_path, held_path = out / "data.safetensors", out / "heldout.safetensors"
     t0 = time.perf_counter()
     if data_path.is_file() and held_path.is_file():
@@ -183,9 +193,6 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     log(f"data: {len(data)} train / {len(held)} held-out sequences, "
         f"{int((data.lengths - data.starts).sum())} response tokens ({data_s:.0f} s)")
 
-    drafter = DFlash(dcfg).to(device)
-    with torch.no_grad():
-        drafter.mask_embedding.normal_(0, float(engine.model.embed_tokens.weight.float().std()))
     t0 = time.perf_counter()
     tau, history = fit(drafter, engine.model, data, held, cfg, out / "checkpoint.pt", progress, log)
     train_s = time.perf_counter() - t0
@@ -193,9 +200,27 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
                "train_seconds": round(train_s, 1), "data_seconds": round(data_s, 1),
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "made_by": f"sparsespec train dflash --target {target_name} (spec/train.py)"}
+    if started_from is not None:
+        summary["init"] = started_from
     drafter.save(out / "drafter", meta=summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def start_from(drafter: DFlash, path: Path) -> dict:
+    """Copy the weights of the drafter at `path` into `drafter` (same shape: target, layers, block, taps, MLP
+    width); return where they came from (path, its held-out tau, its training and what it started from)."""
+    other = DFlash.load(path)
+    if other.cfg.to_json() != drafter.cfg.to_json():
+        mine, theirs = drafter.cfg.to_json(), other.cfg.to_json()
+        changed = sorted(k for k in mine if mine[k] != theirs.get(k))
+        raise SparseSpecError(f"--init {path} is another drafter shape ({' / '.join(changed)} differ): start it "
+                              f"with the same --layers / --block-size / --taps / --intermediate-size and target")
+    with torch.no_grad():
+        for name, tensor in drafter.state_dict().items():
+            tensor.copy_(other.state_dict()[name])
+    meta = json.loads(drafter_files(path)[1].read_text())
+    return {"path": str(path), **{k: meta[k] for k in ("heldout_tau", "train", "train_seconds", "init") if k in meta}}
 
 
 def _check_settings(path: Path, settings: dict) -> None:
