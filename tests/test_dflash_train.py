@@ -85,3 +85,31 @@ def test_a_run_folder_refuses_other_settings(tmp_path):
     train._check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 1}})
     with pytest.raises(SparseSpecError, match="other drafter settings"):
         train._check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 2}})
+
+
+def test_a_run_can_start_from_an_earlier_drafter_of_the_same_shape(setup, tmp_path):
+    """`--init`: training continued in a later session from the drafter an earlier one brought back (the optimiser
+    state is too large to bring back): the weights are copied exactly, the provenance kept, another shape refused."""
+    from sparsespec.errors import SparseSpecError
+
+    target, data, held, taps = setup
+    cfg = TrainConfig(steps=30, batch=4, anchors=8, block_size=4, lr=3e-3, eval_every=30)
+    first = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    tau, _ = fit(first, target.model, data, held, cfg, log=lambda *_: None)
+    first.save(tmp_path / "d", dtype=torch.float32, meta={"heldout_tau": tau, "train": {"steps": 30}})
+    again = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    came = train.start_from(again, tmp_path / "d.safetensors")
+    assert came == {"path": str(tmp_path / "d.safetensors"), "heldout_tau": tau, "train": {"steps": 30}}
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+    assert acceptance(again.eval(), target.model, held) == pytest.approx(acceptance(first.eval(), target.model, held))
+    wider = DFlash(DFlashConfig(target.config, layers=2, block_size=4, taps=taps))
+    with pytest.raises(SparseSpecError, match="another drafter shape \\(layers differ\\)"):
+        train.start_from(wider, tmp_path / "d")
+
+
+def test_train_refuses_a_missing_init_drafter_before_any_work(tmp_path, capsys):
+    from sparsespec.cli import main
+
+    assert main(["train", "dflash", "--out", str(tmp_path / "run"), "--init", str(tmp_path / "none")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--init" in err[0] and "no drafter there" in err[0]
