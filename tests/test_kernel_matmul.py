@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from sparsespec.kernels.matmul import BLOCK_K, plan, row_matmul, row_matmul_ref  # noqa: E402
+from sparsespec.kernels.matmul import TILES, Tiles, plan, row_matmul, row_matmul_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -62,11 +62,25 @@ def test_a_row_is_the_same_whatever_the_other_rows_are(M, N, K, dtype, bias, pro
 
 
 def test_the_split_plan_depends_on_the_shape_alone_and_covers_k():
-    for n, k, programs in [(8, 16, 8), (2048, 1536, 132), (1536, 8960, 132), (151936, 1536, 132), (64, 999, 200)]:
-        splits, chunk = plan(n, k, programs)
-        assert splits >= 1 and chunk % BLOCK_K == 0
-        assert (splits - 1) * chunk < k <= splits * chunk  # every split has work, together all of K
-    assert plan(151936, 1536, 132)[0] == 1  # a wide product needs no split
+    for tiles in (TILES, Tiles(block_n=128, block_k=128, waves=4), Tiles(block_n=32, block_k=256, waves=1)):
+        for n, k, programs in [(8, 16, 8), (2048, 1536, 132), (1536, 8960, 132), (151936, 1536, 132),
+                               (64, 999, 200)]:
+            splits, chunk = plan(n, k, programs, tiles)
+            assert splits >= 1 and chunk % tiles.block_k == 0
+            assert (splits - 1) * chunk < k <= splits * chunk  # every split has work, together all of K
+        assert plan(151936, 1536, 132, tiles)[0] == 1  # a wide product needs no split
+    with pytest.raises(ValueError, match="power of two"):
+        Tiles(block_k=48)
+
+
+@pytest.mark.parametrize("tiles", [Tiles(block_n=32, block_k=32, warps=2, stages=2, waves=4),
+                                   Tiles(block_n=128, block_k=128, warps=8, stages=4, waves=1)])
+def test_other_tilings_match_the_reference_and_keep_rows_invariant(tiles):
+    x, w, b = case(21, 100, 300, torch.bfloat16, seed=7)
+    y = row_matmul(x, w, b, 8, tiles)
+    close(y, row_matmul_ref(x, w, b))
+    assert torch.equal(row_matmul(x[3:4], w, b, 8, tiles), y[3:4])
+    assert torch.equal(row_matmul(torch.cat([x, x[:5]]), w, b, 8, tiles)[:21], y)
 
 
 def test_row_matmul_refuses_mixed_or_fp32_inputs():

@@ -22,15 +22,39 @@ Launch parameters depend on shapes alone (no read-back): a caller can capture th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_M = 16  # rows per MMA tile, whatever M is: part of the reduction order's definition
-BLOCK_N = 64
-BLOCK_K = 64
 REDUCE_BLOCK = 1024
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How `row_matmul` tiles a product: output columns and K per program tile, warps and pipeline stages a
+    program, and `waves`: K splits planned for about `waves` programs per multiprocessor. Chosen by (N, K) alone,
+    never by the row count (block_k and the splits fix each row's reduction order)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+    waves: int = 2
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.waves < 1:
+            raise ValueError(f"invalid tiles {self}")
+
+
+TILES = Tiles()
 
 
 @triton.jit
@@ -78,13 +102,13 @@ def _reduce_kernel(part, bias, y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.cons
     tl.store(y + offs, acc.to(y.dtype.element_ty), mask=ok)
 
 
-def plan(n: int, k: int, programs: int) -> tuple[int, int]:
-    """(splits of K, K chunk per split) for an [·, k] x [k, n] product on a device that runs about `programs`
-    programs at once: enough splits to give it ~2 programs each, chunks of whole BLOCK_K tiles, at least 4 tiles a
-    split. Independent of the row count (that is the point)."""
-    tiles_k = triton.cdiv(k, BLOCK_K)
-    splits = max(1, min(triton.cdiv(2 * programs, triton.cdiv(n, BLOCK_N)), tiles_k // 4))
-    chunk = triton.cdiv(tiles_k, splits) * BLOCK_K
+def plan(n: int, k: int, programs: int, tiles: Tiles = TILES) -> tuple[int, int]:
+    """(splits of K, K chunk per split) for an [·, k] x [k, n] product on a device with `programs`
+    multiprocessors: enough splits for ~`tiles.waves` programs each, chunks of whole block_k tiles, at least 4
+    tiles a split. Independent of the row count (that is the point)."""
+    tiles_k = triton.cdiv(k, tiles.block_k)
+    splits = max(1, min(triton.cdiv(tiles.waves * programs, triton.cdiv(n, tiles.block_n)), tiles_k // 4))
+    chunk = triton.cdiv(tiles_k, splits) * tiles.block_k
     return triton.cdiv(k, chunk), chunk
 
 
@@ -95,10 +119,11 @@ def _programs(device: torch.device) -> int:
 
 
 def row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               programs: int | None = None) -> torch.Tensor:
+               programs: int | None = None, tiles: Tiles = TILES) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] or None -> y [M, N] = x · weightᵀ + bias, in x's dtype (bf16/fp16), fp32
     accumulation, every row reduced in the same order whatever M is. `programs`: the parallelism the K splits are
-    planned for (default: the device's multiprocessor count)."""
+    planned for (default: the device's multiprocessor count); `tiles`: the tiling (the same for every call of a
+    given weight, or rows of different calls may round differently)."""
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K or weight.dtype != x.dtype or x.dtype not in _TL_DTYPES:
@@ -108,21 +133,21 @@ def row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    splits, chunk = plan(N, K, programs or _programs(x.device))
+    splits, chunk = plan(N, K, programs or _programs(x.device), tiles)
     has_bias = bias is not None
     b = bias if has_bias else weight  # (not read)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), splits)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, tiles.block_n), splits)
     # (the CPU interpreter's bf16/fp16 dot is unreliable: it multiplies the same values in fp32 there)
     dot = tl.float32 if x.device.type == "cpu" else _TL_DTYPES[x.dtype]
+    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=dot, num_warps=tiles.warps,
+                num_stages=tiles.stages)
     if splits == 1:
         _partial_kernel[grid](x, weight, b, y, M, N, K, chunk, x.stride(0), weight.stride(0), 0, y.stride(0),
-                              HAS_BIAS=has_bias, FINAL=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                              DOT=dot)
+                              HAS_BIAS=has_bias, FINAL=True, **meta)
         return y
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     _partial_kernel[grid](x, weight, b, part, M, N, K, chunk, x.stride(0), weight.stride(0), part.stride(0),
-                          part.stride(1), HAS_BIAS=False, FINAL=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                          BLOCK_K=BLOCK_K, DOT=dot)
+                          part.stride(1), HAS_BIAS=False, FINAL=False, **meta)
     _reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](part, b, y, M * N, N, SPLITS=splits, HAS_BIAS=has_bias,
                                                         BLOCK=REDUCE_BLOCK)
     return y
