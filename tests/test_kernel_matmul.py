@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from sparsespec.kernels.matmul import TILES, Tiles, plan, row_matmul, row_matmul_ref  # noqa: E402
+from sparsespec.kernels.matmul import TILES, Tiles, fp8_weights, plan, row_matmul, row_matmul_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -148,3 +148,39 @@ def test_a_row_invariant_model_compiles_with_inductors_invariant_options():
     assert all(hasattr(config, key) for key in options)  # torch.compile refuses an unknown option
     model.row_invariant(0)
     assert invariant_options(model) is None
+
+
+def test_fp8_weights_keep_each_element_within_the_formats_precision():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 50, generator=gen) * torch.logspace(-3, 2, 37)[:, None]  # rows of very different scales
+    w8, scale = fp8_weights(w.to(torch.bfloat16))
+    assert w8.dtype == torch.float8_e4m3fn and scale.shape == (37,) and scale.dtype == torch.float32
+    back = w8.float() * scale[:, None]
+    ref = w.to(torch.bfloat16).float()
+    assert ((back - ref).abs() <= 2**-4 * ref.abs() + 2**-9 * ref.abs().amax(1, keepdim=True)).all()
+    assert (w8.float().abs().amax(1) == 448).all()  # each row's largest element uses the whole range
+    zero, s0 = fp8_weights(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert torch.equal(zero.float(), torch.zeros(2, 8)) and (s0 > 0).all()
+
+
+@pytest.mark.parametrize("M,N,K,bias,programs", [(1, 40, 64, True, 8), (19, 100, 300, False, 8),
+                                                 (5, 33, 70, True, 1)])
+def test_row_matmul_with_fp8_weights_matches_its_reference(M, N, K, bias, programs):
+    x, w, b = case(M, N, K, torch.bfloat16, seed=M + N, bias=bias)
+    w8, scale = fp8_weights(w)
+    y = row_matmul(x, w8, b, programs, scale=scale)
+    close(y, row_matmul_ref(x, w8, b, scale))
+    assert torch.equal(row_matmul(x[-1:], w8, b, programs, scale=scale), y[-1:])
+    with pytest.raises(ValueError, match="scale"):
+        row_matmul(x, w8, b, programs)
+    with pytest.raises(ValueError, match="scale"):
+        row_matmul(x, w, b, programs, scale=scale)
+
+
+@cuda_only
+@pytest.mark.parametrize("N,K", [(2048, 1536), (17920, 1536), (1536, 8960), (151936, 1536)])
+def test_row_matmul_with_fp8_weights_at_model_sizes(N, K):
+    for M in (1, 16, 128):
+        x, w, b = case(M, N, K, torch.bfloat16, seed=M, bias=False)
+        w8, scale = fp8_weights(w)
+        close(row_matmul(x, w8, None, scale=scale), row_matmul_ref(x, w8, None, scale))

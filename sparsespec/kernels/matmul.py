@@ -15,7 +15,9 @@ speculative decoding then departs from plain decoding. Here every output element
     _reduce_kernel   grid (cdiv(M·N, BLOCK),): the splits summed in split order, bias added, cast -> y [M, N]
 
     row_matmul(x [M, K], weight [N, K], bias [N] | None) -> y [M, N]: x, weight, bias bf16 or fp16 (one dtype);
-    contiguous rows. `row_matmul_ref` is the torch reference (fp32 products, one rounding).
+    contiguous rows. `row_matmul_ref` is the torch reference (fp32 products, one rounding). With FP8 weights
+    (`fp8_weights`: float8_e4m3fn and a scale per output column) the same kernel reads half the bytes: for a
+    speculative drafter's steps, whose output only proposes (the verify stays in the model's dtype).
 
 Launch parameters depend on shapes alone (no read-back): a caller can capture them in a CUDA graph.
 """
@@ -58,9 +60,9 @@ TILES = Tiles()
 
 
 @triton.jit
-def _partial_kernel(x, w, bias, out, M, N, K, chunk, stride_xm, stride_wn, stride_os, stride_om,
-                    HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+def _partial_kernel(x, w, scale, bias, out, M, N, K, chunk, stride_xm, stride_wn, stride_os, stride_om,
+                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
     pid_m = tl.program_id(0)  # fastest: the row tiles sharing a weight tile run side by side (it is read once)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -80,6 +82,8 @@ def _partial_kernel(x, w, bias, out, M, N, K, chunk, stride_xm, stride_wn, strid
         b = tl.load(w + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]: Wᵀ's tile
         acc = tl.dot(a.to(DOT), b.to(DOT), acc, input_precision="ieee")
+    if HAS_SCALE:  # FP8 weights: each output column's scale (a split's share of the sum scales alike)
+        acc *= tl.load(scale + offs_n, mask=n_ok, other=0.0)[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     dest = out + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if FINAL:
@@ -119,41 +123,59 @@ def _programs(device: torch.device) -> int:
 
 
 def row_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               programs: int | None = None, tiles: Tiles = TILES) -> torch.Tensor:
+               programs: int | None = None, tiles: Tiles = TILES, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] or None -> y [M, N] = x · weightᵀ + bias, in x's dtype (bf16/fp16), fp32
     accumulation, every row reduced in the same order whatever M is. `programs`: the parallelism the K splits are
     planned for (default: the device's multiprocessor count); `tiles`: the tiling (the same for every call of a
-    given weight, or rows of different calls may round differently)."""
+    given weight, or rows of different calls may round differently). FP8 weights (`fp8_weights`: float8_e4m3fn
+    with `scale` [N] fp32, y = x · (weight · scale)ᵀ + bias): half the bytes to read, converted in registers."""
     M, K = x.shape
     N = weight.shape[0]
-    if weight.shape[1] != K or weight.dtype != x.dtype or x.dtype not in _TL_DTYPES:
-        raise ValueError(f"row_matmul needs x [M, K] and weight [N, K] of one dtype (bf16/fp16), got "
-                         f"{list(x.shape)} {x.dtype} and {list(weight.shape)} {weight.dtype}")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if weight.shape[1] != K or x.dtype not in _TL_DTYPES or (weight.dtype != x.dtype and not fp8):
+        raise ValueError(f"row_matmul needs x [M, K] and weight [N, K] of one dtype (bf16/fp16) or FP8 weights, "
+                         f"got {list(x.shape)} {x.dtype} and {list(weight.shape)} {weight.dtype}")
+    if fp8 != (scale is not None) or (fp8 and (scale.shape != (N,) or scale.dtype != torch.float32)):
+        raise ValueError("row_matmul takes a scale [N] fp32 with FP8 weights and none with others")
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     splits, chunk = plan(N, K, programs or _programs(x.device), tiles)
     has_bias = bias is not None
-    b = bias if has_bias else weight  # (not read)
+    b = bias if has_bias else x  # (not read)
+    sc = scale if fp8 else x  # (not read)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, tiles.block_n), splits)
     # (the CPU interpreter's bf16/fp16 dot is unreliable: it multiplies the same values in fp32 there)
     dot = tl.float32 if x.device.type == "cpu" else _TL_DTYPES[x.dtype]
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=dot, num_warps=tiles.warps,
                 num_stages=tiles.stages)
     if splits == 1:
-        _partial_kernel[grid](x, weight, b, y, M, N, K, chunk, x.stride(0), weight.stride(0), 0, y.stride(0),
-                              HAS_BIAS=has_bias, FINAL=True, **meta)
+        _partial_kernel[grid](x, weight, sc, b, y, M, N, K, chunk, x.stride(0), weight.stride(0), 0, y.stride(0),
+                              HAS_SCALE=fp8, HAS_BIAS=has_bias, FINAL=True, **meta)
         return y
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    _partial_kernel[grid](x, weight, b, part, M, N, K, chunk, x.stride(0), weight.stride(0), part.stride(0),
-                          part.stride(1), HAS_BIAS=False, FINAL=False, **meta)
+    _partial_kernel[grid](x, weight, sc, b, part, M, N, K, chunk, x.stride(0), weight.stride(0), part.stride(0),
+                          part.stride(1), HAS_SCALE=fp8, HAS_BIAS=False, FINAL=False, **meta)
     _reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](part, b, y, M * N, N, SPLITS=splits, HAS_BIAS=has_bias,
                                                         BLOCK=REDUCE_BLOCK)
     return y
 
 
-def row_matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def row_matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """The torch reference of `row_matmul`: fp32 products and sum, one rounding to x's dtype."""
-    y = x.float() @ weight.float().T
+    w = weight.float() if scale is None else weight.float() * scale[:, None]
+    y = x.float() @ w.T
     return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def fp8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (float8_e4m3fn [N, K], scale [N] fp32): each output row scaled so its largest magnitude
+    maps to FP8_MAX (3 mantissa bits: an element within 2⁻⁴ of its value, relative, unless it is tiny)."""
+    w = weight.float()
+    scale = (w.abs().amax(1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
