@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default="none",
                    help="speculative drafter: none, ngram, dflash (shipped for the model), dflash:PATH, model:NAME, "
                    "self:POLICY[:key=value,...] (the model drafts for itself with sparse attention, e.g. "
-                   "self:binarypc:budget=0.02; the dense model verifies)")
+                   "self:binarypc:budget=0.02; the dense model verifies; weights=fp8 among the options drafts "
+                   "with FP8 copies of the weights)")
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                    "shipped drafter; a packaged model's own file is recognised)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="speculation: tokens verified per step")

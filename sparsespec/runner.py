@@ -55,6 +55,7 @@ class Runner:
         self.since_select: int | None = None  # steps since the last selecting step; None: the next one selects
         self.row_graphs: dict[int, CudaGraphDecodeStep] = {}  # dense decode of the first n rows (n < batch)
         self.verify_graphs: dict[int, CudaGraphStep] = {}  # by width: dense multi-token steps
+        self.fp8 = False  # decode steps multiply with FP8 copies of the weights (`fp8_decode`)
         self._set(policy)
 
     def _set(self, policy: Policy | None) -> None:
@@ -71,6 +72,17 @@ class Runner:
         self.since_select = None
         self.sparse_layers = 0 if policy is None else sum(policy.is_sparse(i) for i in
                                                           range(self.model.cfg.num_layers))
+
+    def fp8_decode(self) -> None:
+        """From now on the decode steps multiply with FP8 copies of the weights (`Transformer.fp8_drafts`): for a
+        runner whose decode steps only draft (self-speculation, where the dense verify decides every token and
+        keeps the model's weights). The decode graphs are captured again."""
+        self.model.fp8_drafts()
+        self.fp8 = True
+        self.graph = self.reuse_graph = None
+
+    def _drafting(self):
+        return self.model.drafting() if self.fp8 else nullcontext()
 
     def use(self, policy: Policy | None) -> None:
         """Decode from the committed tokens on with `policy` (its index built now); e.g. every policy of an
@@ -145,10 +157,12 @@ class Runner:
         first 1, 2, 4, ... rows, which `decode_rows` replays for a short prefix of busy rows (continuous batching
         under light load then reads the cache of those rows only)."""
         if self.graphed and self.graph is None:
-            self.graph = CudaGraphDecodeStep(self.model, self.cache, self.compile, policy=self.policy)
-            if self.select_every > 1:  # the reusing step too (its warm-up steps change the kept selections)
-                with self._reusing():
-                    self.reuse_graph = CudaGraphDecodeStep(self.model, self.cache, self.compile, policy=self.policy)
+            with self._drafting():
+                self.graph = CudaGraphDecodeStep(self.model, self.cache, self.compile, policy=self.policy)
+                if self.select_every > 1:  # the reusing step too (its warm-up steps change the kept selections)
+                    with self._reusing():
+                        self.reuse_graph = CudaGraphDecodeStep(self.model, self.cache, self.compile,
+                                                               policy=self.policy)
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
             if self.policy is not None:
                 self.policy.reset_attended()
@@ -177,11 +191,11 @@ class Runner:
             logits = (self.reuse_graph if reuse else self.graph)(tokens, positions)
         else:
             # an eager policy is told the step's positions so it reads none back from the device
-            with self._eager_attention(), self._reusing() if reuse else nullcontext(), \
+            with self._eager_attention(), self._drafting(), self._reusing() if reuse else nullcontext(), \
                     policy.stepping(cache.lengths) if policy is not None and policy.fixed is None else nullcontext():
                 hidden = self.model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1,
                                     policy=policy)
-            logits = self.model.logits(hidden[:, -1])
+                logits = self.model.logits(hidden[:, -1])
         cache.truncate([n + 1 for n in cache.lengths])
         if policy is not None:
             if policy.fixed is not None:

@@ -148,7 +148,7 @@ def test_graphed_speculation_on_cuda_is_identical_to_plain_greedy(drafter):
 
 
 @cuda
-@pytest.mark.parametrize("drafter", ["self:binarypc", "self:streaming", "dflash", "model"])
+@pytest.mark.parametrize("drafter", ["self:binarypc", "self:binarypc:fp8", "self:streaming", "dflash", "model"])
 def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, monkeypatch):
     """Graphed speculation with each drafter that keeps its drafts on the device (the target drafting for itself
     through graphed sparse steps, DFlash, a draft model): a batch's greedy output equals plain decoding, and a
@@ -171,7 +171,8 @@ def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, mo
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50))]
     gen = GenerationConfig(max_new_tokens=40)
     if drafter.startswith("self:"):
-        d = self_drafter(drafter[5:])
+        d = self_drafter(drafter.split(":")[1])
+        d.fp8 = drafter.endswith(":fp8")
     elif drafter == "dflash":
         d = DFlashDrafter(tiny_dflash(target, block=6).cuda(), target.model)
     else:
@@ -420,3 +421,31 @@ def test_row_invariant_products_make_a_verify_block_compute_the_decode_steps_log
     gen = GenerationConfig(max_new_tokens=40, compile=compile)
     out = speculative_generate(target, prompts, self_drafter("binarypc"), gen, width)
     assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
+
+
+@cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_fp8_drafts_run_the_fp8_kernel_and_keep_greedy_output_exact_in_bf16(compile, monkeypatch):
+    """bf16 self-speculation whose draft steps multiply with FP8 copies of the weights through the row kernel (the
+    verify with the model's weights, row-invariant here so that plain and speculative greedy round alike): the
+    output is plain greedy decoding's, and only the draft graphs took the FP8 products."""
+    from sparsespec.kernels import matmul
+    from sparsespec.spec.decode import speculative_generate
+
+    from .test_spec import self_drafter, tiny_engine
+
+    target = tiny_engine(0, vocab=512, layers=3)
+    target.model.to("cuda", torch.bfloat16)
+    target.device = torch.device("cuda")
+    target.model.row_invariant()
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50)), [5, 4]]
+    scaled, real = [], matmul.row_matmul
+    monkeypatch.setattr(matmul, "row_matmul", lambda *a, **k: scaled.append(k.get("scale") is not None)
+                        or real(*a, **k))
+    drafter = self_drafter("binarypc")
+    drafter.fp8 = True
+    gen = GenerationConfig(max_new_tokens=40, compile=compile)
+    out = speculative_generate(target, prompts, drafter, gen, 6)
+    assert any(scaled) and not all(scaled)  # the drafts' products in FP8, the verify's not
+    assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
+    assert sum(o.tau for o in out) / len(out) > 1.5

@@ -7,6 +7,7 @@ matrix product each at decode. The loader fuses them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,38 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@torch.library.custom_op("sparsespec::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] · (weight [N, K] float8_e4m3fn · scale [N])ᵀ + bias: the row kernel on CUDA (bf16/fp16 x: half the
+    weight bytes), else the dequantized weight through F.linear (the reference)."""
+    from ..kernels.matmul import row_matmul
+
+    if x.dtype in (torch.bfloat16, torch.float16) and triton_ready(x.device):
+        return row_matmul(x, weight, bias, scale=scale)
+    return F.linear(x, (weight.float() * scale[:, None]).to(x.dtype), bias)
+
+
+@fp8_linear.register_fake
+def _(x, weight, scale, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 class Linear(nn.Linear):
     """nn.Linear whose products of at most `rows` rows (0: never) run through the row-invariant kernel on CUDA
     (bf16/fp16): a row's result then does not depend on how many rows the step has, so a speculative verify step
-    computes each token's logits bitwise as the one-token decode step does."""
+    computes each token's logits bitwise as the one-token decode step does. With `drafting` set and FP8 copies
+    made (`Transformer.fp8_drafts`), it multiplies with those instead: a speculative drafter's steps."""
 
     rows = 0
+    drafting = False
+    fp8_weight: torch.Tensor | None = None  # [N, K] float8_e4m3fn (not a buffer: `.to(dtype)` must not cast it)
+    fp8_scale: torch.Tensor | None = None  # [N] fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if self.drafting and self.fp8_weight is not None:
+            return fp8_linear(x.reshape(rows, x.shape[-1]), self.fp8_weight, self.fp8_scale,
+                              self.bias).view(*x.shape[:-1], -1)
         if 0 < rows <= self.rows and x.dtype in (torch.bfloat16, torch.float16) and triton_ready(x.device):
             return row_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
@@ -230,6 +254,30 @@ class Transformer(nn.Module):
                 module.rows = rows
             elif isinstance(module, RMSNorm):
                 module.invariant = rows > 0
+
+    def fp8_drafts(self) -> None:
+        """FP8 copies of every Linear's weight (`kernels.matmul.fp8_weights`: ~half the weights' memory again), used
+        by the steps taken under `drafting()`. Made once; weights changed afterwards are not followed."""
+        from ..kernels.matmul import fp8_weights
+
+        for module in self.modules():
+            if isinstance(module, Linear) and module.fp8_weight is None:
+                module.fp8_weight, module.fp8_scale = fp8_weights(module.weight.detach())
+
+    @contextmanager
+    def drafting(self):
+        """Steps run (or captured) inside multiply with the FP8 copies (`fp8_drafts`): a drafter's steps, whose
+        tokens only propose (the verify, outside, keeps the model's weights)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if any(m.fp8_weight is None for m in linears):
+            raise RuntimeError("drafting() needs the FP8 copies: call fp8_drafts() first")
+        for m in linears:
+            m.drafting = True
+        try:
+            yield
+        finally:
+            for m in linears:
+                m.drafting = False
 
     def tie_weights(self) -> None:
         if self.cfg.tie_embeddings:

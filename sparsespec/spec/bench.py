@@ -39,7 +39,8 @@ ROW_FILES = ("spec.jsonl",)  # in a results folder, beside spec.settings.json (r
 def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu", dtype: str = "float32",
                  progress: bool = False, cuda_graph: bool = True) -> Drafter | None:
     """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME" |
-    "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy)."""
+    "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy; the key
+    weights=fp8 drafts with FP8 copies of the target's weights)."""
     from ..models.loading import DTYPES
     from .dflash import DFlash, DFlashDrafter
     from .registry import drafter_path
@@ -62,7 +63,12 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
         if name == "dense":
             raise SparseSpecError("--draft self:POLICY drafts with a sparse policy (dense drafts would be the "
                                   "target itself)")
-        return SelfDrafter(make_policy(name, options), f"self:{arg}")
+        weights = [o.partition("=")[2] for o in options if o.partition("=")[0] == "weights"]
+        if any(w not in ("fp8", "model") for w in weights) or len(weights) > 1:
+            raise SparseSpecError(f"--draft self:...,weights=W takes fp8 (FP8 copies of the weights for the draft "
+                                  f"steps) or model (the model's own, the default), got {','.join(weights)}")
+        policy = make_policy(name, [o for o in options if o.partition("=")[0] != "weights"])
+        return SelfDrafter(policy, f"self:{arg}", fp8=weights == ["fp8"])
     raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME, "
                           "self:POLICY[:key=value,...])")
 

@@ -237,13 +237,19 @@ class SelfDrafter(Drafter):
     model's. At long context a sparse step reads a small part of the KV cache and the verify about what one dense
     step reads. The drafted slots are rolled back before the verify: the index never keeps a sparse step's keys."""
 
-    def __init__(self, policy: Policy, name: str = "self"):
+    def __init__(self, policy: Policy, name: str = "self", fp8: bool = False):
+        """`fp8`: the draft steps multiply with FP8 copies of the target's weights (half the bytes a step reads for
+        its products; ~half the weights' memory more); the verify keeps the target's weights, so the output is
+        still exactly the dense model's."""
         self.policy = policy
         self.name = name
+        self.fp8 = fp8
         self.runner: Runner | None = None
 
     def bind(self, runner):
         self.runner = runner
+        if self.fp8:
+            runner.fp8_decode()
 
     def start(self, prompts, features, capacity):
         if self.runner is None:
