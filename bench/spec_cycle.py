@@ -7,7 +7,7 @@ times the cycle with the drafts read back to the host before the verify (the pat
 
     python bench/spec_cycle.py [--shape qwen2.5-coder-1.5b] [--sizes 16x31744,4x31744,1x31744]
         [--policy binarypc:budget=0.02,select_every=4] [--block 6] [--cycles 30] [--compile [--autotune]]
-        [--host-drafts] [--row-invariant]
+        [--host-drafts] [--row-invariant] [--fp8-drafts]
 """
 
 from __future__ import annotations
@@ -59,19 +59,21 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--host-drafts", action="store_true")
+    ap.add_argument("--fp8-drafts", action="store_true", help="the draft steps multiply with FP8 copies of the "
+                    "weights (self:...,weights=fp8)")
     ap.add_argument("--out", type=Path)
     step_options(ap)
     args = ap.parse_args()
     cfg, model = step_model(args, args.shape)
     rows = []
     print(f"{args.shape}, random bf16 weights and K/V, self:{args.policy}, block {args.block}, "
-          f"compile={args.compile}; ms")
+          f"compile={args.compile}, FP8 drafts={args.fp8_drafts}; ms")
     print("| batch x context | dense step | select step | reuse step | verify | steps of a cycle | cycle "
           "| host gap | cycle, host drafts | (γ+1)·dense / cycle |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in args.sizes.split(","):
         B, C = (int(x) for x in size.split("x"))
-        drafter = SelfDrafter(make_policy(*parse_spec(args.policy)))
+        drafter = SelfDrafter(make_policy(*parse_spec(args.policy)), fp8=args.fp8_drafts)
         runner = Runner(model, B, C + 2 * args.block + 1, drafter.policy, compile=args.compile)
         for t in runner.cache.k + runner.cache.v:
             t.normal_()
