@@ -6,8 +6,9 @@ reference once. Random bf16 weights in a real shape.
 
     python bench/matmul_sweep.py [--shapes qwen2.5-coder-1.5b,qwen2.5-coder-0.5b] [--rows 1,16,128] [--out FILE.json]
 
-Prints per (shape, rows): each product's cuBLAS time and the best tiling's, and the sum over a whole step's
-products (every layer, and the LM head) for cuBLAS, for the default tiling and for the best tiling of each product.
+Prints per (shape, rows): each product's cuBLAS time and the best tiling's (and with FP8 weights, as a drafter's
+steps multiply with `weights=fp8`: TB/s over the FP8 bytes), and the sum over a whole step's products (every layer,
+and the LM head) for cuBLAS, for the default tiling, for the best tiling of each product and for FP8 weights.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from sparsespec.config import ModelConfig
 from sparsespec.graphs import capture
-from sparsespec.kernels.matmul import TILES, Tiles, row_matmul, row_matmul_ref
+from sparsespec.kernels.matmul import TILES, Tiles, fp8_weights, row_matmul, row_matmul_ref
 from sparsespec.models.shapes import shape
 from sparsespec.sparse_bench import time_ms
 
@@ -61,9 +62,10 @@ def main() -> None:
         cfg = shape(name)
         for M in (int(r) for r in args.rows.split(",")):
             print(f"\n{name}, {M} rows (us per call; TB/s over the weight bytes)")
-            print("| product | N x K | calls | cuBLAS | default tiling | best tiling | best | best / cuBLAS |")
-            print("|---|---|---:|---:|---:|---:|---|---:|")
-            totals = {"cublas": 0.0, "default": 0.0, "best": 0.0}
+            print("| product | N x K | calls | cuBLAS | default tiling | best tiling | best | best / cuBLAS "
+                  "| FP8 weights, best tiling |")
+            print("|---|---|---:|---:|---:|---:|---|---:|---:|")
+            totals = {"cublas": 0.0, "default": 0.0, "best": 0.0, "fp8": 0.0}
             for prod, (N, K, calls, has_bias) in products(cfg).items():
                 weights = [torch.randn(N, K, device=DEVICE, generator=gen, dtype=torch.bfloat16) / K**0.5
                            for _ in range(calls)]
@@ -81,21 +83,27 @@ def main() -> None:
                     times[tiles] = per_call_us(lambda a, w, b, t=tiles: row_matmul(a, w, b, tiles=t), x, weights,
                                                bias)
                 best = min(times, key=times.get)
+                scaled = [fp8_weights(w) for w in weights]  # the drafts' copies (self:...,weights=fp8)
+                graph, _ = capture(lambda: [row_matmul(x, w8, bias, tiles=best, scale=sc) for w8, sc in scaled],
+                                   x.device)
+                fp8 = time_ms(graph.replay, iters=10) * 1e3 / calls
+                del graph, scaled
                 row = {"shape": name, "rows": M, "product": prod, "N": N, "K": K, "calls": calls,
-                       "cublas_us": cublas, "default_us": times[TILES], "best_us": times[best],
+                       "cublas_us": cublas, "default_us": times[TILES], "best_us": times[best], "fp8_us": fp8,
                        "best": best.__dict__, "all": [[t.__dict__, us] for t, us in times.items()]}
                 results.append(row)
-                for key, us in (("cublas", cublas), ("default", times[TILES]), ("best", times[best])):
+                for key, us in (("cublas", cublas), ("default", times[TILES]), ("best", times[best]), ("fp8", fp8)):
                     totals[key] += us * calls
                 b = best
                 print(f"| {prod} | {N} x {K} | {calls} | {cublas:.1f} ({tb(cublas):.2f}) | {times[TILES]:.1f} "
                       f"({tb(times[TILES]):.2f}) | {times[best]:.1f} ({tb(times[best]):.2f}) | n{b.block_n} "
-                      f"k{b.block_k} w{b.warps} s{b.stages} v{b.waves} | {times[best] / cublas:.2f} |")
+                      f"k{b.block_k} w{b.warps} s{b.stages} v{b.waves} | {times[best] / cublas:.2f} "
+                      f"| {fp8:.1f} ({tb(fp8) / 2:.2f}) |")
                 del weights
             weight_bytes = sum(N * K * 2 * calls for N, K, calls, _ in products(cfg).values())
             print(f"| **a step's products** | {weight_bytes / 1e9:.2f} GB | | {totals['cublas'] / 1e3:.3f} ms | "
                   f"{totals['default'] / 1e3:.3f} ms | {totals['best'] / 1e3:.3f} ms | | "
-                  f"{totals['best'] / totals['cublas']:.2f} |")
+                  f"{totals['best'] / totals['cublas']:.2f} | {totals['fp8'] / 1e3:.3f} ms |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 
