@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("eval-every", 200, "steps between held-out evaluations (and checkpoints)")):
         td.add_argument(f"--{name}", type=_positive_int, default=default, help=f"{text} (default: %(default)s)")
     td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: 0, the target's)")
+    td.add_argument("--storage", choices=["bf16", "fp8"], default="bf16", help="the drafter file's weights: bf16, or "
+                    "fp8 (its matrices in FP8 with a scale per row: half the bytes; default: %(default)s)")
     td.add_argument("--init", default=None, help="start from this drafter's weights (same shape; e.g. one trained "
                     "in an earlier session on other prompts: --seed picks new ones); fresh optimiser and schedule")
     td.add_argument("--lr", type=_float, default=6e-4, help="AdamW peak learning rate (default: %(default)s)")
@@ -484,6 +486,8 @@ def cmd_serve(args) -> None:
 def cmd_train(args) -> None:
     from pathlib import Path
 
+    import torch
+
     from .generate import Engine
     from .spec.dflash import drafter_files
     from .spec.train import TrainConfig, train_dflash
@@ -504,7 +508,7 @@ def cmd_train(args) -> None:
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     summary = train_dflash(engine, cfg, out, args.target, progress=progress,
                            log=lambda m: print(m, file=sys.stderr, flush=True),
-                           init=init)
+                           init=init, storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16)
     print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['heldout_tau']:.2f}, "
           f"{summary['train_seconds']:.0f} s of training)")
 

@@ -113,3 +113,28 @@ def test_train_refuses_a_missing_init_drafter_before_any_work(tmp_path, capsys):
     assert main(["train", "dflash", "--out", str(tmp_path / "run"), "--init", str(tmp_path / "none")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--init" in err[0] and "no drafter there" in err[0]
+
+
+def test_a_drafter_stored_in_fp8_loads_within_fp8s_precision_at_half_the_bytes(setup, tmp_path):
+    """`save(dtype=float8_e4m3fn)` (`train dflash --storage fp8`): the matrices in FP8 with a scale per row, the
+    vectors in bf16; `load` restores real values; the file is about half the bf16 one."""
+    target, data, held, taps = setup
+    torch.manual_seed(1)
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps, intermediate_size=64))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_()
+    drafter.save(tmp_path / "bf16")
+    drafter.save(tmp_path / "fp8", dtype=torch.float8_e4m3fn, meta={"heldout_tau": 2.0})
+    sizes = {n: (tmp_path / f"{n}.safetensors").stat().st_size for n in ("bf16", "fp8")}
+    assert sizes["fp8"] < 0.6 * sizes["bf16"], sizes
+    back = DFlash.load(tmp_path / "fp8")
+    info = __import__("json").loads((tmp_path / "fp8.json").read_text())
+    assert info["storage"] == "fp8" and info["heldout_tau"] == 2.0
+    for (name, a), b in zip(drafter.state_dict().items(), back.state_dict().values()):
+        a = a.to(torch.bfloat16).float()  # what bf16 storage keeps
+        if a.dim() == 2:  # within FP8's 3 mantissa bits of each row's scale
+            assert ((b - a).abs() <= 2**-4 * a.abs() + 2**-9 * a.abs().amax(1, keepdim=True)).all(), name
+            assert not torch.equal(a, b)
+        else:
+            assert torch.equal(a, b), name

@@ -162,13 +162,24 @@ class DFlash(nn.Module):
     # --- files ---------------------------------------------------------------------------------------------
 
     def save(self, path: Path, dtype: torch.dtype = torch.bfloat16, meta: dict | None = None) -> None:
-        """path.safetensors (weights) + path.json (config and how it was made)."""
+        """path.safetensors (weights) + path.json (config and how it was made). dtype float8_e4m3fn: the matrices
+        stored in FP8 with a scale per output row (`kernels.matmul.fp8_weights`; `NAME` and `NAME.fp8_scale`),
+        half the bytes of bf16, the rest in bf16; `load` restores them in its dtype."""
         from safetensors.torch import save_file
 
+        from ..kernels.matmul import fp8_weights
+
         weights, info = drafter_files(path)
-        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {}
+        for k, v in self.state_dict().items():
+            v = v.detach().cpu()
+            if dtype == torch.float8_e4m3fn and v.dim() == 2:
+                state[k], state[k + FP8_SCALE] = fp8_weights(v)
+            else:
+                state[k] = v.to(torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype).contiguous()
         save_file(state, str(weights))
-        info.write_text(json.dumps({"config": self.cfg.to_json(), **(meta or {})}, indent=1))
+        storage = {"storage": "fp8"} if dtype == torch.float8_e4m3fn else {}
+        info.write_text(json.dumps({"config": self.cfg.to_json(), **(meta or {}), **storage}, indent=1))
 
     @classmethod
     def load(cls, path: Path, device="cpu", dtype: torch.dtype = torch.float32) -> "DFlash":
@@ -182,7 +193,10 @@ class DFlash(nn.Module):
         try:
             cfg = DFlashConfig.from_json(json.loads(meta.read_text())["config"])
             state = load_file(str(weights))
-        except (KeyError, TypeError, ValueError, OSError, SafetensorError) as e:
+            for key in [k for k in state if k.endswith(FP8_SCALE)]:  # FP8 matrices: back to real values
+                name = key.removesuffix(FP8_SCALE)
+                state[name] = state[name].float() * state.pop(key).float()[:, None]
+        except (KeyError, TypeError, ValueError, OSError, SafetensorError, RuntimeError) as e:
             raise SparseSpecError(f"corrupt DFlash drafter {path}: {e}") from None
         model = cls(cfg)
         try:
@@ -190,6 +204,9 @@ class DFlash(nn.Module):
         except RuntimeError as e:
             raise SparseSpecError(f"DFlash drafter {weights} does not match its config: {str(e)[:200]}") from None
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+FP8_SCALE = ".fp8_scale"  # a stored FP8 matrix's per-row scales: the matrix's name + this
 
 
 def drafter_files(path: str | Path) -> tuple[Path, Path]:

@@ -158,10 +158,11 @@ def acceptance(drafter: DFlash, target, data: Dataset, anchors_per_row: int = 64
 
 
 def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, progress: bool = False,
-                 log=print, init: Path | None = None) -> dict:
+                 log=print, init: Path | None = None, storage: torch.dtype = torch.bfloat16) -> dict:
     """Train (or resume) a drafter for `engine`'s model into `out`; return the final summary. `init`: a drafter
     of the same shape (e.g. one trained in an earlier session on other prompts) whose weights the run starts from
-    (a fresh optimiser and schedule); a checkpoint in `out` takes precedence."""
+    (a fresh optimiser and schedule); a checkpoint in `out` takes precedence. `storage`: the drafter file's dtype
+    (bf16, or float8_e4m3fn: its matrices in FP8, half the bytes)."""
     out.mkdir(parents=True, exist_ok=True)
     device = engine.device
     torch.manual_seed(cfg.seed)
@@ -202,7 +203,7 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
                "made_by": f"sparsespec train dflash --target {target_name} (spec/train.py)"}
     if started_from is not None:
         summary["init"] = started_from
-    drafter.save(out / "drafter", meta=summary)
+    drafter.save(out / "drafter", dtype=storage, meta=summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
