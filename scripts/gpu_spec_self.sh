@@ -6,12 +6,12 @@
 # EXTRA: more `bench spec` options (e.g. EXTRA=--row-invariant: bf16 identity through the row-invariant products);
 # TEMPS: temperatures (default 0; e.g. TEMPS=0,1); CHARS, N, BLOCK: context characters, new tokens, block size.
 model=$1; shift
-drafters=${*:-"self:binarypc:budget=0.02,select_every=4"}
+drafters=${*:-"self:binarypc:budget=0.02,select_every=8,dense_layers=0"}
 export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 bench() {  # name batch prompts dtype
   python3 -m sparsespec bench spec --target "$model" --target-name qwen2.5-coder-1.5b --kinds long-code \
     --long-chars ${CHARS:-80000} --prompts "$3" --batch "$2" --temperatures ${TEMPS:-0} --max-new-tokens ${N:-128} \
-    --block-size ${BLOCK:-6} --device cuda --dtype "$4" --compile $EXTRA --out "$OUT/$1" --drafters $drafters 2>&1 \
+    --block-size ${BLOCK:-8} --device cuda --dtype "$4" --compile $EXTRA --out "$OUT/$1" --drafters $drafters 2>&1 \
     | grep -v -i warn | tail -8
 }
 bench b16 16 16 bfloat16
