@@ -12,6 +12,10 @@ if not torch.cuda.is_available():
     # kernels on CUDA only.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # where a kernel test runs its kernel (interpreted on CPU, at small sizes)
+cuda_only = pytest.mark.skipif(not CUDA, reason="larger sizes run on CUDA only")  # full sizes: on the GPU
+
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
 

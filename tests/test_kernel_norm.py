@@ -1,20 +1,14 @@
 """The row-invariant RMSNorm against its torch reference, and its defining property: a row's result does not depend on
 the other rows (interpreted on CPU at small sizes, native on CUDA); the model's RMSNorm takes it when asked."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from sparsespec.kernels.norm import MAX_N, rms_norm, rms_norm_ref  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-cuda_only = pytest.mark.skipif(not CUDA, reason="larger sizes run on CUDA only")
+from .conftest import CUDA, DEVICE, cuda_only  # noqa: E402
 
 
 def case(M, N, dtype, seed):

@@ -235,7 +235,6 @@ class Transformer(nn.Module):
         # it against the engine's: cuDNN's kernel reads a full static cache a little faster but is not
         # deterministic and reads the dead slots too)
         self.block_queries = BLOCK_QUERIES
-        self.invariant_rows = 0  # see `row_invariant`
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
@@ -248,12 +247,16 @@ class Transformer(nn.Module):
         CUDA, and every norm runs through the row-invariant RMSNorm kernel: a token's logits are then bitwise the
         same in a verify block as in a decode step, so greedy speculative output equals plain greedy output in bf16
         too (not only up to near-ties)."""
-        self.invariant_rows = rows
         for module in self.modules():
             if isinstance(module, Linear):
                 module.rows = rows
             elif isinstance(module, RMSNorm):
                 module.invariant = rows > 0
+
+    @property
+    def invariant_rows(self) -> int:
+        """The row limit `row_invariant` set (0: off)."""
+        return self.lm_head.rows
 
     def fp8_drafts(self) -> None:
         """FP8 copies of every Linear's weight (`kernels.matmul.fp8_weights`: ~half the weights' memory again), used
