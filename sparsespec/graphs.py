@@ -59,11 +59,16 @@ def invariant_options(model: Transformer) -> dict[str, bool] | None:
     """Inductor options for a model with row-invariant products: the compiled norms and element-wise kernels must
     round a row alike whatever the step's row count too. Inductor otherwise picks a reduction's block shape by the
     row count and by timing candidate configurations on the device (which differs from one compilation to the
-    next); `deterministic` stops the timing, `batch_invariant` (newer torch) fixes the shape."""
+    next); `deterministic` stops the timing, `batch_invariant` (newer torch) fixes the shape. A fused element-wise
+    kernel otherwise keeps its intermediates in fp32 where eager rounds each op to bf16, and how Inductor fuses the
+    rotary, bias and residual ops differs between a one-token graph and a verify block's graph (measured on the H200:
+    the verify logits of the 1.5B's layout differed from the decode step's in the last bits without
+    `emulate_precision_casts`, bitwise equal with it)."""
     if not model.invariant_rows:
         return None
     config = torch._inductor.config
-    return {key: True for key in ("deterministic", "batch_invariant") if hasattr(config, key)} or None
+    keys = ("deterministic", "batch_invariant", "emulate_precision_casts")
+    return {key: True for key in keys if hasattr(config, key)} or None
 
 
 def capture(fn: Callable[[], object], device: torch.device, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
