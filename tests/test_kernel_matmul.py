@@ -6,7 +6,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from sparsespec.kernels.matmul import TILES, Tiles, fp8_weights, plan, row_matmul, row_matmul_ref  # noqa: E402
+from sparsespec.kernels.matmul import (TILES, Tiles, fp8_weights, plan, row_matmul, row_matmul_ref,  # noqa: E402
+                                       tiles_for)
 
 from .conftest import CUDA, DEVICE, cuda_only  # noqa: E402
 
@@ -63,6 +64,11 @@ def test_the_split_plan_depends_on_the_shape_alone_and_covers_k():
             assert splits >= 1 and chunk % tiles.block_k == 0
             assert (splits - 1) * chunk < k <= splits * chunk  # every split has work, together all of K
         assert plan(151936, 1536, 132, tiles)[0] == 1  # a wide product needs no split
+    for n, k in [(8, 16), (2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536), (64, 999)]:
+        tiles = tiles_for(n, k)  # the default: chosen by the shape, valid and covering K
+        splits, chunk = plan(n, k, 132, tiles)
+        assert chunk % tiles.block_k == 0 and (splits - 1) * chunk < k <= splits * chunk
+    assert tiles_for(1536, 8960) != tiles_for(2048, 1536) != tiles_for(151936, 1536)
     with pytest.raises(ValueError, match="power of two"):
         Tiles(block_k=48)
 
