@@ -384,8 +384,10 @@ def test_row_invariant_products_make_a_verify_block_compute_the_decode_steps_log
     """With row-invariant products and norms a token's logits in a graphed verify block of the batch are bitwise
     those of the graphed one-token decode step (cuBLAS and the compiled norms choose their algorithms by the row
     count: without them they may differ in the last bits), so greedy speculation equals plain greedy exactly in
-    bf16. "qwen2.5-1.5b": its attention layout (6 query heads a KV head, head_dim 128, q/k/v biases), 16 rows, a
-    verify block of 8 (48 query rows a KV head in the attention's tile against 6 in the decode step's)."""
+    bf16. "qwen2.5-1.5b": its attention layout (6 query heads a KV head, head_dim 128, q/k/v biases), 16 rows of
+    up to 1500 tokens (the attention splits each row's keys), a verify block of 8 (48 query rows a KV head in the
+    attention's tile against 6 in the decode step's); a decode step over a longer cache (as a speculative loop's,
+    a block longer than plain decoding's) gives the same logits too."""
     from sparsespec.config import ModelConfig
     from sparsespec.generate import Engine
     from sparsespec.models.loading import LoadedModel
@@ -399,21 +401,26 @@ def test_row_invariant_products_make_a_verify_block_compute_the_decode_steps_log
         prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50)), [5, 4]]
     else:
         cfg = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
-                          num_heads=12, num_kv_heads=2, head_dim=128, max_position=512, qkv_bias=True)
+                          num_heads=12, num_kv_heads=2, head_dim=128, max_position=2048, qkv_bias=True)
         torch.manual_seed(0)
         target, width = Engine(LoadedModel(Transformer(cfg).eval().requires_grad_(False), _Tokenizer(), cfg,
                                            None)), 8
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(1, 512, (int(n),), generator=gen).tolist()
-                   for n in torch.randint(2, 90, (16,), generator=gen)]
+                   for n in torch.randint(2, 1500, (16,), generator=gen)]
     target.model.to("cuda", torch.bfloat16)
     target.device = torch.device("cuda")
     target.model.row_invariant()
-    runner = Runner(target.model, len(prompts), 120, compile=compile)
+    capacity = max(map(len, prompts)) + 50
+    runner = Runner(target.model, len(prompts), capacity, compile=compile)
     hidden = runner.prefill(prompts)
     first = target.model.logits(hidden).argmax(-1)  # [B]
     lengths = list(runner.cache.lengths)
     decoded = runner.decode(first).clone()  # [B, V]
+    longer = Runner(target.model, len(prompts), capacity + 300, compile=compile)
+    longer.prefill(prompts)
+    assert torch.equal(longer.decode(first), decoded)
+    del longer
     runner.truncate(lengths)
     block = torch.cat([first[:, None], torch.randint(0, 512, (len(prompts), width - 1), device="cuda")], 1)
     verified, _ = runner.verify(block, width)  # [B, width, V]

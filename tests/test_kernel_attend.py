@@ -196,3 +196,29 @@ def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
     k[dead[:, None].expand_as(k[..., 0])] = 1e4
     v[dead[:, None].expand_as(v[..., 0])] = float("nan")
     assert torch.equal(block_attention(q, k, v, positions, splits=3), out)  # (the loop's last: 3 splits)
+
+
+@pytest.mark.parametrize("D,dtype", [(64, torch.bfloat16), (32, torch.float32), (128, torch.float16)])
+def test_block_attention_in_fixed_chunks_is_bitwise_the_same_over_any_capacity_batch_and_block(D, dtype):
+    """With `chunk` the splits sit at fixed slots: a query's output is bitwise the same whether the cache holds
+    S or more slots (a speculative loop's cache is a block longer than plain decoding's), whatever other rows share
+    the batch and whether the query is alone (a decode step) or the first of a block (a verify step); and it
+    stays within the reference's tolerance. A chunk that is no multiple of the key block is refused."""
+    gen = torch.Generator().manual_seed(D)
+    Hkv, G, S, chunk = 2, 3, 300, 2 * _block_n(D)
+    q = torch.randn(3, Hkv * G, 5, D, generator=gen).to(DEVICE, dtype)  # [B, Hq, T, D]
+    k = torch.randn(3, Hkv, S + 90, D, generator=gen).to(DEVICE, dtype)  # room past S
+    v = torch.randn(3, Hkv, S + 90, D, generator=gen).to(DEVICE, dtype)
+    positions = torch.tensor([[S - 5, S - 4, S - 3, S - 2, S - 1], [100, 101, 102, 103, 104],
+                              [3, 4, 5, 6, 7]], device=DEVICE)  # [B, T]
+    out = block_attention(q, k[:, :, :S], v[:, :, :S], positions, chunk=chunk)  # [B, Hq, T, D]
+    ref = block_attention_ref(q, k[:, :, :S], v[:, :, :S], positions)
+    assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    longer = block_attention(q, k, v, positions, chunk=chunk)  # more slots, more (empty) splits
+    assert torch.equal(longer, out)
+    for r in range(3):  # each row alone, its first query alone (a decode step's shape)
+        alone = block_attention(q[r:r + 1, :, :1], k[r:r + 1, :, :S + 7], v[r:r + 1, :, :S + 7],
+                                positions[r:r + 1, :1], chunk=chunk)
+        assert torch.equal(alone, out[r:r + 1, :, :1]), r
+    with pytest.raises(ValueError, match="multiple"):
+        block_attention(q, k, v, positions, chunk=_block_n(D) + 8)

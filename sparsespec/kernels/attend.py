@@ -251,7 +251,7 @@ def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    scale: float | None = None, splits: int | None = None) -> torch.Tensor:
+                    scale: float | None = None, splits: int | None = None, chunk: int = 0) -> torch.Tensor:
     """A few query positions per row over the KV cache (a speculative verify block, GQA), split-K in Triton: every
     query head of a KV head and every position of the block in one tile, so each K/V row is read once per KV head.
 
@@ -259,6 +259,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     k, v       [B, Hkv, S, D]  q's dtype; slots [0, max(positions[b]) + 1) of row b are read
     positions  [B, T]          int; query t of row b sees slots 0..positions[b, t] (causal over the cache)
     -> out     [B, Hq, T, D]   q's dtype (contiguous), fp32 accumulation
+    chunk      0: split S for the device's parallelism (`num_splits`); else slots a split, a multiple of the key
+               block: splits at fixed slots whatever S, B and T are, so a query's result is bitwise the same
+               over caches of different capacities (a speculative loop's cache is a block longer than plain
+               decoding's) and batches of any size (row-invariant steps)
     Launches depend on shapes alone: capturable in a CUDA graph."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -267,8 +271,14 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and positions.shape == (B, T)
     scale = D**-0.5 if scale is None else scale
     block_n = _block_n(D)
-    splits = num_splits(S, B * Hkv, D, q.device) if splits is None else splits
-    chunk = triton.cdiv(triton.cdiv(max(S, 1), block_n), splits) * block_n
+    fixed = chunk > 0
+    if fixed:
+        if chunk % block_n:
+            raise ValueError(f"block_attention's chunk must be a multiple of {block_n} slots, got {chunk}")
+        splits = triton.cdiv(max(S, 1), chunk)
+    else:
+        splits = num_splits(S, B * Hkv, D, q.device) if splits is None else splits
+        chunk = triton.cdiv(triton.cdiv(max(S, 1), block_n), splits) * block_n
     positions = positions.contiguous()
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
@@ -283,8 +293,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3
         num_stages=2 if T == 1 else 3)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
-    _merge_kernel[(B * Hq * T,)](m_part, l_part, acc_part, out, splits, D=D,
-                                 BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(splits)), num_warps=4)
+    # (fixed chunks: a fixed merge tile too, so that a cache with more, empty, splits merges alike)
+    block_s = MERGE_BLOCK_S if fixed else min(MERGE_BLOCK_S, triton.next_power_of_2(splits))
+    _merge_kernel[(B * Hq * T,)](m_part, l_part, acc_part, out, splits, D=D, BLOCK_S=block_s, num_warps=4)
     return out
 
 

@@ -140,6 +140,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.split = (q_dim, kv_dim, kv_dim)
+        self.chunk = 0  # the block attention's split length (0: planned by the step's shape; see `row_invariant`)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, hidden] -> q [B, Hq, T, D], k, v [B, Hkv, T, D]: projected, q/k-normed, rotated."""
@@ -163,7 +164,7 @@ class Attention(nn.Module):
             out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
         elif plan.block:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
-            out = block_attention(q, keys, values, plan.positions if plan.seen is None else plan.seen)
+            out = block_attention(q, keys, values, plan.positions if plan.seen is None else plan.seen, self.chunk)
         else:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
@@ -184,17 +185,19 @@ def sparse_decode(policy: Policy, layer: int, q: torch.Tensor, cache: KVCache, p
 # H200 its result could change with what those dead slots held). A custom op, so that torch.compile keeps it whole
 # inside its graph (no graph break) and the CUDA graph captures its launches.
 BLOCK_QUERIES = 32
+INVARIANT_CHUNK = 512  # slots a split of the block attention in row-invariant steps (a multiple of its key block)
 
 
 @torch.library.custom_op("sparsespec::block_attention", mutates_args=())
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    chunk: int = 0) -> torch.Tensor:
     from ..kernels.attend import block_attention as kernel
 
-    return kernel(q, k, v, positions)
+    return kernel(q, k, v, positions, chunk=chunk)
 
 
 @block_attention.register_fake
-def _(q, k, v, positions):
+def _(q, k, v, positions, chunk=0):
     return q.new_empty(q.shape)
 
 
@@ -246,12 +249,16 @@ class Transformer(nn.Module):
         """Steps of up to `rows` rows (batch x tokens a row; 0: off) multiply through the row-invariant kernel on
         CUDA, and every norm runs through the row-invariant RMSNorm kernel: a token's logits are then bitwise the
         same in a verify block as in a decode step, so greedy speculative output equals plain greedy output in bf16
-        too (not only up to near-ties)."""
+        too (not only up to near-ties). The block attention then splits the cache at fixed slots
+        (INVARIANT_CHUNK), not by the cache's capacity: a speculative loop's cache, a block longer than plain
+        decoding's, would otherwise sum a long context's keys in other groups."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.rows = rows
             elif isinstance(module, RMSNorm):
                 module.invariant = rows > 0
+            elif isinstance(module, Attention):
+                module.chunk = INVARIANT_CHUNK if rows > 0 else 0
 
     @property
     def invariant_rows(self) -> int:
