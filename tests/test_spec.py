@@ -186,12 +186,23 @@ def _chi2_pvalue(counts: torch.Tensor, ref: torch.Tensor) -> float:
     return float(1 - torch.special.gammainc(torch.tensor(dof / 2.0), stat / 2))
 
 
+SAMPLING_PROMPT, SAMPLES = [1, 2, 3, 0], 1500  # (at 1500 a wrong rule's p-value is 0.0 for every drafter)
+
+
+@functools.cache
+def _plain_sampling_counts() -> torch.Tensor:
+    """Plain sampling's sequence counts, shared by the drafters' tests (the target is rebuilt alike from its seed)."""
+    target = tiny_engine(3, vocab=4, scale=4.0)
+    return _sequence_counts(lambda i: target.generate([SAMPLING_PROMPT], GenerationConfig(
+        max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=i), stop_on_eos=False)).token_ids[0], SAMPLES)
+
+
 @pytest.mark.parametrize("drafter", ["model", "dflash", "self"])
 def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypatch):
     # vocabulary of 4, three new tokens: 64 possible sequences, compared with a chi-square homogeneity test
     target = tiny_engine(3, vocab=4, scale=4.0)
     draft = tiny_engine(4, vocab=4, scale=4.0)
-    prompt = [1, 2, 3, 0]
+    prompt = SAMPLING_PROMPT
 
     def make():
         if drafter == "self":
@@ -203,13 +214,12 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypat
                          stop_on_eos=False)
         return speculative_generate(target, [prompt], make(), g, 3)[0].token_ids
 
-    ref = _sequence_counts(lambda i: target.generate([prompt], GenerationConfig(
-        max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=i), stop_on_eos=False)).token_ids[0], 3000)
-    good = _sequence_counts(spec, 3000)
+    ref = _plain_sampling_counts()
+    good = _sequence_counts(spec, SAMPLES)
     assert _chi2_pvalue(good, ref) > 1e-3
     always = functools.partial(verify.verify_sampling, accept=lambda pt, pd: torch.ones_like(pt))
     monkeypatch.setattr(decode, "verify_sampling", always)  # a wrong rule: accept every proposal
-    bad = _sequence_counts(spec, 3000)
+    bad = _sequence_counts(spec, SAMPLES)
     assert _chi2_pvalue(bad, ref) < 1e-6
 
 
