@@ -60,12 +60,12 @@ TILES = Tiles()  # the plain tiling (the sweep's baseline)
 
 
 def tiles_for(n: int, k: int) -> Tiles:
-    """The tiling for an [·, k] x [k, n] product, by its shape alone (measured on the H200 in
-    bench/matmul_sweep.py over 1 and 16 rows in the qwen2.5-coder-1.5b shape: 8% less time than `TILES` over a
-    step's products, 0.92x cuBLAS's at 1 row and 0.95x at 16). Narrow outputs (q/k/v, o) take 16 columns a program
-    and long K tiles, so that many programs stream the few columns; products whose K is three times N or more
-    (down) take short K tiles and deep pipelines; very wide ones (an LM head) large tiles; the rest (gate/up)
-    64 x 128."""
+    """The tiling for an [·, k] x [k, n] product, by its shape alone: per product kind, the tiling best on average
+    over 1 and 16 rows in bench/matmul_sweep.py (H200, qwen2.5-coder-1.5b shape; each size's best tilings took
+    0.92x / 0.95x cuBLAS's time over a step's products, `TILES` 1.01x / 1.06x). Narrow outputs (q/k/v, o) take 16
+    columns a program and long K tiles, so that many programs stream the few columns; products whose K is three
+    times N or more (down) take short K tiles and deep pipelines; very wide ones (an LM head) large tiles; the rest
+    (gate/up) 64 x 128."""
     if k >= 3 * n:
         return Tiles(block_n=64, block_k=64, stages=5, waves=2)
     if n <= 4096:
