@@ -63,7 +63,8 @@ def main():
     lines = [f"CPU decode by compute dtype, {args.model} (real weights), {args.prompts} real-text prompts of "
              f"{args.prompt_tokens} tokens, {args.new_tokens} greedy tokens; {platform.machine()}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}", "",
-             "| dtype | decode tok/s | vs fp32 | tokens before the first difference from fp32 | outputs equal to fp32 |",
+             "| dtype | decode tok/s | vs fp32 | tokens before the first difference from fp32 "
+             "| outputs equal to fp32 |",
              "|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['decode_tokens_per_s']:.1f} | "

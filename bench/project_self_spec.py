@@ -97,7 +97,8 @@ def main() -> None:
 
     print(f"PROJECTED, not measured. Acceptance α = {alpha:.3f} per draft ({args.drafter}, {len(spec_rows)} prompts, "
           f"block {block}: measured τ {measured_tau:.2f}, model τ({block - 1}) {tau(alpha, block - 1):.2f}); "
-          f"verify/decode cost ratios r(w) of {args.verify_model} {', '.join(f'{w}: {r:.2f}' for w, r in sorted(ratios.items()))}")
+          f"verify/decode cost ratios r(w) of {args.verify_model} "
+          f"{', '.join(f'{w}: {r:.2f}' for w, r in sorted(ratios.items()))}")
     print()
     print(f"| batch | context | dense step ms | {args.policy} step ms | sparse alone | best γ | τ(γ) | "
           "projected self-speculation |")

@@ -259,7 +259,8 @@ def main() -> None:
             if server:
                 server.stop()
 
-    table = Table(title=f"{args.model} on {args.device}, {args.max_tokens} new tokens{' (EOS ignored)' if args.ignore_eos else ''}, greedy")
+    eos = " (EOS ignored)" if args.ignore_eos else ""
+    table = Table(title=f"{args.model} on {args.device}, {args.max_tokens} new tokens{eos}, greedy")
     for name in Row.__dataclass_fields__:
         table.add_column(name.replace("_", " "), justify="right")
     for row in rows:

@@ -781,8 +781,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         commands = {"generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "calibrate": cmd_calibrate,
-                    "policies": cmd_policies, "fidelity": cmd_fidelity, "eval": cmd_eval, "longgen": cmd_longgen, "train": cmd_train,
-                    "bench": cmd_bench, "serve": cmd_serve}
+                    "policies": cmd_policies, "fidelity": cmd_fidelity, "eval": cmd_eval, "longgen": cmd_longgen,
+                    "train": cmd_train, "bench": cmd_bench, "serve": cmd_serve}
         commands[args.command](args)
     except SparseSpecError as e:
         print(f"sparsespec: error: {e}", file=sys.stderr)

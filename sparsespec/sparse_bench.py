@@ -322,10 +322,12 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
              "index over every layer after prefill (its kernels compiled by a throwaway one-layer build); with "
              "select_every > 1 also the step between selections (the kept selections reused) and the mean step of a "
              "cycle (one selecting step, select_every - 1 reusing ones).", "",
-             "| batch | context | floor (weights) | " + " | ".join(v[1] for v in DENSE_VARIANTS) + " | " + " | ".join(specs) + " |",
+             "| batch | context | floor (weights) | " + " | ".join(v[1] for v in DENSE_VARIANTS) + " | "
+             + " | ".join(specs) + " |",
              "|---:|---:|---:|" + "---:|" * (len(DENSE_VARIANTS) + len(specs))]
     for r in rows:
-        share = lambda s: f", {100 * r[s]['build_s'] / r['prefill_s']:.1f}% of prefill" if "prefill_s" in r else ""  # noqa: E731
+        share = lambda s: (f", {100 * r[s]['build_s'] / r['prefill_s']:.1f}% of prefill"  # noqa: E731
+                           if "prefill_s" in r else "")
         reusing = lambda s: (f"; reusing step {r[s]['reusing_ms']:.2f}, mean step of a selection cycle "  # noqa: E731
                              f"{r[s]['cycle_ms']:.2f} = {r[s]['cycle_speedup_vs_best']:.2f}x"
                              if "reusing_ms" in r[s] else "")

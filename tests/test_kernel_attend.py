@@ -166,9 +166,9 @@ def test_cuda_graph_replay_follows_new_selection():
         assert rel_err(out, sparse_decode_attention_ref(q, k, v, idx, count)) < 1e-2
 
 
-@pytest.mark.parametrize("B,Hkv,G,T,S,D,dtype", [(2, 2, 4, 16, 100, 64, torch.bfloat16), (1, 1, 7, 3, 37, 16, torch.float32),
-                                                 (3, 2, 1, 5, 130, 128, torch.float16), (2, 3, 6, 2, 65, 32, torch.float32),
-                                                 (3, 2, 4, 1, 90, 64, torch.bfloat16), (4, 1, 3, 1, 33, 32, torch.float32)])
+@pytest.mark.parametrize("B,Hkv,G,T,S,D,dtype", [
+    (2, 2, 4, 16, 100, 64, torch.bfloat16), (1, 1, 7, 3, 37, 16, torch.float32), (3, 2, 1, 5, 130, 128, torch.float16),
+    (2, 3, 6, 2, 65, 32, torch.float32), (3, 2, 4, 1, 90, 64, torch.bfloat16), (4, 1, 3, 1, 33, 32, torch.float32)])
 def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
     """Verify blocks (and decode steps, T = 1) at each row's own offset (one ending at the last slot, one at the
     first slots), and positions in any order; q strided as the model projects it; one split and several. The slots

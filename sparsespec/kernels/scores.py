@@ -66,10 +66,10 @@ def topk_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, out: to
     out = torch.empty(B * Hkv, S, dtype=torch.int32, device=q.device) if out is None else out
     block = min(block, triton.next_power_of_2(S))
     G = Hq // Hkv
+    dot_dtype = tl.float32 if q.device.type == "cpu" else _TL_DTYPES[k.dtype]
     _topk_kernel[(B * Hkv, triton.cdiv(S, block))](q.contiguous(), k, positions, out, S, HKV=Hkv, G=G,
                                                   GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block, DOT=dot,
-                                                  DOT_DTYPE=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[k.dtype],
-                                                  num_warps=num_warps)
+                                                  DOT_DTYPE=dot_dtype, num_warps=num_warps)
     return out
 
 

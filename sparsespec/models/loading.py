@@ -162,7 +162,8 @@ def _gguf():
         import gguf
         import gguf.quants
     except ImportError as e:
-        raise SparseSpecError(f"reading GGUF files needs the gguf package ({e}); install it: pip install gguf") from None
+        raise SparseSpecError(f"reading GGUF files needs the gguf package ({e}); install it: pip install gguf"
+                              ) from None
     return gguf
 
 

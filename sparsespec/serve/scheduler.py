@@ -5,8 +5,8 @@
            one prefill chunk of the oldest prefilling slot (`Runner.prefill_row`: the other rows keep their cache);
              its prompt complete -> its first token is sampled and the slot decodes from the next step on
            one batched decode step of every decoding slot (`Runner.decode_rows`: on the CPU the rows up to the
-             last decoding one; on the GPU a replay of the dense graph of the first 1, 2, 4, ... rows that covers them, or
-             of the whole batch with a sparse policy or `batch_invariant`; each captured once); each row
+             last decoding one; on the GPU a replay of the dense graph of the first 1, 2, 4, ... rows that covers
+             them, or of the whole batch with a sparse policy or `batch_invariant`; each captured once); each row
              sampled under its own settings and generator
            a row that stops (EOS, stop token or string, max_tokens) or whose client left frees its slot
 
