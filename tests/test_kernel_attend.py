@@ -1,13 +1,9 @@
 """The Triton sparse flash-decoding kernel against its torch reference and SDPA (interpreted on CPU, native on CUDA)."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from sparsespec.kernels.attend import (  # noqa: E402
@@ -15,10 +11,9 @@ from sparsespec.kernels.attend import (  # noqa: E402
     sparse_decode_attention, sparse_decode_attention_ref,
 )
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+from .conftest import DEVICE, cuda_only  # noqa: E402
+
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-cuda_only = pytest.mark.skipif(not CUDA, reason="larger sizes run on CUDA only")
 
 
 def make_case(B, Hkv, G, S, D, K, dtype, seed, device=DEVICE):

@@ -8,7 +8,7 @@ triton = pytest.importorskip("triton")
 
 from sparsespec.kernels.clusters import cluster_scores, cluster_scores_ref  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .conftest import DEVICE  # noqa: E402
 
 
 @pytest.mark.parametrize("B,Hkv,G,C,D", [(1, 1, 1, 1, 16), (2, 3, 4, 37, 64), (3, 2, 7, 300, 128),

@@ -6,7 +6,7 @@ import torch
 
 from sparsespec.kernels.kmeans import nearest_centroid, nearest_centroid_ref
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .conftest import DEVICE
 
 
 def _scores(points, centroids, valid):

@@ -2,13 +2,9 @@
 odd sizes (make test), on the GPU at full sizes when CUDA is there. Inputs are fresh random draws per case; where a
 float sum's order could flip a sign, the inputs are small dyadic numbers whose sums are exact in any order."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
@@ -17,7 +13,7 @@ from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, top
 from sparsespec.kernels.select import (expand_pages, expand_pages_ref, ordered_keys, select_scratch,  # noqa: E402
                                        select_topk, select_topk_ref)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .conftest import DEVICE  # noqa: E402
 
 
 def dyadic(g: torch.Generator, *shape, scale=8) -> torch.Tensor:
