@@ -2,25 +2,32 @@
 # On the device machine: one session's share of issue 13's drafter training (results under $OUT).
 #   sh scripts/gpu_train_dflash.sh MODEL.gguf [train dflash options ...]
 # MODEL.gguf: the target rebuilt there with `scripts/chunks.py append` (carry the gguf wheel). Trains into
-# /root/run (kept while the machine stays warm: a second call resumes from its checkpoint), then brings back the
-# log, the drafter's json and its weights in hash-checked parts of 15 MiB ($OUT/drafter/, at most 5 parts: the
-# device returns 8 files and 64 MiB a call; a larger drafter needs FIRST=5 LAST=9 SKIP_TRAIN=1 on a second call).
+# /root/run (kept while the machine stays warm: a second call resumes from its checkpoint; the data set keeps only
+# tokens, the target's features are recomputed on resume), logging to /root/run/train.log, then brings back the
+# log, the drafter's json and its weights in hash-checked parts of 15 MiB ($OUT/drafter/, at most 4 parts: the
+# device returns 8 files and 64 MiB a call; a larger drafter needs FIRST=4 LAST=7 SKIP_TRAIN=1 on a second call).
+# Training may outlast one call: started detached (`setsid nohup sh ... &`, OUT unset: nothing is copied), the
+# machine kept warm by later calls that read the log, then SKIP_TRAIN=1 brings the drafter back.
 # Later sessions continue from the drafter brought back (reassembled with `scripts/chunks.py append`):
 # --init DRAFTER --seed N (other prompts). Options as `sparsespec train dflash`, e.g.
-#   --prompts 8192 --heldout 64 --gen-batch 256 --layers 1 --intermediate-size 2048 --time-limit 900
+#   --prompts 12288 --heldout 64 --gen-batch 256 --layers 3 --intermediate-size 2048 --time-limit 840
 model=$1; shift
 export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 run=/root/run
+mkdir -p $run
 if [ -z "$SKIP_TRAIN" ]; then
   python3 -m sparsespec train dflash --target "$model" --device cuda --out $run "$@" 2>&1 \
-    | grep -v -i warn | tee $OUT/train.log | tail -25
+    | grep -v -i warn >> $run/train.log
 fi
+[ -n "$OUT" ] || exit 0
+tail -25 $run/train.log
+cp $run/train.log $OUT/train.log
 [ -f $run/drafter.safetensors ] || { echo "no drafter in $run"; exit 1; }
 mkdir -p /root/parts $OUT/drafter
 [ -f /root/parts/manifest.json ] || python3 scripts/chunks.py split $run/drafter.safetensors /root/parts --size 15
 cp $run/drafter.json $OUT/drafter.json
 cp /root/parts/manifest.json $OUT/drafter/
-for i in $(seq ${FIRST:-0} ${LAST:-4}); do
+for i in $(seq ${FIRST:-0} ${LAST:-3}); do
   f=/root/parts/$(printf part%03d "$i"); [ -f "$f" ] && cp "$f" $OUT/drafter/
 done
 ls -la $OUT/drafter

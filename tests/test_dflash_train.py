@@ -46,7 +46,7 @@ def test_correct_offsets_train_a_drafter_that_the_loop_accepts(setup):
     drafter, _, tau = _train(setup)
     assert tau > 1.8, tau
     # the estimate is what the real loop achieves on a held-out prompt's greedy continuation
-    prompt = data.tokens[0, : int(data.starts[0])].tolist()
+    prompt = data.sequence(0)[:int(data.starts[0])]
     gen = GenerationConfig(max_new_tokens=40)
     out = speculative_generate(target, [prompt], DFlashDrafter(drafter, target.model), gen, 4)[0]
     assert out.token_ids == target.generate([prompt], GenerationConfig(max_new_tokens=40)).token_ids[0]
@@ -138,3 +138,28 @@ def test_a_drafter_stored_in_fp8_loads_within_fp8s_precision_at_half_the_bytes(s
             assert not torch.equal(a, b)
         else:
             assert torch.equal(a, b), name
+
+
+def test_packed_data_holds_each_sequences_own_features_and_reloads_them_from_its_tokens(setup, tmp_path):
+    """Sequences are stored end to end without padding; their features equal a forward pass over each sequence alone
+    (batches padded to their own longest row change nothing); a saved set keeps only tokens and rebuilds the rest."""
+    target, data, _, taps = setup
+    assert data.offsets[0] == 0 and int(data.offsets[-1]) == data.tokens.shape[0] == data.features.shape[0]
+    from sparsespec.cache import KVCache
+
+    for i in (0, 7, len(data) - 1):
+        seq = torch.tensor([data.sequence(i)])
+        cache = KVCache(target.config, 1, seq.shape[1], target.dtype, target.device)
+        _, alone = target.model.forward_tapped(seq, torch.arange(seq.shape[1])[None], cache, seq.shape[1], taps)
+        lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
+        torch.testing.assert_close(data.features[lo:hi].float(), alone[0].to(torch.bfloat16).float())
+    rows = torch.tensor([3, 0, 5])
+    tokens, feats, lengths = data.batch(rows)
+    for j, r in enumerate(rows.tolist()):
+        n = int(lengths[j])
+        assert tokens[j, :n].tolist() == data.sequence(r)
+        assert torch.equal(feats[j, :n], data.features[int(data.offsets[r]):int(data.offsets[r + 1])])
+    data.save(tmp_path / "d.safetensors")
+    again = train.Dataset.load(tmp_path / "d.safetensors", target, taps, batch=5)  # other batches, other padding
+    assert torch.equal(again.tokens, data.tokens) and torch.equal(again.starts, data.starts)
+    torch.testing.assert_close(again.features.float(), data.features.float(), atol=1e-2, rtol=1e-2)

@@ -3,6 +3,7 @@
 import functools
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -491,3 +492,27 @@ def test_dflash_draft_over_the_whole_static_cache_equals_the_draft_over_its_cont
         row = cache.rows(r, r + 1)
         alone = model.draft_hidden(target.model, tokens[r:r + 1, 0], starts[r:r + 1], row, s + 4)
         torch.testing.assert_close(wide[r], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_more_code_prompts_extend_the_set_without_changing_what_comes_first(monkeypatch):
+    """Training sets larger than the top-level modules' 12 functions a module give: then every other function (also
+    of the stdlib's packages), then each function again in the other two styles; smaller sets stay as they were,
+    and train and held-out prompts never share a function."""
+    from sparsespec import corpora
+    from sparsespec.spec import prompts
+
+    def module(name, n):
+        return "\n".join(f"def {name}_{i}(x):\n" + "".join(f"    x = x + {j}\n" for j in range(i % 5 + 6)) +
+                         "    return x\n" for i in range(n))
+
+    docs = {"stdlib": [module("top", 20), module("mid", 15)], "stdlib-packages": [module("pkg", 30)]}
+    monkeypatch.setattr(corpora, "documents", lambda corpus, seed=0: iter(docs[corpus]))
+    names = lambda items: [node.name for _, _, node, _ in items]  # noqa: E731
+    first = names(prompts._functions("train", random.Random(0)))
+    more = names(prompts._functions("train", random.Random(0), more=True))
+    held = names(prompts._functions("heldout", random.Random(0), more=True))
+    assert more[:len(first)] == first and len(more) > len(first) and any(n.startswith("pkg") for n in more)
+    assert sorted(more + held) == sorted(f"{m}_{i}" for m, n in (("top", 20), ("mid", 15), ("pkg", 30))
+                                         for i in range(n))
+    texts = list(prompts._code_prompts("train", random.Random(0)))
+    assert len(texts) == 3 * len(more) and len(set(texts)) == len(texts)

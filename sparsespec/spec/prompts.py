@@ -39,27 +39,47 @@ def _split_of(identity: str) -> str:
     return "heldout" if zlib.crc32(identity.encode()) % 10 == 0 else "train"
 
 
-def _functions(split: str, rng: random.Random):
-    """(identity, source lines, node, module source) of stdlib functions of 6-40 lines in `split`, seeded order."""
+def _functions(split: str, rng: random.Random, more: bool = False):
+    """(identity, source lines, node, module source) of stdlib functions of 6-40 lines in `split`, seeded order: up
+    to 12 a top-level module; `more`: then every other one, of the top-level modules and of the modules inside
+    the standard library's packages (their tests apart) — what comes first never changes with `more`."""
+    rest = []
     for module in corpora.documents("stdlib", rng.randrange(1 << 30)):
-        try:
-            tree = ast.parse(module)
-        except (SyntaxError, ValueError):
-            continue
-        lines = module.splitlines()
-        nodes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and 6 <= n.end_lineno - n.lineno < 40]
+        nodes = _candidates(module)
         rng.shuffle(nodes)
-        for n in nodes[:12]:
-            body = lines[n.lineno - 1:n.end_lineno]
-            indent = len(body[0]) - len(body[0].lstrip())
-            identity = f"{body[0].strip()}|{len(body)}|{lines[0][:40]}"
-            if _split_of(identity) == split:
-                yield identity, [line[indent:] for line in body], n, module
+        yield from _in_split(split, nodes[:12], module)
+        if more:
+            rest.append((nodes[12:], module))
+    if not more:
+        return
+    more_rng = random.Random(rng.random())
+    rest += [(_candidates(module), module) for module in corpora.documents("stdlib-packages", more_rng.randrange(1 << 30))]
+    more_rng.shuffle(rest)
+    for nodes, module in rest:
+        yield from _in_split(split, nodes, module)
 
 
-def _code_prompt(lines: list[str], node: ast.FunctionDef, rng: random.Random) -> str:
+def _candidates(module: str) -> list[ast.FunctionDef]:
+    try:
+        tree = ast.parse(module)
+    except (SyntaxError, ValueError):
+        return []
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and 6 <= n.end_lineno - n.lineno < 40]
+
+
+def _in_split(split: str, nodes: list[ast.FunctionDef], module: str):
+    lines = module.splitlines()
+    for n in nodes:
+        body = lines[n.lineno - 1:n.end_lineno]
+        indent = len(body[0]) - len(body[0].lstrip())
+        identity = f"{body[0].strip()}|{len(body)}|{lines[0][:40]}"
+        if _split_of(identity) == split:
+            yield identity, [line[indent:] for line in body], n, module
+
+
+def _code_prompt(lines: list[str], node: ast.FunctionDef, style: int) -> str:
+    """Style 0: complete the function from its first lines; 1: explain it; 2: write it from signature + docstring."""
     src = "\n".join(lines)
-    style = rng.randrange(3)
     if style == 0:
         head = "\n".join(lines[: max(2, len(lines) // 3)])
         return ("Complete this Python function. Reply with the whole function in a code block.\n\n"
@@ -69,6 +89,19 @@ def _code_prompt(lines: list[str], node: ast.FunctionDef, rng: random.Random) ->
     doc = ast.get_docstring(node) or f"Implement `{node.name}`."
     sig = lines[0]
     return f"Write a Python function with this signature:\n\n```python\n{sig}\n```\n\nIt should do this: {doc}"
+
+
+def _code_prompts(split: str, rng: random.Random):
+    """One prompt a function of `_functions(more=True)` in a random style; then, for larger sets, the same functions
+    again in each of the other two styles."""
+    seen = []
+    for _, lines, node, _ in _functions(split, rng, more=True):
+        style = rng.randrange(3)
+        seen.append((lines, node, style))
+        yield _code_prompt(lines, node, style)
+    for shift in (1, 2):
+        for lines, node, style in seen:
+            yield _code_prompt(lines, node, (style + shift) % 3)
 
 
 def _texts(split: str, rng: random.Random):
@@ -173,8 +206,7 @@ def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code",
     counts = {k: n // len(kinds) + (i < n % len(kinds)) for i, k in enumerate(kinds)}
     out: list[Prompt] = []
     if counts.get("code"):
-        for _, (_, lines, node, _) in zip(range(counts["code"]), _functions(split, rng)):
-            out.append(Prompt("code", _code_prompt(lines, node, rng)))
+        out += [Prompt("code", text) for _, text in zip(range(counts["code"]), _code_prompts(split, rng))]
     if counts.get("text"):
         for _, (title, passage) in zip(range(counts["text"]), _texts(split, rng)):
             out.append(Prompt("text", _text_prompt(title, passage, rng)))

@@ -66,25 +66,70 @@ class TrainConfig:
 
 @dataclass
 class Dataset:
-    tokens: torch.Tensor  # [N, T] int64, right-padded
-    lengths: torch.Tensor  # [N] prompt + response tokens
-    starts: torch.Tensor  # [N] first response position
-    features: torch.Tensor  # [N, T, taps * H] target layer outputs
+    """Sequences (prompt + the target's response) packed end to end, no padding: sequence i is
+    tokens[offsets[i]:offsets[i + 1]], its response starts `starts[i]` tokens in; features[j] are the target's tapped
+    layer outputs at token j. Only the tokens are stored: the features (taps x hidden values a token, tens of GB for
+    thousands of answers) are recomputed from them by one forward pass (`tapped_features`) when a run resumes."""
+
+    tokens: torch.Tensor  # [S] int64, every sequence's tokens
+    offsets: torch.Tensor  # [N + 1] int64: sequence i is tokens[offsets[i]:offsets[i + 1]]
+    starts: torch.Tensor  # [N] first response token of each sequence (counted from its own start)
+    features: torch.Tensor  # [S, taps * H] target layer outputs
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return self.offsets.shape[0] - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:  # [N] prompt + response tokens
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def sequence(self, i: int) -> list[int]:
+        return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])].tolist()
+
+    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows [n] -> tokens [n, T], features [n, T, taps * H], lengths [n]: right-padded (with each row's last
+        token, which every mask and label ignores) to the longest row, T."""
+        lengths = self.lengths[rows]
+        T = int(lengths.max())
+        at = torch.minimum(torch.arange(T, device=rows.device), lengths[:, None] - 1)
+        index = self.offsets[rows][:, None] + at  # [n, T]
+        return self.tokens[index], self.features[index], lengths
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous().cpu() for k, v in asdict(self).items()}, str(path))
+        save_file({k: getattr(self, k).contiguous().cpu() for k in ("tokens", "offsets", "starts")}, str(path))
 
     @classmethod
-    def load(cls, path: Path, device) -> "Dataset":
+    def load(cls, path: Path, engine: Engine, taps: tuple[int, ...], batch: int) -> "Dataset":
         from safetensors.torch import load_file
 
-        d = load_file(str(path))
-        return cls(**{k: v.to(device) for k, v in d.items()})
+        d = {k: v.to(engine.device) for k, v in load_file(str(path)).items()}
+        return cls(**d, features=tapped_features(engine, d["tokens"], d["offsets"], taps, batch))
+
+
+@torch.no_grad()
+def tapped_features(engine: Engine, tokens: torch.Tensor, offsets: torch.Tensor, taps: tuple[int, ...],
+                    batch: int) -> torch.Tensor:
+    """The target's tapped layer outputs [S, taps * H] (bf16) over packed sequences (tokens [S], offsets [N + 1]),
+    `batch` sequences a forward pass, each pass padded only to its own longest sequence."""
+    from ..cache import KVCache
+
+    device = engine.device
+    tokens, offsets = tokens.to(device), offsets.to(device)
+    width = len(taps) * engine.config.hidden_size
+    out = torch.empty(tokens.shape[0], width, dtype=torch.bfloat16, device=device)
+    for i in range(0, offsets.shape[0] - 1, batch):
+        lo, hi = offsets[i:i + batch + 1][:-1], offsets[i:i + batch + 1][1:]
+        lengths = hi - lo
+        T = int(lengths.max())
+        at = torch.arange(T, device=device)
+        valid = at < lengths[:, None]  # [n, T]
+        index = lo[:, None] + torch.minimum(at, lengths[:, None] - 1)
+        cache = KVCache(engine.config, lo.shape[0], T, engine.dtype, device)
+        _, f = engine.model.forward_tapped(tokens[index], at.expand(lo.shape[0], -1), cache, T, taps)
+        out[index[valid]] = f[valid].to(torch.bfloat16)  # causal: padding after a row never changes its features
+    return out
 
 
 @torch.no_grad()  # not inference_mode: training saves these tensors for backward
@@ -102,23 +147,11 @@ def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], 
                 seqs.append(p + r)
                 starts.append(len(p))
             bar.advance(task, len(ids))
-    T = max(len(s) for s in seqs)
-    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = torch.tensor(s)
-    from ..cache import KVCache
-
-    features = []
     device = engine.device
-    for i in range(0, len(seqs), batch):
-        chunk = tokens[i:i + batch].to(device)
-        cache = KVCache(engine.config, chunk.shape[0], T, engine.dtype, device)
-        positions = torch.arange(T, device=device).expand(chunk.shape[0], -1)
-        _, f = engine.model.forward_tapped(chunk, positions, cache, T, taps)
-        features.append(f.to(torch.bfloat16))
-    lengths = torch.tensor([len(s) for s in seqs])
-    return Dataset(tokens.to(device), lengths.to(device), torch.tensor(starts, device=device),
-                   torch.cat(features))
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
+    offsets = torch.tensor([0] + [len(s) for s in seqs], device=device).cumsum(0)
+    return Dataset(tokens, offsets, torch.tensor(starts, device=device),
+                   tapped_features(engine, tokens, offsets, taps, batch))
 
 
 def sample_anchors(data: Dataset, rows: torch.Tensor, m: int, generator: torch.Generator) -> torch.Tensor:
@@ -132,8 +165,8 @@ def sample_anchors(data: Dataset, rows: torch.Tensor, m: int, generator: torch.G
 def block_loss(drafter: DFlash, target, data: Dataset, rows: torch.Tensor, anchors: torch.Tensor):
     """(weighted cross-entropy, logits [n, M, B, V], labels [n, M, B]) for the blocks at `anchors` of `rows`."""
     B = drafter.cfg.block_size
-    T = int(data.lengths[rows].max())
-    tokens, feats, lengths = data.tokens[rows, :T], data.features[rows, :T], data.lengths[rows]
+    tokens, feats, lengths = data.batch(rows)  # [n, T], [n, T, taps * H], [n]
+    T = tokens.shape[1]
     mask = block_mask(anchors, lengths, T, B)
     hidden = drafter.train_hidden(target, feats, tokens, anchors, mask)  # [n, M, B, H]
     logits = target.logits(hidden.to(target.lm_head.weight.dtype))  # [n, M, B, V] fp32
@@ -182,7 +215,7 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     data_path, held_path = out / "data.safetensors", out / "heldout.safetensors"
     t0 = time.perf_counter()
     if data_path.is_file() and held_path.is_file():
-        data, held = Dataset.load(data_path, device), Dataset.load(held_path, device)
+        data, held = (Dataset.load(p, engine, dcfg.taps, cfg.gen_batch) for p in (data_path, held_path))
     else:
         train_p = [engine.encode(p.text, chat=True) for p in make_prompts(cfg.prompts, "train", seed=cfg.seed)]
         held_p = [engine.encode(p.text, chat=True) for p in make_prompts(cfg.heldout, "heldout", seed=cfg.seed)]
