@@ -17,7 +17,7 @@ run=/root/run
 mkdir -p $run
 if [ -z "$SKIP_TRAIN" ]; then
   python3 -m sparsespec train dflash --target "$model" --device cuda --out $run "$@" 2>&1 \
-    | grep -v -i warn >> $run/train.log
+    | grep --line-buffered -v -i warn >> $run/train.log
 fi
 [ -n "$OUT" ] || exit 0
 tail -25 $run/train.log

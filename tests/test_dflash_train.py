@@ -163,3 +163,46 @@ def test_packed_data_holds_each_sequences_own_features_and_reloads_them_from_its
     again = train.Dataset.load(tmp_path / "d.safetensors", target, taps, batch=5)  # other batches, other padding
     assert torch.equal(again.tokens, data.tokens) and torch.equal(again.starts, data.starts)
     torch.testing.assert_close(again.features.float(), data.features.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_the_schedule_warms_up_then_decays_to_zero_over_the_progress():
+    cfg = TrainConfig(lr=1e-3, warmup=0.1)
+    assert train.learning_rate(cfg, 0.0) == 0.0
+    assert train.learning_rate(cfg, 0.05) == pytest.approx(5e-4)
+    assert train.learning_rate(cfg, 0.1) == pytest.approx(1e-3)
+    assert train.learning_rate(cfg, 0.55) == pytest.approx(5e-4)
+    assert train.learning_rate(cfg, 1.0) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_time_limit_ends_training_on_its_clock_and_a_resume_continues_that_clock(setup, tmp_path):
+    """Steps are many, the time limit short: training stops when the optimisation time reaches the limit (evaluations
+    not counted), whatever a step costs; the checkpoint keeps the seconds, so a resume with the same limit has
+    nothing left to do."""
+    target, data, held, taps = setup
+    cfg = TrainConfig(steps=10**9, batch=2, anchors=4, block_size=4, eval_every=10**6, time_limit=0.5)
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    _, history = fit(drafter, target.model, data, held, cfg, tmp_path / "ckpt.pt", log=lambda *_: None)
+    state = torch.load(tmp_path / "ckpt.pt")
+    assert 0 < state["step"] == history[-1]["step"] < 10**9 and state["seconds"] >= 0.5
+    again = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    _, history2 = fit(again, target.model, data, held, cfg, tmp_path / "ckpt.pt", log=lambda *_: None)
+    assert [h["step"] for h in history2] == [state["step"]]
+
+
+def test_a_non_finite_step_is_skipped_and_training_goes_on(setup, monkeypatch):
+    target, data, held, taps = setup
+    calls, lines = [], []
+
+    def poisoned(*args):
+        loss, logits, labels = block_loss(*args)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), logits, labels
+
+    block_loss = train.block_loss
+    monkeypatch.setattr(train, "block_loss", poisoned)
+    torch.manual_seed(0)
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    fit(drafter, target.model, data, held, TrainConfig(steps=6, batch=2, anchors=4, block_size=4, eval_every=100),
+        log=lines.append)
+    assert all(torch.isfinite(p).all() for p in drafter.parameters())
+    assert any("step 3: non-finite gradient, skipped (1 so far)" in line for line in lines), lines
