@@ -21,7 +21,7 @@ from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
 from .models.transformer import Transformer
 from .progress import track
-from .runner import Runner
+from .runner import Runner, compiled_capacity
 from .sampling import SamplingConfig, make_generator, sample
 
 
@@ -173,7 +173,10 @@ class Engine:
         if policy is not None and self.config.sliding_window is not None:
             raise SparseSpecError("sparse attention policies do not support sliding-window models yet; use dense")
         B = len(prompts)
-        runner = Runner(self.model, B, max(lens) + gen.max_new_tokens, policy, gen.cuda_graph, gen.compile)
+        capacity = max(lens) + gen.max_new_tokens
+        if gen.compile and policy is None:  # (a sparse policy's fixed widths follow the capacity: kept exact)
+            capacity = compiled_capacity(capacity, self.config.max_position)
+        runner = Runner(self.model, B, capacity, policy, gen.cuda_graph, gen.compile)
         rng = make_generator(gen.sampling, self.device)
 
         start = time.perf_counter()

@@ -34,6 +34,21 @@ from .models.transformer import Transformer
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def compiled_capacity(capacity: int, limit: int) -> int:
+    """The cache size for `capacity` positions when the steps are compiled: the next of 256, 384, 512, 768, 1024,
+    ... (2^k and 1.5 · 2^k: at most 50% more slots), but not past `limit` (the model's context; a capacity beyond
+    it is kept). A compiled step is specialised to its cache's size, and Inductor takes tens of seconds for a
+    model's step: with a cache sized to each call's prompt, every call compiled its decode and verify steps again
+    (about 40 s a prompt for the 1.5B on the H200). Dense steps read only each row's live slots, so the spare slots
+    cost memory, not time."""
+    if capacity >= limit:
+        return capacity
+    size = 256
+    while size < capacity:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4  # 2^k -> 1.5 · 2^k -> 2^(k+1)
+    return min(size, limit)
+
+
 class Runner:
     def __init__(self, model: Transformer, batch: int, capacity: int, policy: Policy | None = None,
                  cuda_graph: bool = True, compile: bool = False, fixed: bool | None = None,

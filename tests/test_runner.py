@@ -261,3 +261,41 @@ def test_verify_then_a_partial_commit_equals_decoding_the_committed_tokens():
     torch.testing.assert_close(spec.decode(nxt), plain.decode(nxt), rtol=1e-5, atol=1e-5)
     hidden = spec.forward(block[:, :2])  # a drafter catching up: hidden states, lengths kept
     assert hidden.shape[:2] == (2, 2) and spec.cache.lengths == [n + 4 for n in lengths]
+
+
+def test_compiled_runs_size_their_cache_in_few_buckets_so_nearby_lengths_share_a_compilation(monkeypatch):
+    """A compiled step is specialised to its cache's size: `compiled_capacity` rounds up to 2^k or 1.5 · 2^k (at most
+    50% more, never past the model's context unless already there), and compiled dense generation and speculation
+    allocate that size; plain (uncompiled) runs and sparse policies keep the exact size."""
+    from sparsespec import generate as generate_module
+    from sparsespec.runner import compiled_capacity
+    from sparsespec.spec import decode as decode_module
+    from sparsespec.spec.drafters import NgramDrafter
+
+    from .test_spec import tiny_engine
+
+    sizes = set()
+    for n in range(1, 70_000, 7):
+        c = compiled_capacity(n, 32_768)
+        sizes.add(c)
+        assert c == n if n >= 32_768 else n <= c <= min(32_768, max(256, n * 3 // 2 + 1)), (n, c)
+    assert sorted(sizes)[:8] == [256, 384, 512, 768, 1024, 1536, 2048, 3072]
+    assert len([s for s in sizes if s <= 32_768]) == 15
+
+    made = []
+
+    class Spy(Runner):
+        def __init__(self, model, batch, capacity, *args, **kwargs):
+            made.append(capacity)
+            super().__init__(model, batch, capacity, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "Runner", Spy)
+    monkeypatch.setattr(decode_module, "Runner", Spy)
+    engine = tiny_engine(0)
+    prompt = list(range(1, 40))
+    for compile in (False, True):
+        gen = GenerationConfig(max_new_tokens=5, compile=compile)
+        engine.generate([prompt], gen)
+        decode_module.speculative_generate(engine, [prompt], NgramDrafter(), gen, 4)
+        engine.generate([prompt], gen, policy=make_policy("topk", {"budget": 0.5}))
+    assert made == [44, 48, 44, 256, 256, 44]

@@ -25,7 +25,7 @@ import torch
 from ..attention.policy import device_ints
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
-from ..runner import Runner
+from ..runner import Runner, compiled_capacity
 from ..sampling import SamplingConfig, make_generator, sample
 from .drafters import Drafter
 from .verify import verify_greedy_rows, verify_sampling
@@ -72,6 +72,8 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
     rooms = [min(len(p) + gen.max_new_tokens + block_size, engine.config.max_position) for p in prompts]
     capacity = max(rooms)
+    if gen.compile and drafter.policy is None:  # compiled steps shared by calls of nearby lengths
+        capacity = compiled_capacity(capacity, engine.config.max_position)
     runner = Runner(engine.model, len(prompts), capacity, drafter.policy, cuda_graph=gen.cuda_graph,
                     compile=gen.compile, taps=drafter.taps)
     drafter.bind(runner)
