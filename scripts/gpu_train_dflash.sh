@@ -16,7 +16,7 @@ export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 run=/root/run
 mkdir -p $run
 if [ -z "$SKIP_TRAIN" ]; then
-  python3 -m sparsespec train dflash --target "$model" --device cuda --out $run "$@" 2>&1 \
+  python3 -m sparsespec train dflash --target "$model" --device cuda --out $run --progress "$@" 2>&1 \
     | grep --line-buffered -v -i warn >> $run/train.log
 fi
 [ -n "$OUT" ] || exit 0

@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
     td.add_argument("--dtype", choices=list(DTYPES), default=None, help="target dtype; default: float32 on cpu, "
                     "bfloat16 on cuda (the drafter trains in fp32 with bf16 autocast on cuda)")
+    td.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a "
+                    "terminal (a line every few seconds: the target's answers, then the optimisation)")
 
     b = sub.add_parser("bench", help="benchmarks")
     bs = b.add_subparsers(dest="what", required=True, parser_class=_Parser)
@@ -504,7 +506,7 @@ def cmd_train(args) -> None:
         if not all(f.is_file() for f in drafter_files(init)):
             raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    progress = sys.stderr.isatty()
+    progress = args.progress or sys.stderr.isatty()
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     summary = train_dflash(engine, cfg, out, args.target, progress=progress,
                            log=lambda m: print(m, file=sys.stderr, flush=True),

@@ -232,10 +232,15 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     t0 = time.perf_counter()
     tau, history = fit(drafter, engine.model, data, held, cfg, out / "checkpoint.pt", progress, log)
     train_s = time.perf_counter() - t0
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    defaults = asdict(TrainConfig())
+    command = ["sparsespec train dflash --target", target_name]  # the options given (those left at defaults apart)
+    command += [f"--{k.replace('_', '-')} {v}" for k, v in asdict(cfg).items() if v != defaults[k]]
+    command += ["--storage", "fp8" if storage == torch.float8_e4m3fn else "bf16"]
+    command += ["--init", str(init)] if init is not None else []
     summary = {"target": target_name, "train": asdict(cfg), "heldout_tau": tau, "history": history,
-               "train_seconds": round(train_s, 1), "data_seconds": round(data_s, 1),
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "made_by": f"sparsespec train dflash --target {target_name} (spec/train.py)"}
+               "train_seconds": round(train_s, 1), "data_seconds": round(data_s, 1), "device": hardware,
+               "made_by": " ".join(command) + f" ({hardware}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})"}
     if started_from is not None:
         summary["init"] = started_from
     drafter.save(out / "drafter", dtype=storage, meta=summary)
@@ -309,7 +314,7 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
         drafter.eval()
         with autocast:
             tau = acceptance(drafter, target, held)
-        history.append({"step": step, "loss": loss, "heldout_tau": tau})
+        history.append({"step": step, "loss": loss, "heldout_tau": tau, "seconds": round(spent, 1)})
         if ckpt is not None:  # written whole, then renamed: an interrupted save never leaves a corrupt checkpoint
             tmp = ckpt.with_name(ckpt.name + ".tmp")
             torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": spent}, tmp)
