@@ -277,6 +277,29 @@ def _check_settings(path: Path, settings: dict) -> None:
         path.write_text(json.dumps(settings, indent=1))
 
 
+def train_step(drafter: DFlash, target, data: Dataset, cfg: TrainConfig, opt: torch.optim.Optimizer,
+               g: torch.Generator, autocast) -> tuple[torch.Tensor, bool]:
+    """One optimisation step on cfg.batch random sequences x cfg.anchors blocks -> (the loss, whether the step was
+    applied: a non-finite gradient norm skips it)."""
+    drafter.train()
+    rows = torch.randint(0, len(data), (cfg.batch,), generator=g, device=data.tokens.device)
+    anchors = sample_anchors(data, rows, cfg.anchors, g)
+    with autocast:
+        loss, _, _ = block_loss(drafter, target, data, rows, anchors)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.clip)
+    applied = bool(torch.isfinite(norm))
+    if applied:
+        opt.step()
+    return loss, applied
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on CUDA (the drafter's weights stay fp32), none on CPU."""
+    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
 def learning_rate(cfg: TrainConfig, progress: float) -> float:
     """Linear warm-up over the first `warmup` of training, then cosine decay to 0 at progress 1."""
     if progress < cfg.warmup:
@@ -305,8 +328,7 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
         return max(step / cfg.steps, spent / cfg.time_limit if cfg.time_limit else 0.0)
 
     g = torch.Generator(device=device).manual_seed(cfg.seed + step)
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
-                                                                                                    enabled=False)
+    autocast = autocast_for(device)
     history: list[dict] = []
     skipped = 0
 
@@ -327,19 +349,10 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
         task = bar.add_task("train dflash", total=1000, completed=int(1000 * done()), visible=progress)
         while done() < 1:
             t0 = time.perf_counter()
-            drafter.train()
             for group in opt.param_groups:
                 group["lr"] = learning_rate(cfg, done())
-            rows = torch.randint(0, len(data), (cfg.batch,), generator=g, device=device)
-            anchors = sample_anchors(data, rows, cfg.anchors, g)
-            with autocast:
-                loss, _, _ = block_loss(drafter, target, data, rows, anchors)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.clip)
-            if torch.isfinite(norm):
-                opt.step()
-            else:  # a non-finite loss or gradient (bf16 overflow): the step is skipped, not applied as NaN
+            loss, applied = train_step(drafter, target, data, cfg, opt, g, autocast)
+            if not applied:  # a non-finite loss or gradient (bf16 overflow): skipped, not applied as NaN
                 skipped += 1
                 log(f"step {step + 1}: non-finite gradient, skipped ({skipped} so far)")
             loss_value = loss.item()  # (waits for the step: the clock below counts it whole)
