@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
     td.add_argument("--dtype", choices=list(DTYPES), default=None, help="target dtype; default: float32 on cpu, "
                     "bfloat16 on cuda (the drafter trains in fp32 with bf16 autocast on cuda)")
+    td.add_argument("--processes", type=_positive_int, default=1, help="data-parallel training processes, one GPU "
+                    "each on cuda (each answers its share of the prompts; gradients averaged; default: 1)")
     td.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a "
                     "terminal (a line every few seconds: the target's answers, then the optimisation)")
 
@@ -488,31 +490,51 @@ def cmd_serve(args) -> None:
 def cmd_train(args) -> None:
     from pathlib import Path
 
+    from .spec.dflash import drafter_files
+    from .spec.ranks import spawn
+
+    _train_config(args)  # invalid options fail here, before any process starts
+    _writable_folder(args.out)
+    if args.init and not all(f.is_file() for f in drafter_files(Path(args.init))):
+        raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")
+    if args.processes > 1:
+        spawn(_train, args.processes, args.device, args)
+    else:
+        _train(args)
+
+
+def _train_config(args):
+    from .spec.train import TrainConfig
+
+    return TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
+                       gen_batch=args.gen_batch, layers=args.layers, block_size=args.block_size, taps=args.taps,
+                       intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
+                       anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
+                       time_limit=args.time_limit, seed=args.seed)
+
+
+def _train(args) -> None:
+    """`train dflash` in this process (one of several with --processes: its own GPU, its share of the data)."""
+    from pathlib import Path
+
     import torch
 
     from .generate import Engine
-    from .spec.dflash import drafter_files
-    from .spec.train import TrainConfig, train_dflash
+    from .spec.ranks import Ranks
+    from .spec.train import train_dflash
 
-    cfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
-                      gen_batch=args.gen_batch, layers=args.layers, block_size=args.block_size, taps=args.taps,
-                      intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
-                      anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
-                      time_limit=args.time_limit, seed=args.seed)
-    out = _writable_folder(args.out)
-    init = None
-    if args.init:
-        init = Path(args.init)
-        if not all(f.is_file() for f in drafter_files(init)):
-            raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")
+    ranks = Ranks.current()
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    progress = args.progress or sys.stderr.isatty()
+    progress = ranks.main and (args.progress or sys.stderr.isatty())
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
-    summary = train_dflash(engine, cfg, out, args.target, progress=progress,
+    out = Path(args.out)
+    summary = train_dflash(engine, _train_config(args), out, args.target, progress=progress,
                            log=lambda m: print(m, file=sys.stderr, flush=True),
-                           init=init, storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16)
-    print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['heldout_tau']:.2f}, "
-          f"{summary['train_seconds']:.0f} s of training)")
+                           init=Path(args.init) if args.init else None,
+                           storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16, ranks=ranks)
+    if ranks.main:
+        print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['heldout_tau']:.2f}, "
+              f"{summary['train_seconds']:.0f} s of training)")
 
 
 def cmd_bench(args) -> None:

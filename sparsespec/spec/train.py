@@ -30,6 +30,7 @@ from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
 from .dflash import DFlash, DFlashConfig, block_labels, block_mask, default_taps, drafter_files, loss_weights
 from .prompts import make_prompts
+from .ranks import Ranks
 
 
 @dataclass(frozen=True)
@@ -179,33 +180,49 @@ def block_loss(drafter: DFlash, target, data: Dataset, rows: torch.Tensor, ancho
 
 
 @torch.no_grad()
-def acceptance(drafter: DFlash, target, data: Dataset, anchors_per_row: int = 64, seed: int = 1) -> float:
-    """Estimated τ at T = 0: mean over blocks of 1 + the leading run of correct predictions (valid labels)."""
-    g = torch.Generator(device=data.tokens.device).manual_seed(seed)
-    taus = []
+def acceptance(drafter: DFlash, target, data: Dataset, anchors_per_row: int = 64, seed: int = 1,
+               ranks: Ranks = Ranks()) -> float:
+    """Estimated τ at T = 0: mean over blocks of 1 + the leading run of correct predictions (valid labels); over
+    every process's held-out share when training data-parallel."""
+    device = data.tokens.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of taus, blocks)
     for i in range(0, len(data), 4):
-        rows = torch.arange(i, min(i + 4, len(data)), device=data.tokens.device)
+        rows = torch.arange(i, min(i + 4, len(data)), device=device)
         anchors = sample_anchors(data, rows, anchors_per_row, g)
         _, logits, labels = block_loss(drafter, target, data, rows, anchors)
         hit = (logits.argmax(-1) == labels)[..., 1:]  # [n, M, B-1]; invalid labels (-100) never hit
-        taus.append(1 + hit.long().cumprod(-1).sum(-1).float().flatten())
-    return float(torch.cat(taus).mean())
+        taus = 1 + hit.long().cumprod(-1).sum(-1).double()
+        total += torch.stack([taus.sum(), torch.tensor(taus.numel(), dtype=torch.float64, device=device)])
+    total = ranks.sum(total)
+    return float(total[0] / total[1])
 
 
 def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, progress: bool = False,
-                 log=print, init: Path | None = None, storage: torch.dtype = torch.bfloat16) -> dict:
+                 log=print, init: Path | None = None, storage: torch.dtype = torch.bfloat16,
+                 ranks: Ranks | None = None) -> dict:
     """Train (or resume) a drafter for `engine`'s model into `out`; return the final summary. `init`: a drafter
     of the same shape (e.g. one trained in an earlier session on other prompts) whose weights the run starts from
     (a fresh optimiser and schedule); a checkpoint in `out` takes precedence. `storage`: the drafter file's dtype
-    (bf16, or float8_e4m3fn: its matrices in FP8, half the bytes)."""
+    (bf16, or float8_e4m3fn: its matrices in FP8, half the bytes). `ranks`: data-parallel training, one process of
+    several (`spec.ranks.spawn`): each answers its share of the prompts and trains on it, gradients averaged; only
+    the main process logs and writes the checkpoint and the drafter."""
+    ranks = ranks or Ranks.current()
+    if not ranks.main:
+        progress, log = False, lambda *_: None
     out.mkdir(parents=True, exist_ok=True)
     device = engine.device
     torch.manual_seed(cfg.seed)
     dcfg = DFlashConfig(engine.config, cfg.layers, cfg.block_size,
                         default_taps(engine.config.num_layers, cfg.taps), cfg.intermediate_size)
-    _check_settings(out / "settings.json", {
-        "target": dcfg.target.__dict__ | {"rope_scaling": dcfg.target.rope_scaling.__dict__}, "drafter": dcfg.to_json(),
-        "data": {k: getattr(cfg, k) for k in ("prompts", "heldout", "max_new_tokens", "seed")}})
+    settings = {"target": dcfg.target.__dict__ | {"rope_scaling": dcfg.target.rope_scaling.__dict__},
+                "drafter": dcfg.to_json(), "data": {k: getattr(cfg, k) for k in ("prompts", "heldout",
+                                                                                "max_new_tokens", "seed")}}
+    settings["processes"] = ranks.size  # each process keeps its own share of the data: a resume needs as many
+    for turn in ("main", "others"):  # the main process writes a new run's settings, the others then compare
+        if ranks.main == (turn == "main"):
+            _check_settings(out / "settings.json", settings)
+        ranks.barrier()
     # before the data: a wrong --init fails at once
     drafter = DFlash(dcfg).to(device)
     with torch.no_grad():
@@ -214,23 +231,28 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     if init is not None:
         started_from = start_from(drafter, init)
         log(f"starting from {init} (held-out tau {started_from.get('heldout_tau', float('nan')):.2f} there)")
-    data_path, held_path = out / "data.safetensors", out / "heldout.safetensors"
+    ranks.broadcast_(drafter.parameters())
+    part = f".rank{ranks.rank}" if ranks.size > 1 else ""
+    data_path, held_path = out / f"data{part}.safetensors", out / f"heldout{part}.safetensors"
     t0 = time.perf_counter()
     if data_path.is_file() and held_path.is_file():
         data, held = (Dataset.load(p, engine, dcfg.taps, cfg.gen_batch) for p in (data_path, held_path))
     else:
-        train_p = [engine.encode(p.text, chat=True) for p in make_prompts(cfg.prompts, "train", seed=cfg.seed)]
-        held_p = [engine.encode(p.text, chat=True) for p in make_prompts(cfg.heldout, "heldout", seed=cfg.seed)]
+        train_p = [engine.encode(p.text, chat=True)
+                   for p in ranks.share(make_prompts(cfg.prompts, "train", seed=cfg.seed))]
+        held_p = [engine.encode(p.text, chat=True)
+                  for p in ranks.share(make_prompts(cfg.heldout, "heldout", seed=cfg.seed))]
         data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train")
         held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out")
         data.save(data_path)
         held.save(held_path)
-    data_s = time.perf_counter() - t0
-    log(f"data: {len(data)} train / {len(held)} held-out sequences, "
-        f"{int((data.lengths - data.starts).sum())} response tokens ({data_s:.0f} s)")
+    counts = ranks.sum(torch.tensor([len(data), len(held), int((data.lengths - data.starts).sum())], device=device))
+    data_s = ranks.max(time.perf_counter() - t0, device)
+    log(f"data: {int(counts[0])} train / {int(counts[1])} held-out sequences, {int(counts[2])} response tokens "
+        f"({data_s:.0f} s{f', {ranks.size} processes' if ranks.size > 1 else ''})")
 
     t0 = time.perf_counter()
-    tau, history = fit(drafter, engine.model, data, held, cfg, out / "checkpoint.pt", progress, log)
+    tau, history = fit(drafter, engine.model, data, held, cfg, out / "checkpoint.pt", progress, log, ranks)
     train_s = time.perf_counter() - t0
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     defaults = asdict(TrainConfig())
@@ -238,13 +260,17 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     command += [f"--{k.replace('_', '-')} {v}" for k, v in asdict(cfg).items() if v != defaults[k]]
     command += ["--storage", "fp8" if storage == torch.float8_e4m3fn else "bf16"]
     command += ["--init", str(init)] if init is not None else []
+    command += ["--processes", str(ranks.size)] if ranks.size > 1 else []
     summary = {"target": target_name, "train": asdict(cfg), "heldout_tau": tau, "history": history,
-               "train_seconds": round(train_s, 1), "data_seconds": round(data_s, 1), "device": hardware,
+               "train_seconds": round(train_s, 1), "data_seconds": round(data_s, 1),
+               "device": hardware if ranks.size == 1 else f"{ranks.size} x {hardware}",
                "made_by": " ".join(command) + f" ({hardware}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})"}
     if started_from is not None:
         summary["init"] = started_from
-    drafter.save(out / "drafter", dtype=storage, meta=summary)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if ranks.main:
+        drafter.save(out / "drafter", dtype=storage, meta=summary)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    ranks.barrier()
     return summary
 
 
@@ -269,7 +295,7 @@ def _check_settings(path: Path, settings: dict) -> None:
     settings = json.loads(json.dumps(settings))
     if path.is_file():
         before = json.loads(path.read_text())
-        changed = sorted(k for k in settings if before.get(k) != settings[k])
+        changed = sorted(k for k in settings.keys() | before.keys() if before.get(k) != settings.get(k))
         if changed:
             raise SparseSpecError(f"{path.parent} holds a run with other {' / '.join(changed)} settings: resume it "
                                   f"with the same ones or use a new --out folder")
@@ -278,9 +304,10 @@ def _check_settings(path: Path, settings: dict) -> None:
 
 
 def train_step(drafter: DFlash, target, data: Dataset, cfg: TrainConfig, opt: torch.optim.Optimizer,
-               g: torch.Generator, autocast) -> tuple[torch.Tensor, bool]:
-    """One optimisation step on cfg.batch random sequences x cfg.anchors blocks -> (the loss, whether the step was
-    applied: a non-finite gradient norm skips it)."""
+               g: torch.Generator, autocast, ranks: Ranks = Ranks()) -> tuple[torch.Tensor, bool]:
+    """One optimisation step on cfg.batch random sequences x cfg.anchors blocks (a process's own, its gradients then
+    averaged over the processes) -> (the loss, whether the step was applied: a non-finite gradient norm, the same in
+    every process, skips it)."""
     drafter.train()
     rows = torch.randint(0, len(data), (cfg.batch,), generator=g, device=data.tokens.device)
     anchors = sample_anchors(data, rows, cfg.anchors, g)
@@ -288,6 +315,7 @@ def train_step(drafter: DFlash, target, data: Dataset, cfg: TrainConfig, opt: to
         loss, _, _ = block_loss(drafter, target, data, rows, anchors)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    ranks.average_grads(drafter.parameters())
     norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.clip)
     applied = bool(torch.isfinite(norm))
     if applied:
@@ -308,12 +336,13 @@ def learning_rate(cfg: TrainConfig, progress: float) -> float:
 
 
 def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig, ckpt: Path | None = None,
-        progress: bool = False, log=print) -> tuple[float, list[dict]]:
+        progress: bool = False, log=print, ranks: Ranks = Ranks()) -> tuple[float, list[dict]]:
     """Optimise `drafter` on `data` for cfg.steps or cfg.time_limit seconds of optimisation, whichever ends first
     (resuming from `ckpt` if present, saving it at every evaluation); return (final held-out tau,
     [{step, loss, heldout_tau}]). The schedule follows the progress, max(steps done / cfg.steps, optimisation
     time / cfg.time_limit): a time limit ends training on time whatever the steps cost (evaluations not counted;
-    a resumed run continues the clock it saved)."""
+    a resumed run continues the clock it saved). Data-parallel (`ranks`): each process draws its own rows of its own
+    `data`, gradients are averaged, the clock is the slowest process's, and only the main process writes."""
     device = data.tokens.device
     opt = torch.optim.AdamW(drafter.parameters(), lr=0.0, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, spent = 0, 0.0  # optimisation steps and seconds so far
@@ -327,7 +356,7 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
     def done() -> float:
         return max(step / cfg.steps, spent / cfg.time_limit if cfg.time_limit else 0.0)
 
-    g = torch.Generator(device=device).manual_seed(cfg.seed + step)
+    g = torch.Generator(device=device).manual_seed(cfg.seed + step + 1_000_003 * ranks.rank)
     autocast = autocast_for(device)
     history: list[dict] = []
     skipped = 0
@@ -335,9 +364,9 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
     def evaluate(loss: float) -> float:
         drafter.eval()
         with autocast:
-            tau = acceptance(drafter, target, held)
+            tau = acceptance(drafter, target, held, ranks=ranks)
         history.append({"step": step, "loss": loss, "heldout_tau": tau, "seconds": round(spent, 1)})
-        if ckpt is not None:  # written whole, then renamed: an interrupted save never leaves a corrupt checkpoint
+        if ckpt is not None and ranks.main:  # written whole, then renamed: an interrupted save never leaves a corrupt checkpoint
             tmp = ckpt.with_name(ckpt.name + ".tmp")
             torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": spent}, tmp)
             os.replace(tmp, ckpt)
@@ -351,13 +380,13 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = learning_rate(cfg, done())
-            loss, applied = train_step(drafter, target, data, cfg, opt, g, autocast)
+            loss, applied = train_step(drafter, target, data, cfg, opt, g, autocast, ranks)
             if not applied:  # a non-finite loss or gradient (bf16 overflow): skipped, not applied as NaN
                 skipped += 1
                 log(f"step {step + 1}: non-finite gradient, skipped ({skipped} so far)")
             loss_value = loss.item()  # (waits for the step: the clock below counts it whole)
             step += 1
-            spent += time.perf_counter() - t0
+            spent = ranks.max(spent + time.perf_counter() - t0, device)  # every process stops at the same step
             if step % cfg.eval_every == 0 and done() < 1:
                 tau = evaluate(loss_value)
             bar.update(task, completed=int(1000 * done()),
