@@ -11,6 +11,7 @@
 # Later sessions continue from the drafter brought back (reassembled with `scripts/chunks.py append`):
 # --init DRAFTER --seed N (other prompts). Options as `sparsespec train dflash`, e.g.
 #   --prompts 12288 --heldout 64 --gen-batch 256 --layers 3 --intermediate-size 2048 --time-limit 840
+# On a machine of several GPUs (the nvidia-h200-x2 kind), --processes 2 trains on both (one process each).
 model=$1; shift
 export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 run=/root/run
