@@ -53,7 +53,8 @@ def _functions(split: str, rng: random.Random, more: bool = False):
     if not more:
         return
     more_rng = random.Random(rng.random())
-    rest += [(_candidates(module), module) for module in corpora.documents("stdlib-packages", more_rng.randrange(1 << 30))]
+    packages = corpora.documents("stdlib-packages", more_rng.randrange(1 << 30))
+    rest += [(_candidates(module), module) for module in packages]
     more_rng.shuffle(rest)
     for nodes, module in rest:
         yield from _in_split(split, nodes, module)

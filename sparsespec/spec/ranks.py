@@ -12,6 +12,7 @@ With one process every call is the identity, and nothing of torch.distributed is
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable, Iterable
@@ -87,8 +88,6 @@ def spawn(fn: Callable, n: int, device: str, *args) -> None:
     with socket.socket() as s:  # a free port for the process group's rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    import logging
-
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # (its note on ending the others)
     try:
         torch.multiprocessing.spawn(_process, args=(n, port, device, fn, args), nprocs=n, join=True)

@@ -366,7 +366,7 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
         with autocast:
             tau = acceptance(drafter, target, held, ranks=ranks)
         history.append({"step": step, "loss": loss, "heldout_tau": tau, "seconds": round(spent, 1)})
-        if ckpt is not None and ranks.main:  # written whole, then renamed: an interrupted save never leaves a corrupt checkpoint
+        if ckpt is not None and ranks.main:  # written whole, then renamed: never a corrupt checkpoint
             tmp = ckpt.with_name(ckpt.name + ".tmp")
             torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": spent}, tmp)
             os.replace(tmp, ckpt)
