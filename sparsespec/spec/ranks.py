@@ -79,8 +79,9 @@ class Ranks:
 
 def spawn(fn: Callable, n: int, device: str, *args) -> None:
     """Run fn(*args) in n processes (rank r on GPU r on CUDA), a process group around it. fn must be importable (a
-    module-level function); an error in any process ends all of them and is raised here as one SparseSpecError
-    line (the process's own message for a SparseSpecError)."""
+    module-level function). An error in any process ends all of them and is raised here as one SparseSpecError
+    line: the first SparseSpecError's message, else the first error raised (a process's failure makes the others
+    fail too, on their next collective: the first one is the cause)."""
     if n < 1:
         raise SparseSpecError(f"need >= 1 process, got {n}")
     if device == "cuda" and n > torch.cuda.device_count():
@@ -88,20 +89,22 @@ def spawn(fn: Callable, n: int, device: str, *args) -> None:
     with socket.socket() as s:  # a free port for the process group's rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    errors = torch.multiprocessing.get_context("spawn").SimpleQueue()  # (is it ours, message) in raising order
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # (its note on ending the others)
     try:
-        torch.multiprocessing.spawn(_process, args=(n, port, device, fn, args), nprocs=n, join=True)
-    except torch.multiprocessing.ProcessRaisedException as e:
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        last = lines[-1] if lines else "unknown error"
-        prefix = f"{SparseSpecError.__module__}.{SparseSpecError.__name__}: "
-        raise SparseSpecError(last.removeprefix(prefix) if last.startswith(prefix)
-                              else f"a training process failed: {last}") from None
-    except torch.multiprocessing.ProcessExitedException as e:
-        raise SparseSpecError(f"a training process died: {e}") from None
+        torch.multiprocessing.spawn(_process, args=(n, port, device, fn, args, errors), nprocs=n, join=True)
+    except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as e:
+        raised = []
+        while not errors.empty():
+            raised.append(errors.get())
+        ours = [message for is_ours, message in raised if is_ours]
+        if ours:
+            raise SparseSpecError(ours[0]) from None
+        first = raised[0][1] if raised else str(e).strip().splitlines()[-1]
+        raise SparseSpecError(f"a training process failed: {first}") from None
 
 
-def _process(rank: int, n: int, port: int, device: str, fn: Callable, args: tuple) -> None:
+def _process(rank: int, n: int, port: int, device: str, fn: Callable, args: tuple, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = device == "cuda"
     if cuda:
@@ -112,5 +115,8 @@ def _process(rank: int, n: int, port: int, device: str, fn: Callable, args: tupl
                             device_id=torch.device("cuda", rank) if cuda else None)
     try:
         fn(*args)
+    except BaseException as e:
+        errors.put((isinstance(e, SparseSpecError), str(e) or type(e).__name__))
+        raise
     finally:
         dist.destroy_process_group()
