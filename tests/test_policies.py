@@ -1,5 +1,7 @@
 """Policies inside the engine on the real default model: full budget = dense, bounded budgets, CLI, calibration."""
 
+import functools
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from sparsespec.attention.binarypc import BinaryPC, BinaryPCOptions
 from sparsespec.cli import main
 from sparsespec.errors import SparseSpecError
 from sparsespec.eval.fidelity import FidelityConfig, run_fidelity
-from sparsespec.generate import GenerationConfig
+from sparsespec.generate import Engine, GenerationConfig
 
 from .conftest import cache_with_keys
 from .test_binarypc import anisotropic_keys
@@ -45,7 +47,13 @@ def test_full_budget_reproduces_dense_greedy(smollm2_engine, prompt, dense_token
 
 
 @pytest.mark.slow
-def test_full_budget_doublesparse_reproduces_dense_greedy(smollm2_engine, prompt, dense_tokens, tmp_path):
+def test_full_budget_doublesparse_reproduces_dense_greedy(smollm2_engine, prompt, dense_tokens, tmp_path,
+                                                          monkeypatch):
+    def session_engine(name, device, dtype, progress):  # the model calibrate loads: the session's (it only reads it)
+        assert (name, device, dtype) == ("smollm2-135m", "cpu", "float32")
+        return smollm2_engine
+
+    monkeypatch.setattr(Engine, "from_name", staticmethod(session_engine))
     labels = tmp_path / "labels.safetensors"
     assert main(["calibrate", "doublesparse", "--tokens", "256", "--channels", "8", "--out", str(labels)]) == 0
     options = {"budget": "1.0", "dense_layers": "0", "labels": str(labels), "channels": "8"}
@@ -115,7 +123,9 @@ def test_unknown_policy_through_cli(capsys):
 
 
 @pytest.mark.slow
-def test_calibrated_basis_round_trip(tmp_path, capsys):
+def test_calibrated_basis_round_trip(tmp_path, capsys, monkeypatch):
+    # the three commands load the same model alike: from its file once, then from this test's memo
+    monkeypatch.setattr(Engine, "from_name", staticmethod(functools.cache(Engine.from_name)))
     basis = tmp_path / "basis.safetensors"
     assert main(["calibrate", "binarypc", "--tokens", "200", "--bits", "16", "--out", str(basis)]) == 0
     code = main(["generate", "--prompt", "The capital of France is", "--max-new-tokens", "4", "--attention",

@@ -33,7 +33,7 @@ from sparsespec.serve.scheduler import Job, Scheduler, SchedulerConfig
 from .conftest import byte_engine
 
 MODEL = "smollm2-135m"
-# small chunks: the test prompts (up to ~170 tokens) are prefilled in several chunks between decode steps
+# small chunks: the test prompts (up to ~110 tokens) are prefilled in several chunks between decode steps
 MAX_BATCH, MAX_QUEUE, MAX_CONTEXT, PREFILL_CHUNK = 4, 8, 1024, 32
 
 
@@ -278,8 +278,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def _server_process(request, tmp_path_factory):
+    """The server process, started as the module's first test starts when any test of the module selected to run
+    needs it: it loads the model while the tests before the first server test run (`server` waits for it)."""
+    if not any("server" in item.fixturenames for item in request.session.items if item.module is request.module):
+        yield None
+        return
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -288,7 +293,15 @@ def server(tmp_path_factory):
                                  "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-context",
                                  str(MAX_CONTEXT), "--prefill-chunk", str(PREFILL_CHUNK), "--shutdown-timeout",
                                  "20"], stdout=log, stderr=log, env=env)
-    srv = Server(proc, port, log_path)
+    yield Server(proc, port, log_path)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(_server_process):
+    srv, proc = _server_process, _server_process.proc
     deadline = time.monotonic() + 180
     while True:
         assert proc.poll() is None, f"the server exited: {srv.log()}"
@@ -299,14 +312,11 @@ def server(tmp_path_factory):
             pass
         assert time.monotonic() < deadline, f"the server did not come up: {srv.log()}"
         time.sleep(0.25)
-    yield srv
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    return srv
 
 
 def _prompts() -> list[str]:
-    return [corpora.text("wiki", 4 + 11 * n, seed=n) for n in range(12)]
+    return [corpora.text("wiki", 4 + 11 * n, seed=n) for n in range(8)]  # twice the slots: half of them queue
 
 
 def _alone(engine, ids: list[int], max_tokens: int, sampling: SamplingConfig | None = None, stop=()):
@@ -344,18 +354,25 @@ def test_completion_greedy_equals_generate_streamed_and_not(server, smollm2_engi
 @pytest.mark.slow
 def test_chat_equals_cli_generate_streamed_and_not(server):
     question = "Name three colours of the rainbow."
-    cli = subprocess.run([sys.executable, "-m", "sparsespec", "generate", "--model", MODEL, "--chat", "--prompt",
-                          question, "--max-new-tokens", "24", "--json"], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
-    assert cli.returncode == 0, cli.stderr
-    want = json.loads(cli.stdout)
-    messages = [{"role": "user", "content": question}]
-    resp = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    # the CLI process starts (imports, loads the model) and generates while the server answers the two requests
+    cli = subprocess.Popen([sys.executable, "-m", "sparsespec", "generate", "--model", MODEL, "--chat", "--prompt",
+                            question, "--max-new-tokens", "24", "--json"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        messages = [{"role": "user", "content": question}]
+        resp = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                                            temperature=0, stream=True))
+        stdout, stderr = cli.communicate(timeout=300)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, stderr
+    want = json.loads(stdout)
     assert resp.choices[0].message.content == want["text"] and resp.choices[0].message.role == "assistant"
     assert resp.usage.completion_tokens == len(want["token_ids"])
     assert resp.usage.prompt_tokens == want["prompt_tokens"]
-    chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
-                                                        temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want["text"]
     assert chunks[-1].choices[0].finish_reason == resp.choices[0].finish_reason
@@ -363,7 +380,7 @@ def test_chat_equals_cli_generate_streamed_and_not(server):
 
 @pytest.mark.slow
 def test_concurrent_requests_equal_each_prompt_alone(server, smollm2_engine):
-    """12 concurrent streamed requests through 4 slots (they join and leave the batch as slots free up): greedy
+    """8 concurrent streamed requests through 4 slots (they join and leave the batch as slots free up): greedy
     ones, a seeded sampled one and one with a stop string each get exactly what `generate` gives the prompt alone."""
     eng, max_tokens = smollm2_engine, 16
     prompts = _prompts()
