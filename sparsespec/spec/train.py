@@ -339,7 +339,7 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
         progress: bool = False, log=print, ranks: Ranks = Ranks()) -> tuple[float, list[dict]]:
     """Optimise `drafter` on `data` for cfg.steps or cfg.time_limit seconds of optimisation, whichever ends first
     (resuming from `ckpt` if present, saving it at every evaluation); return (final held-out tau,
-    [{step, loss, heldout_tau}]). The schedule follows the progress, max(steps done / cfg.steps, optimisation
+    [{step, loss, heldout_tau, seconds}]). The schedule follows the progress, max(steps done / cfg.steps, optimisation
     time / cfg.time_limit): a time limit ends training on time whatever the steps cost (evaluations not counted;
     a resumed run continues the clock it saved). Data-parallel (`ranks`): each process draws its own rows of its own
     `data`, gradients are averaged, the clock is the slowest process's, and only the main process writes."""
