@@ -1,7 +1,7 @@
 """Where a DFlash training step's time goes (GPU): `train dflash`'s own step (`spec.train.train_step`) on a target of
 real shape with random weights and a synthetic data set of realistic lengths, for several (sequences x anchors)
-settings at an equal or chosen number of blocks: ms a step, blocks and block tokens a second, the phases (forward
-with the loss, backward, clip + optimiser) and the largest kernels under torch.profiler.
+settings at an equal or chosen number of blocks: ms a step, blocks and block tokens a second, the step's two
+halves (forward with the loss; backward, clip and optimiser) and the largest kernels under torch.profiler.
 
     python bench/train_step.py [--shape qwen2.5-coder-1.5b] [--layers 3] [--intermediate-size 2048]
                                [--settings 8x64,16x32,32x16] [--block 16] [--sequences 512] [--steps 20]
@@ -20,7 +20,7 @@ import torch
 from sparsespec.models.shapes import random_model, shape
 from sparsespec.sparse_bench import kernel_times
 from sparsespec.spec.dflash import DFlash, DFlashConfig, default_taps
-from sparsespec.spec.train import Dataset, TrainConfig, autocast_for, train_step
+from sparsespec.spec.train import Dataset, TrainConfig, autocast_for, step_loss, step_update, train_step
 
 
 def synthetic_data(cfg, taps: int, n: int, prompt: tuple[int, int], response: tuple[int, int],
@@ -37,24 +37,15 @@ def synthetic_data(cfg, taps: int, n: int, prompt: tuple[int, int], response: tu
 
 
 def phases_ms(drafter, target, data, cfg, opt, g, autocast, steps: int) -> dict[str, float]:
-    """Median ms of the step's phases over `steps` steps, CUDA events between them (the step's own code, split)."""
-    from sparsespec.spec.train import block_loss, sample_anchors
-
-    marks = {k: [] for k in ("forward + loss", "backward", "clip + optimiser")}
+    """Median ms of the step's two halves (`step_loss`, `step_update`) over `steps` steps, CUDA events between."""
+    marks = {k: [] for k in ("forward + loss", "backward + clip + optimiser")}
     for _ in range(steps):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         ev[0].record()
-        rows = torch.randint(0, len(data), (cfg.batch,), generator=g, device=data.tokens.device)
-        anchors = sample_anchors(data, rows, cfg.anchors, g)
-        with autocast:
-            loss, _, _ = block_loss(drafter, target, data, rows, anchors)
+        loss = step_loss(drafter, target, data, cfg, g, autocast)
         ev[1].record()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        step_update(drafter, loss, cfg, opt)
         ev[2].record()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.clip)
-        opt.step()
-        ev[3].record()
         torch.cuda.synchronize()
         for (name, times), a, b in zip(marks.items(), ev, ev[1:]):
             times.append(a.elapsed_time(b))
@@ -86,8 +77,8 @@ def main() -> None:
           f"block {args.block}: {params / 1e6:.1f}M parameters; {len(data)} sequences, "
           f"{int(data.lengths.float().mean())} tokens on average, {torch.cuda.get_device_name()}")
     autocast = autocast_for(device)
-    print(f"\n| sequences x anchors | blocks | ms a step | blocks/s | block tokens/s | forward + loss | backward | "
-          f"clip + optimiser |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\n| sequences x anchors | blocks | ms a step | blocks/s | block tokens/s | forward + loss | "
+          f"backward + clip + optimiser |\n|---|---:|---:|---:|---:|---:|---:|")
     for i, setting in enumerate(args.settings.split(",")):
         batch, anchors = map(int, setting.split("x"))
         cfg = TrainConfig(batch=batch, anchors=anchors, block_size=args.block)

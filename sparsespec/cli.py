@@ -492,28 +492,23 @@ def cmd_train(args) -> None:
 
     from .spec.dflash import drafter_files
     from .spec.ranks import spawn
+    from .spec.train import TrainConfig
 
-    _train_config(args)  # invalid options fail here, before any process starts
+    cfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
+                      gen_batch=args.gen_batch, layers=args.layers, block_size=args.block_size, taps=args.taps,
+                      intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
+                      anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
+                      time_limit=args.time_limit, seed=args.seed)  # invalid options fail before any process
     _writable_folder(args.out)
     if args.init and not all(f.is_file() for f in drafter_files(Path(args.init))):
         raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")
     if args.processes > 1:
-        spawn(_train, args.processes, args.device, args)
+        spawn(_train, args.processes, args.device, args, cfg)
     else:
-        _train(args)
+        _train(args, cfg)
 
 
-def _train_config(args):
-    from .spec.train import TrainConfig
-
-    return TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
-                       gen_batch=args.gen_batch, layers=args.layers, block_size=args.block_size, taps=args.taps,
-                       intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
-                       anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
-                       time_limit=args.time_limit, seed=args.seed)
-
-
-def _train(args) -> None:
+def _train(args, cfg) -> None:
     """`train dflash` in this process (one of several with --processes: its own GPU, its share of the data)."""
     from pathlib import Path
 
@@ -528,7 +523,7 @@ def _train(args) -> None:
     progress = ranks.main and (args.progress or sys.stderr.isatty())
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     out = Path(args.out)
-    summary = train_dflash(engine, _train_config(args), out, args.target, progress=progress,
+    summary = train_dflash(engine, cfg, out, args.target, progress=progress,
                            log=lambda m: print(m, file=sys.stderr, flush=True),
                            init=Path(args.init) if args.init else None,
                            storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16, ranks=ranks)

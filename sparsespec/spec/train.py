@@ -219,10 +219,11 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
                 "drafter": dcfg.to_json(), "data": {k: getattr(cfg, k) for k in ("prompts", "heldout",
                                                                                 "max_new_tokens", "seed")}}
     settings["processes"] = ranks.size  # each process keeps its own share of the data: a resume needs as many
-    for turn in ("main", "others"):  # the main process writes a new run's settings, the others then compare
-        if ranks.main == (turn == "main"):
-            _check_settings(out / "settings.json", settings)
-        ranks.barrier()
+    if ranks.main:  # writes a new run's settings; the other processes then compare theirs
+        _check_settings(out / "settings.json", settings)
+    ranks.barrier()
+    if not ranks.main:
+        _check_settings(out / "settings.json", settings)
     # before the data: a wrong --init fails at once
     drafter = DFlash(dcfg).to(device)
     with torch.no_grad():
@@ -308,11 +309,23 @@ def train_step(drafter: DFlash, target, data: Dataset, cfg: TrainConfig, opt: to
     """One optimisation step on cfg.batch random sequences x cfg.anchors blocks (a process's own, its gradients then
     averaged over the processes) -> (the loss, whether the step was applied: a non-finite gradient norm, the same in
     every process, skips it)."""
+    loss = step_loss(drafter, target, data, cfg, g, autocast)
+    return loss, step_update(drafter, loss, cfg, opt, ranks)
+
+
+def step_loss(drafter: DFlash, target, data: Dataset, cfg: TrainConfig, g: torch.Generator,
+              autocast) -> torch.Tensor:
+    """A step's first half: the loss of cfg.batch random rows x cfg.anchors blocks, in training mode."""
     drafter.train()
     rows = torch.randint(0, len(data), (cfg.batch,), generator=g, device=data.tokens.device)
     anchors = sample_anchors(data, rows, cfg.anchors, g)
     with autocast:
-        loss, _, _ = block_loss(drafter, target, data, rows, anchors)
+        return block_loss(drafter, target, data, rows, anchors)[0]
+
+
+def step_update(drafter: DFlash, loss: torch.Tensor, cfg: TrainConfig, opt: torch.optim.Optimizer,
+                ranks: Ranks = Ranks()) -> bool:
+    """A step's second half: backward, gradients averaged over the processes, clipped, applied if finite."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     ranks.average_grads(drafter.parameters())
@@ -320,7 +333,7 @@ def train_step(drafter: DFlash, target, data: Dataset, cfg: TrainConfig, opt: to
     applied = bool(torch.isfinite(norm))
     if applied:
         opt.step()
-    return loss, applied
+    return applied
 
 
 def autocast_for(device: torch.device):
