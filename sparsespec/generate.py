@@ -21,7 +21,7 @@ from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
 from .models.transformer import Transformer
 from .progress import track
-from .runner import Runner, compiled_capacity
+from .runner import Runner, RunnerPool, bucket_capacity
 from .sampling import SamplingConfig, make_generator, sample
 
 
@@ -160,10 +160,12 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, progress: bool = False,
-                 policy: Policy | None = None, on_text: Callable[[int, str], None] | None = None) -> Generation:
+                 policy: Policy | None = None, on_text: Callable[[int, str], None] | None = None,
+                 runners: RunnerPool | None = None) -> Generation:
         """Generate for each prompt (token ids); `policy` is the decode attention (None: dense everywhere).
         `on_text(row, text)` receives each row's text in pieces as it is generated: together they are exactly
-        the row's final text. `progress`: bars on stderr for the prefill and, without `on_text`, the decoding."""
+        the row's final text. `progress`: bars on stderr for the prefill and, without `on_text`, the decoding.
+        `runners`: dense runs take their runner (and its captured steps) from this pool, for loops of many calls."""
         lens = [len(p) for p in prompts]
         for n in lens:
             self.check_fits(n, gen.max_new_tokens)
@@ -174,9 +176,13 @@ class Engine:
             raise SparseSpecError("sparse attention policies do not support sliding-window models yet; use dense")
         B = len(prompts)
         capacity = max(lens) + gen.max_new_tokens
-        if gen.compile and policy is None:  # (a sparse policy's fixed widths follow the capacity: kept exact)
-            capacity = compiled_capacity(capacity, self.config.max_position)
-        runner = Runner(self.model, B, capacity, policy, gen.cuda_graph, gen.compile)
+        # compiled or pooled dense steps serve calls of nearby lengths (a sparse policy's fixed widths: exact size)
+        if policy is None and (gen.compile or runners is not None):
+            capacity = bucket_capacity(capacity, self.config.max_position)
+        if runners is not None and policy is None:
+            runner = runners.get(self.model, B, capacity, gen.cuda_graph, gen.compile)
+        else:
+            runner = Runner(self.model, B, capacity, policy, gen.cuda_graph, gen.compile)
         rng = make_generator(gen.sampling, self.device)
 
         start = time.perf_counter()

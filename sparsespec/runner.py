@@ -34,19 +34,40 @@ from .models.transformer import Transformer
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def compiled_capacity(capacity: int, limit: int) -> int:
-    """The cache size for `capacity` positions when the steps are compiled: the next of 256, 384, 512, 768, 1024,
-    ... (2^k and 1.5 · 2^k: at most 50% more slots), but not past `limit` (the model's context; a capacity beyond
-    it is kept). A compiled step is specialised to its cache's size, and Inductor takes tens of seconds for a
-    model's step: with a cache sized to each call's prompt, every call compiled its decode and verify steps again
-    (about 40 s a prompt for the 1.5B on the H200). Dense steps read only each row's live slots, so the spare slots
-    cost memory, not time."""
+def bucket_capacity(capacity: int, limit: int) -> int:
+    """The cache size for `capacity` positions when a dense run's steps are compiled or its runner pooled: the next
+    of 256, 384, 512, 768, 1024, ... (2^k and 1.5 · 2^k: at most 50% more slots), but not past `limit` (the model's
+    context; a capacity beyond it is kept). A compiled step is specialised to its cache's size, and Inductor takes
+    tens of seconds for a model's step: with a cache sized to each call's prompt, every call compiled its decode and
+    verify steps again (about 40 s a prompt for the 1.5B on the H200); a pooled runner serves the calls of its size.
+    Dense steps read only each row's live slots, so the spare slots cost memory, not time."""
     if capacity >= limit:
         return capacity
     size = 256
     while size < capacity:
         size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4  # 2^k -> 1.5 · 2^k -> 2^(k+1)
     return min(size, limit)
+
+
+class RunnerPool:
+    """Dense runners kept for reuse by the calls of one loop (a benchmark over many prompts): a captured step, and
+    with `compile` its compilation, belongs to its runner's static cache, so a call of the same model, batch,
+    capacity, taps and graph settings takes the kept runner with its graphs (emptied) instead of capturing and
+    compiling again (seconds a call for the 1.5B on the H200, more than its decoding). Kept runners hold their
+    caches' memory: a pool lives as long as its loop. Sparse policies are not pooled (their index is per call)."""
+
+    def __init__(self):
+        self.runners: dict[tuple, Runner] = {}
+
+    def get(self, model: Transformer, batch: int, capacity: int, cuda_graph: bool = True, compile: bool = False,
+            taps: tuple[int, ...] = ()) -> "Runner":
+        """An empty dense runner of these settings: the kept one, else a new one (kept for the next call)."""
+        key = (id(model), batch, capacity, cuda_graph, compile, tuple(taps))
+        runner = self.runners.get(key)
+        if runner is None or runner.model is not model:
+            runner = self.runners[key] = Runner(model, batch, capacity, None, cuda_graph, compile, taps=taps)
+        runner.truncate([0] * batch)  # a prefill writes its prompts from slot 0: what lies past them is dead
+        return runner
 
 
 class Runner:

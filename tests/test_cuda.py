@@ -148,6 +148,38 @@ def test_graphed_speculation_on_cuda_is_identical_to_plain_greedy(drafter):
 
 
 @cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_pooled_graphed_runs_reuse_their_graphs_and_stay_identical_to_plain_greedy(compile):
+    """A loop over prompts with a `RunnerPool` (as `bench spec` runs): the dense and verify graphs of one bucketed
+    size and the DFlash drafter's graphs are captured once and replayed for every prompt; each output equals plain
+    greedy decoding without the pool."""
+    from sparsespec.runner import RunnerPool
+    from sparsespec.spec.decode import speculative_generate
+    from sparsespec.spec.dflash import DFlashDrafter
+
+    from .test_spec import tiny_dflash, tiny_engine
+
+    target = tiny_engine(0)
+    target.model.cuda()
+    target.device = torch.device("cuda")
+    model = tiny_dflash(target, block=6).cuda()
+    drafter = DFlashDrafter(model, target.model)
+    pool = RunnerPool()
+    gen = GenerationConfig(max_new_tokens=40, compile=compile)
+    graphs = set()
+    for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50)), [9, 8] * 12):
+        plain = target.generate([prompt], gen).token_ids[0]  # a runner of its own
+        assert target.generate([prompt], gen, runners=pool).token_ids[0] == plain
+        alone = speculative_generate(target, [prompt], DFlashDrafter(model, target.model), gen, 6)[0].token_ids
+        assert speculative_generate(target, [prompt], drafter, gen, 6, pool)[0].token_ids == alone
+        if not compile:  # (compiled, a verify block may round otherwise than a decode step: not asked here)
+            assert alone == plain
+        graphs.add(id(drafter.graphs))
+    assert len(graphs) == 1 and len(pool.runners) == 2  # one size: the plain runner and the tapped one
+    assert all(r.graph is not None or r.verify_graphs for r in pool.runners.values())
+
+
+@cuda
 @pytest.mark.parametrize("drafter", ["self:binarypc", "self:binarypc:fp8", "self:streaming", "dflash", "model"])
 def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, monkeypatch):
     """Graphed speculation with each drafter that keeps its drafts on the device (the target drafting for itself

@@ -264,11 +264,11 @@ def test_verify_then_a_partial_commit_equals_decoding_the_committed_tokens():
 
 
 def test_compiled_runs_size_their_cache_in_few_buckets_so_nearby_lengths_share_a_compilation(monkeypatch):
-    """A compiled step is specialised to its cache's size: `compiled_capacity` rounds up to 2^k or 1.5 · 2^k (at most
+    """A compiled step is specialised to its cache's size: `bucket_capacity` rounds up to 2^k or 1.5 · 2^k (at most
     50% more, never past the model's context unless already there), and compiled dense generation and speculation
     allocate that size; plain (uncompiled) runs and sparse policies keep the exact size."""
     from sparsespec import generate as generate_module
-    from sparsespec.runner import compiled_capacity
+    from sparsespec.runner import bucket_capacity
     from sparsespec.spec import decode as decode_module
     from sparsespec.spec.drafters import NgramDrafter
 
@@ -276,7 +276,7 @@ def test_compiled_runs_size_their_cache_in_few_buckets_so_nearby_lengths_share_a
 
     sizes = set()
     for n in range(1, 70_000, 7):
-        c = compiled_capacity(n, 32_768)
+        c = bucket_capacity(n, 32_768)
         sizes.add(c)
         assert c == n if n >= 32_768 else n <= c <= min(32_768, max(256, n * 3 // 2 + 1)), (n, c)
     assert sorted(sizes)[:8] == [256, 384, 512, 768, 1024, 1536, 2048, 3072]
@@ -299,3 +299,49 @@ def test_compiled_runs_size_their_cache_in_few_buckets_so_nearby_lengths_share_a
         decode_module.speculative_generate(engine, [prompt], NgramDrafter(), gen, 4)
         engine.generate([prompt], gen, policy=make_policy("topk", {"budget": 0.5}))
     assert made == [44, 48, 44, 256, 256, 44]
+
+
+def test_a_runner_pool_serves_a_loop_of_calls_with_one_runner_a_size_and_the_same_outputs(monkeypatch):
+    """`RunnerPool`: dense generation and speculation over prompts of nearby lengths take one kept runner per
+    (batch, bucketed capacity, taps) instead of a new one a call, emptied between calls, with the outputs of runs
+    without the pool (greedy and sampled, the DFlash drafter reused across calls); sparse policies are not pooled."""
+    from sparsespec import generate as generate_module
+    from sparsespec import runner as runner_module
+    from sparsespec.runner import RunnerPool
+    from sparsespec.spec import decode as decode_module
+    from sparsespec.spec.decode import speculative_generate
+    from sparsespec.spec.dflash import DFlashDrafter
+
+    from .test_spec import tiny_dflash, tiny_engine
+
+    made = []
+
+    class Spy(Runner):
+        def __init__(self, model, batch, capacity, *args, **kwargs):
+            made.append((batch, capacity))
+            super().__init__(model, batch, capacity, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "Runner", Spy)
+    monkeypatch.setattr(decode_module, "Runner", Spy)
+    monkeypatch.setattr(runner_module, "Runner", Spy)  # the pool's own runners
+    engine = tiny_engine(0)
+    drafter = DFlashDrafter(tiny_dflash(engine, block=4), engine.model)
+    pool = RunnerPool()
+    prompts = [list(range(1, 40)), [5, 3] * 9, [7] * 61, list(range(2, 12))]
+    for T in (0.0, 1.0):
+        gen = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(temperature=T, seed=3))
+        for batch in ([p] for p in prompts):
+            plain = engine.generate(batch, gen)
+            assert engine.generate(batch, gen, runners=pool).token_ids == plain.token_ids
+            alone = speculative_generate(engine, batch, drafter, gen, 4)[0].token_ids
+            assert speculative_generate(engine, batch, drafter, gen, 4, pool)[0].token_ids == alone
+            if T == 0:
+                assert alone == plain.token_ids[0]
+        pair = [prompts[0], prompts[2]]  # a batch of two: its own runners
+        assert engine.generate(pair, gen, runners=pool).token_ids == engine.generate(pair, gen).token_ids
+    pooled = [m for m in made if m[1] == 256]
+    assert sorted(set(pooled)) == [(1, 256), (2, 256)] and len(pooled) == 3  # plain, speculative (taps), the pair
+    assert len(pool.runners) == 3
+    before = len(made)
+    engine.generate([prompts[0]], gen, runners=pool, policy=make_policy("topk", {"budget": 0.5}))
+    assert made[before:] == [(1, 39 + 12)]  # sparse: a runner of its own, the exact size

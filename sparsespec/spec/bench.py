@@ -26,7 +26,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
 from ..results import read_rows
-from ..runner import Runner
+from ..runner import Runner, RunnerPool
 from ..sampling import SamplingConfig
 from .decode import speculative_generate
 from .drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
@@ -122,6 +122,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
         out.mkdir(parents=True, exist_ok=True)
     rows = read_rows(out / "spec.jsonl") if out is not None else []
     done = {(r["prompt"], r["temperature"], r["drafter"]) for r in rows}
+    runners = RunnerPool()  # prompts of one capacity share their runners' captured (and compiled) steps
     with progress_bar() as bar, open(out / "spec.jsonl", "a") if out is not None else nullcontext() as sink:
         task = bar.add_task("bench spec", total=len(groups) * len(cfg.temperatures) * (1 + len(drafters)),
                             visible=progress)
@@ -136,11 +137,11 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                 sampling = SamplingConfig(temperature=T, seed=cfg.seed + first)
                 gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, cuda_graph=cuda_graph,
                                        compile=compile)
-                plain = engine.generate(ids, gen)
+                plain = engine.generate(ids, gen, runners=runners)
                 plain_tps = _output_rate([len(t) for t in plain.token_ids], plain.decode_s)
                 bar.advance(task, 1 + len(drafters) - len(todo))
                 for name, drafter in todo.items():
-                    results = speculative_generate(engine, ids, drafter, gen, cfg.block_size)
+                    results = speculative_generate(engine, ids, drafter, gen, cfg.block_size, runners)
                     tps = _output_rate([len(s.token_ids) for s in results], results[0].decode_s)
                     speedup = tps / plain_tps if plain_tps > 0 else float("nan")
                     for i, p, s, ref, prompt in zip(members, group, results, plain.token_ids, ids):

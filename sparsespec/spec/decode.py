@@ -25,7 +25,7 @@ import torch
 from ..attention.policy import device_ints
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
-from ..runner import Runner, compiled_capacity
+from ..runner import Runner, RunnerPool, bucket_capacity
 from ..sampling import SamplingConfig, make_generator, sample
 from .drafters import Drafter
 from .verify import verify_greedy_rows, verify_sampling
@@ -55,12 +55,13 @@ class SpecGeneration:
 
 @torch.inference_mode()
 def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Drafter, gen: GenerationConfig,
-                         block_size: int = 16) -> list[SpecGeneration]:
+                         block_size: int = 16, runners: RunnerPool | None = None) -> list[SpecGeneration]:
     """Generate for a batch of prompts (token ids, any lengths) with `drafter` proposing up to block_size − 1 tokens
     per row and step. Each row keeps its own length (rows accept different numbers of proposals and roll back
     independently), its own random generator (seeded as a row alone), and its own proposal count (the one it
     would have alone), so each row's output is the one it gets alone; a stopped row is parked at slot 0 and rides
-    along until every row has stopped."""
+    along until every row has stopped. `runners`: a dense target's runner (and its captured verify steps) comes
+    from this pool, for loops of many calls."""
     if block_size < 2:
         raise SparseSpecError(f"block size must be >= 2 (one pending token + proposals), got {block_size}")
     if engine.config.sliding_window is not None:
@@ -72,10 +73,13 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
     rooms = [min(len(p) + gen.max_new_tokens + block_size, engine.config.max_position) for p in prompts]
     capacity = max(rooms)
-    if gen.compile and drafter.policy is None:  # compiled steps shared by calls of nearby lengths
-        capacity = compiled_capacity(capacity, engine.config.max_position)
-    runner = Runner(engine.model, len(prompts), capacity, drafter.policy, cuda_graph=gen.cuda_graph,
-                    compile=gen.compile, taps=drafter.taps)
+    if drafter.policy is None and (gen.compile or runners is not None):  # steps shared by calls of nearby lengths
+        capacity = bucket_capacity(capacity, engine.config.max_position)
+    if runners is not None and drafter.policy is None:
+        runner = runners.get(engine.model, len(prompts), capacity, gen.cuda_graph, gen.compile, drafter.taps)
+    else:
+        runner = Runner(engine.model, len(prompts), capacity, drafter.policy, cuda_graph=gen.cuda_graph,
+                        compile=gen.compile, taps=drafter.taps)
     drafter.bind(runner)
     rngs = [make_generator(gen.sampling, engine.device) for _ in prompts]
 

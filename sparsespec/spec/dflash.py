@@ -308,13 +308,21 @@ class DFlashDrafter(Drafter):
         # a whole block is written past the context even when fewer proposals are wanted: room for B more slots
         # (never committed, so they may lie past the model's context); rows that draft nothing park there
         B = self.model.cfg.block_size
-        cfg = dataclasses.replace(self.model.cfg.layer_config, max_position=capacity + B)
-        self.cache = KVCache(cfg, len(prompts), capacity + B, self.model.fc.weight.dtype, device)
-        self.park = capacity
+        # the graphs of the last call serve a call of the same batch and capacity (their cache emptied): a loop
+        # over many prompts captures them once
+        keep = self.cuda_graph and self.graphs is not None and (self.cache.batch, self.park) == (len(prompts),
+                                                                                              capacity)
+        if not keep:
+            self.graphs = None  # (freed before the new cache is allocated)
+            cfg = dataclasses.replace(self.model.cfg.layer_config, max_position=capacity + B)
+            self.cache = KVCache(cfg, len(prompts), capacity + B, self.model.fc.weight.dtype, device)
+            self.park = capacity
+        self.cache.truncate([0] * len(prompts))
         if features is not None and any(f is not None for f in features):  # (continuous batching starts empty)
             self._ingest(features, [0] * len(prompts))
         self.cache.truncate([len(p) for p in prompts])
-        self.graphs = DraftGraphs(self.model, self.target, self.cache, capacity) if self.cuda_graph else None
+        if self.cuda_graph and not keep:
+            self.graphs = DraftGraphs(self.model, self.target, self.cache, capacity)
 
     @torch.inference_mode()
     def start_row(self, row, prompt, features):
