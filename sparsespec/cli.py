@@ -187,6 +187,67 @@ def build_parser() -> argparse.ArgumentParser:
                     "each on cuda (each answers its share of the prompts; gradients averaged; default: 1)")
     td.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a "
                     "terminal (a line every few seconds: the target's answers, then the optimisation)")
+    td.add_argument("--kinds", default="code,text", help="prompt kinds the target answers, split evenly: code, text, "
+                    "long-code, long-text, long-essay, kjv, shakespeare (default: %(default)s)")
+
+    tf = trs.add_parser("finetune", help="fine-tune a target on a domain with LoRA (the targets EDA adapts to)")
+    tf.add_argument("--model", default=DEFAULT_MODEL, help="base model: registry name, GGUF file or HF checkpoint "
+                    "folder (default: %(default)s)")
+    tf.add_argument("--domain", choices=["kjv", "shakespeare"], required=True, help="continue Bible passages in the "
+                    "King James text, or scenes of Shakespeare's plays")
+    tf.add_argument("--out", required=True, help="the adapter folder (resumes from its checkpoint); use it as "
+                    "--model / --target elsewhere")
+    for name, default, text in (("examples", 4096, "domain passages to train on"), ("rank", 16, "LoRA rank"),
+                                ("steps", 400, "optimisation steps"), ("batch", 8, "passages per step"),
+                                ("eval-every", 50, "steps between held-out losses (and checkpoints)"),
+                                ("heldout", 64, "held-out passages for the loss")):
+        tf.add_argument(f"--{name}", type=_positive_int, default=default, help=f"{text} (default: %(default)s)")
+    tf.add_argument("--alpha", type=_float, default=32.0, help="LoRA alpha: the update is alpha / rank · B A "
+                    "(default: %(default)s)")
+    tf.add_argument("--lr", type=_float, default=2e-4, help="AdamW peak learning rate (default: %(default)s)")
+    tf.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
+    tf.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    tf.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
+    tf.add_argument("--dtype", choices=list(DTYPES), default=None, help="base weights' dtype; default: float32 on "
+                    "cpu, bfloat16 on cuda (the adapter trains in fp32, with bf16 autocast on cuda)")
+    tf.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal")
+
+    te = trs.add_parser("eda", help="adapt a DFlash drafter to a fine-tuned target (EDA: a private MLP a layer, "
+                        "regenerated data, sample selection)")
+    te.add_argument("--target", required=True, help="the fine-tuned target: an adapter folder from `train "
+                    "finetune`, or any model")
+    te.add_argument("--base-drafter", required=True, help="the DFlash drafter made for the base target (a path)")
+    te.add_argument("--domain", choices=["kjv", "shakespeare"], required=True, help="the target's domain: its "
+                    "prompts make the data and the held-out set")
+    te.add_argument("--out", required=True, help="folder for data, scores, checkpoints and the drafter (resumes)")
+    te.add_argument("--select", choices=["loss", "acceptance", "random"], default="loss", help="rank the samples by "
+                    "the base drafter's loss, by its simulated acceptance (lowest first), or at random "
+                    "(default: %(default)s)")
+    te.add_argument("--fraction", type=_float, default=0.5, help="share of the samples kept (default: %(default)s)")
+    te.add_argument("--data", choices=["regenerated", "original"], default="regenerated", help="the target's own "
+                    "answers, or the domain's original text (default: %(default)s)")
+    te.add_argument("--private-size", type=_positive_int, default=256, help="width of each layer's private MLP "
+                    "(default: %(default)s)")
+    te.add_argument("--train-fc", action="store_true", help="also adapt the feature projection")
+    for name, default, text in (
+            ("prompts", 1024, "domain prompts the target answers"),
+            ("heldout", 32, "held-out domain prompts for the acceptance (tau) estimate"),
+            ("max-new-tokens", 256, "answer length the target generates per prompt"),
+            ("gen-batch", 32, "prompts per target generation batch"),
+            ("steps", 1000, "optimisation steps"),
+            ("batch", 8, "sequences per step"),
+            ("anchors", 64, "blocks per sequence per step"),
+            ("eval-every", 200, "steps between held-out evaluations (and checkpoints)")):
+        te.add_argument(f"--{name}", type=_positive_int, default=default, help=f"{text} (default: %(default)s)")
+    te.add_argument("--lr", type=_float, default=3e-4, help="AdamW peak learning rate (default: %(default)s)")
+    te.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
+    te.add_argument("--storage", choices=["bf16", "fp8"], default="bf16", help="the drafter file's weights "
+                    "(default: %(default)s)")
+    te.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    te.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
+    te.add_argument("--dtype", choices=list(DTYPES), default=None, help="target dtype; default: float32 on cpu, "
+                    "bfloat16 on cuda")
+    te.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal")
 
     b = sub.add_parser("bench", help="benchmarks")
     bs = b.add_subparsers(dest="what", required=True, parser_class=_Parser)
@@ -494,11 +555,16 @@ def cmd_train(args) -> None:
     from .spec.ranks import spawn
     from .spec.train import TrainConfig
 
+    if args.what == "finetune":
+        return _finetune(args)
+    if args.what == "eda":
+        return _eda(args)
     cfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
                       gen_batch=args.gen_batch, layers=args.layers, block_size=args.block_size, taps=args.taps,
                       intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
                       anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
-                      time_limit=args.time_limit, seed=args.seed)  # invalid options fail before any process
+                      time_limit=args.time_limit, seed=args.seed,
+                      kinds=tuple(k.strip() for k in args.kinds.split(",")))  # invalid options fail before any process
     _writable_folder(args.out)
     if args.init and not all(f.is_file() for f in drafter_files(Path(args.init))):
         raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")
@@ -530,6 +596,57 @@ def _train(args, cfg) -> None:
     if ranks.main:
         print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['heldout_tau']:.2f}, "
               f"{summary['train_seconds']:.0f} s of training)")
+
+
+def _finetune(args) -> None:
+    from pathlib import Path
+
+    from .generate import Engine
+    from .spec.finetune import FinetuneConfig, finetune
+
+    cfg = FinetuneConfig(domain=args.domain, examples=args.examples, rank=args.rank, alpha=args.alpha,
+                         steps=args.steps, batch=args.batch, lr=args.lr, eval_every=args.eval_every,
+                         heldout=args.heldout, time_limit=args.time_limit, seed=args.seed)
+    _writable_folder(args.out)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    progress = args.progress or sys.stderr.isatty()
+    engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
+    summary = finetune(engine, cfg, Path(args.out), args.model, progress=progress,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"adapter: {args.out} ({summary['trainable_parameters']:,} parameters, held-out loss "
+          f"{summary['history'][0]['heldout_loss']:.3f} -> {summary['heldout_loss']:.3f}, "
+          f"{summary['train_seconds']:.0f} s); use it as --model {args.out}")
+
+
+def _eda(args) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from .generate import Engine
+    from .spec.dflash import drafter_files
+    from .spec.eda import EdaConfig, train_eda
+    from .spec.train import TrainConfig
+
+    cfg = EdaConfig(domain=args.domain, data=args.data, select=args.select, fraction=args.fraction,
+                    private_size=args.private_size, train_fc=args.train_fc)
+    tcfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
+                       gen_batch=args.gen_batch, steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr,
+                       eval_every=args.eval_every, time_limit=args.time_limit, seed=args.seed, kinds=(args.domain,))
+    if not all(f.is_file() for f in drafter_files(Path(args.base_drafter))):
+        raise SparseSpecError(f"--base-drafter {args.base_drafter}: no drafter there (need its .safetensors and "
+                              f".json)")
+    _writable_folder(args.out)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    progress = args.progress or sys.stderr.isatty()
+    engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
+    out = Path(args.out)
+    summary = train_eda(engine, Path(args.base_drafter), cfg, tcfg, out, args.target, progress=progress,
+                        log=lambda m: print(m, file=sys.stderr, flush=True),
+                        storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16)
+    print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['base_heldout_tau']:.2f} -> "
+          f"{summary['heldout_tau']:.2f}; {summary['trainable_parameters']:,} trainable parameters, "
+          f"{summary['train_seconds']:.0f} s of training)")
 
 
 def cmd_bench(args) -> None:

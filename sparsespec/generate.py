@@ -130,6 +130,12 @@ class Engine:
             cfg = shape(shape_name)
             model = random_model(cfg, device, DTYPES[dtype])
             return cls(LoadedModel(model, ByteTokenizer(), cfg, None))
+        from .spec.finetune import apply_adapter, is_adapter, read_adapter
+
+        if is_adapter(name_or_path):  # a fine-tune (`train finetune`): its base with the adapter merged in
+            engine = cls.from_name(read_adapter(name_or_path)[1]["base"], device, dtype, progress)
+            apply_adapter(engine.model, name_or_path)
+            return engine
         path = resolve(name_or_path, progress=progress)
         return cls(load(path, device=device, dtype=DTYPES[dtype], progress=progress))
 

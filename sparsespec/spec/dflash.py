@@ -29,7 +29,7 @@ from ..errors import SparseSpecError
 from ..models.rope import inverse_frequencies, rope_cos_sin
 from ..graphs import capture
 from ..kernels import triton_ready
-from ..models.transformer import Block, RMSNorm, StepPlan, Transformer
+from ..models.transformer import MLP, Block, RMSNorm, StepPlan, Transformer
 from .drafters import Drafter
 
 
@@ -48,6 +48,7 @@ class DFlashConfig:
     block_size: int = 16
     taps: tuple[int, ...] = ()  # target layers (0-based decoder layer outputs); () = default_taps(L, 3)
     intermediate_size: int = 0  # drafter MLP width; 0 = the target's
+    private_size: int = 0  # EDA: a private MLP of this width beside each layer's (shared) MLP; 0 = none
 
     def __post_init__(self):
         if self.layers < 1:
@@ -62,6 +63,8 @@ class DFlashConfig:
             raise SparseSpecError(f"intermediate size must be >= 0 (0: the target's), got {self.intermediate_size}")
         if self.intermediate_size == 0:
             object.__setattr__(self, "intermediate_size", self.target.intermediate_size)
+        if self.private_size < 0:
+            raise SparseSpecError(f"private MLP width must be >= 0 (0: none), got {self.private_size}")
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -69,15 +72,30 @@ class DFlashConfig:
                                    sliding_window=None)
 
     def to_json(self) -> dict:
+        private = {"private_size": self.private_size} if self.private_size else {}  # (files before EDA: none)
         return {"target": dataclasses.asdict(self.target), "layers": self.layers, "block_size": self.block_size,
-                "taps": list(self.taps), "intermediate_size": self.intermediate_size}
+                "taps": list(self.taps), "intermediate_size": self.intermediate_size, **private}
 
     @classmethod
     def from_json(cls, d: dict) -> "DFlashConfig":
         t = dict(d["target"])
         t["rope_scaling"] = RopeScaling(**t["rope_scaling"])
         t["eos_token_ids"] = tuple(t["eos_token_ids"])
-        return cls(ModelConfig(**t), d["layers"], d["block_size"], tuple(d["taps"]), d["intermediate_size"])
+        return cls(ModelConfig(**t), d["layers"], d["block_size"], tuple(d["taps"]), d["intermediate_size"],
+                   d.get("private_size", 0))
+
+
+class DecoupledMLP(nn.Module):
+    """EDA's drafter MLP: a shared part (trained with the base target, frozen when adapting) plus a small private
+    part (trained per fine-tuned target); the output is their sum."""
+
+    def __init__(self, cfg: ModelConfig, private_size: int):
+        super().__init__()
+        self.shared = MLP(cfg)
+        self.private = MLP(dataclasses.replace(cfg, intermediate_size=private_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x) + self.private(x)
 
 
 class DFlash(nn.Module):
@@ -90,6 +108,9 @@ class DFlash(nn.Module):
         self.hidden_norm = RMSNorm(H, lc.rms_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(H))
         self.layers = nn.ModuleList(Block(lc) for _ in range(cfg.layers))
+        if cfg.private_size:
+            for layer in self.layers:
+                layer.mlp = DecoupledMLP(lc, cfg.private_size)
         self.norm = RMSNorm(H, lc.rms_eps)
         self.register_buffer("inv_freq", inverse_frequencies(lc.head_dim, lc.rope_theta, lc.rope_scaling),
                              persistent=False)

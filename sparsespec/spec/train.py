@@ -29,7 +29,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
 from .dflash import DFlash, DFlashConfig, block_labels, block_mask, default_taps, drafter_files, loss_weights
-from .prompts import make_prompts
+from .prompts import KINDS, make_prompts
 from .ranks import Ranks
 
 
@@ -53,8 +53,13 @@ class TrainConfig:
     eval_every: int = 200
     time_limit: float = 0  # seconds of optimisation (0: none); whichever of steps and time ends first
     seed: int = 0
+    kinds: tuple[str, ...] = ("code", "text")  # prompt kinds (spec/prompts.py), split evenly
 
     def __post_init__(self):
+        unknown = set(self.kinds) - set(KINDS)
+        if unknown or not self.kinds or "humaneval" in self.kinds:
+            raise SparseSpecError(f"invalid prompt kinds {sorted(unknown) or list(self.kinds)} for training (choose "
+                                  f"from {', '.join(k for k in KINDS if k != 'humaneval')})")
         for name in ("prompts", "heldout", "max_new_tokens", "gen_batch", "layers", "taps", "steps", "batch",
                      "anchors", "eval_every"):
             if getattr(self, name) < 1:
@@ -97,6 +102,14 @@ class Dataset:
         at = torch.minimum(torch.arange(T, device=rows.device), lengths[:, None] - 1)
         index = self.offsets[rows][:, None] + at  # [n, T]
         return self.tokens[index], self.features[index], lengths
+
+    def subset(self, rows: torch.Tensor) -> "Dataset":
+        """The sequences `rows` [n] (in that order), packed anew."""
+        lengths = self.lengths[rows]
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        index = torch.cat([torch.arange(int(self.offsets[r]), int(self.offsets[r + 1]), device=self.tokens.device)
+                           for r in rows.tolist()])
+        return Dataset(self.tokens[index], offsets, self.starts[rows], self.features[index])
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
@@ -218,6 +231,8 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     settings = {"target": dcfg.target.__dict__ | {"rope_scaling": dcfg.target.rope_scaling.__dict__},
                 "drafter": dcfg.to_json(), "data": {k: getattr(cfg, k) for k in ("prompts", "heldout",
                                                                                 "max_new_tokens", "seed")}}
+    if cfg.kinds != TrainConfig.kinds:  # (runs of the default kinds, from before kinds could be chosen, resume)
+        settings["data"]["kinds"] = list(cfg.kinds)
     settings["processes"] = ranks.size  # each process keeps its own share of the data: a resume needs as many
     if ranks.main:  # writes a new run's settings; the other processes then compare theirs
         _check_settings(out / "settings.json", settings)
@@ -240,9 +255,9 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         data, held = (Dataset.load(p, engine, dcfg.taps, cfg.gen_batch) for p in (data_path, held_path))
     else:
         train_p = [engine.encode(p.text, chat=True)
-                   for p in ranks.share(make_prompts(cfg.prompts, "train", seed=cfg.seed))]
+                   for p in ranks.share(make_prompts(cfg.prompts, "train", cfg.kinds, cfg.seed))]
         held_p = [engine.encode(p.text, chat=True)
-                  for p in ranks.share(make_prompts(cfg.heldout, "heldout", seed=cfg.seed))]
+                  for p in ranks.share(make_prompts(cfg.heldout, "heldout", cfg.kinds, cfg.seed))]
         data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train")
         held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out")
         data.save(data_path)
@@ -258,7 +273,8 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     defaults = asdict(TrainConfig())
     command = ["sparsespec train dflash --target", target_name]  # the options given (those left at defaults apart)
-    command += [f"--{k.replace('_', '-')} {v}" for k, v in asdict(cfg).items() if v != defaults[k]]
+    command += [f"--{k.replace('_', '-')} {','.join(v) if isinstance(v, tuple) else v}"
+                for k, v in asdict(cfg).items() if v != defaults[k]]
     command += ["--storage", "fp8" if storage == torch.float8_e4m3fn else "bf16"]
     command += ["--init", str(init)] if init is not None else []
     command += ["--processes", str(ranks.size)] if ranks.size > 1 else []

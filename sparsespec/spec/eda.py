@@ -1,0 +1,219 @@
+"""`sparsespec train eda`: adapt a DFlash drafter made for a base target to a fine-tuned target (EDA), cheaply.
+
+    base drafter --decouple--> every layer's MLP = shared (the base drafter's own, frozen) + private (a small MLP
+        whose output starts at zero: the decoupled drafter drafts exactly what the base did until trained);
+        attention, norms, MASK embedding and shared MLPs frozen; the private MLPs (and with --train-fc the feature
+        projection) train
+    data: the fine-tuned target's greedy answers to its domain's prompts and its features over them (regenerated),
+        or the domain's original text after the same prompts (--data original: no generation)
+    selection: each sample scored by the base drafter against the fine-tuned target — `loss` (its decay-weighted
+        block loss), `acceptance` (its simulated τ, lowest first) or `random` — and only the top `fraction` kept
+    optimisation: train.py's loop (`fit`) on the kept samples, held-out τ on the domain's held-out prompts
+
+The adapted drafter is a DFlash drafter file like any other (its json records `private_size`, the base drafter and
+the recipe), usable with `--draft dflash:PATH` against the fine-tuned target.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SparseSpecError
+from ..generate import Engine
+from .dflash import DecoupledMLP, DFlash, loss_weights
+from .finetune import encode_pairs
+from .prompts import DOMAINS, domain_pairs, make_prompts
+from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_loss, fit, regenerate, sample_anchors,
+                    tapped_features)
+
+RULES = ("loss", "acceptance", "random")
+DATA = ("regenerated", "original")
+
+
+@dataclass(frozen=True)
+class EdaConfig:
+    domain: str = "kjv"  # the fine-tuned target's domain: the prompts it answers
+    data: str = "regenerated"  # regenerated (the fine-tuned target's answers) | original (the domain's own text)
+    select: str = "loss"  # loss | acceptance | random: how samples are ranked before the top `fraction` is kept
+    fraction: float = 0.5
+    private_size: int = 256  # width of each drafter layer's private MLP
+    train_fc: bool = False  # also adapt the feature projection (fc)
+    score_anchors: int = 32  # blocks a sample is scored on
+
+    def __post_init__(self):
+        if self.domain not in DOMAINS:
+            raise SparseSpecError(f"unknown domain {self.domain!r} (choose from {', '.join(DOMAINS)})")
+        if self.data not in DATA:
+            raise SparseSpecError(f"unknown data {self.data!r} (choose from {', '.join(DATA)})")
+        if self.select not in RULES:
+            raise SparseSpecError(f"unknown selection rule {self.select!r} (choose from {', '.join(RULES)})")
+        if not 0 < self.fraction <= 1:
+            raise SparseSpecError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.private_size < 1 or self.score_anchors < 1:
+            raise SparseSpecError("private size and score anchors must be >= 1")
+
+
+def decouple(base: DFlash, private_size: int) -> DFlash:
+    """A drafter whose every layer's MLP is the base's (shared) plus a private MLP of `private_size` whose down
+    projection starts at zero: it drafts exactly as the base until trained."""
+    if base.cfg.private_size:
+        raise SparseSpecError("the base drafter is already decoupled (an adapted drafter): adapt its base instead")
+    drafter = DFlash(replace(base.cfg, private_size=private_size)).to(base.fc.weight.device)
+    state = {}
+    for name, tensor in base.state_dict().items():
+        state[name.replace(".mlp.", ".mlp.shared.")] = tensor
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    assert not unexpected and all(".mlp.private." in k for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.mlp.private.down_proj.weight.zero_()
+    return drafter
+
+
+def adapt_parameters(drafter: DFlash, train_fc: bool) -> tuple[int, int]:
+    """Freeze everything but the private MLPs (and the feature projection with `train_fc`) -> (trainable, total)."""
+    drafter.requires_grad_(False)
+    for layer in drafter.layers:
+        assert isinstance(layer.mlp, DecoupledMLP)
+        layer.mlp.private.requires_grad_(True)
+    if train_fc:
+        drafter.fc.requires_grad_(True)
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in drafter.parameters())
+
+
+@torch.no_grad()
+def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: int, seed: int = 0,
+                  batch: int = 4) -> torch.Tensor:
+    """[N] how much each sample is worth training on (higher first) by the drafter's predictions against the target's
+    tokens: `loss` its decay-weighted block cross-entropy, `acceptance` minus its simulated τ at T = 0 (mean over
+    `anchors` blocks), `random` a seeded random draw."""
+    device = data.tokens.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    if rule == "random":
+        return torch.rand(len(data), generator=g, device=device)
+    drafter.eval()
+    scores = torch.empty(len(data), device=device)
+    B = drafter.cfg.block_size
+    with autocast_for(device):
+        for i in range(0, len(data), batch):
+            rows = torch.arange(i, min(i + batch, len(data)), device=device)
+            _, logits, labels = block_loss(drafter, target, data, rows, sample_anchors(data, rows, anchors, g))
+            if rule == "loss":
+                w = loss_weights(B, device=device).expand_as(labels) * (labels >= 0)
+                ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0),
+                                     reduction="none").view_as(labels)
+                scores[rows] = (ce * w).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)
+            else:
+                hit = (logits.argmax(-1) == labels)[..., 1:]  # [n, M, B - 1]
+                scores[rows] = -(1 + hit.long().cumprod(-1).sum(-1).float()).mean(1)
+    return scores
+
+
+def select(data: Dataset, scores: torch.Tensor, fraction: float) -> Dataset:
+    """The ceil(fraction · N) samples of highest score (ties to the earlier one), highest first."""
+    n = max(1, int(-(-fraction * len(data) // 1)))
+    order = torch.sort(scores, descending=True, stable=True).indices[:n]
+    return data.subset(order)
+
+
+def original_data(engine: Engine, pairs: list[tuple[str, str]], taps: tuple[int, ...], batch: int) -> Dataset:
+    """The domain's own text after each prompt (no generation) and the target's features over it."""
+    seqs = encode_pairs(engine, pairs)
+    device = engine.device
+    tokens = torch.tensor([t for s, _ in seqs for t in s], dtype=torch.long, device=device)
+    offsets = torch.tensor([0] + [len(s) for s, _ in seqs], device=device).cumsum(0)
+    return Dataset(tokens, offsets, torch.tensor([start for _, start in seqs], device=device),
+                   tapped_features(engine, tokens, offsets, taps, batch))
+
+
+def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig, out: Path, target_name: str,
+              progress: bool = False, log=print, storage: torch.dtype = torch.bfloat16) -> dict:
+    """Adapt the drafter at `base_path` to `engine`'s (fine-tuned) model into `out` (resuming what is there):
+    tcfg's prompts / heldout / max_new_tokens / gen_batch make the data, its steps / batch / anchors / lr / time
+    limit / eval_every the optimisation -> the summary written with the drafter."""
+    out.mkdir(parents=True, exist_ok=True)
+    device = engine.device
+    torch.manual_seed(tcfg.seed)
+    base = DFlash.load(base_path, device=device)
+    if base.cfg.target != engine.config:
+        theirs, mine = asdict(base.cfg.target), asdict(engine.config)
+        changed = sorted(k for k in mine if mine[k] != theirs[k])
+        raise SparseSpecError(f"the base drafter {base_path} was made for another target than {target_name} "
+                              f"({' / '.join(changed)} differ)")
+    if tcfg.block_size != base.cfg.block_size:
+        tcfg = replace(tcfg, block_size=base.cfg.block_size)
+    drafter = decouple(base, cfg.private_size)
+    trainable, total = adapt_parameters(drafter, cfg.train_fc)
+    log(f"eda: {trainable:,} of {total:,} drafter parameters trainable ({100 * trainable / total:.1f}%: private MLPs "
+        f"of {cfg.private_size}{' and the feature projection' if cfg.train_fc else ''})")
+    settings = {"target": target_name, "base": str(base_path), "eda": asdict(cfg),
+                "data": {k: getattr(tcfg, k) for k in ("prompts", "heldout", "max_new_tokens", "seed")}}
+    path = out / "settings.json"
+    if path.is_file() and json.loads(path.read_text()) != json.loads(json.dumps(settings)):
+        raise SparseSpecError(f"{out} holds an adaptation with other settings: resume it with the same ones or use "
+                              f"a new --out folder")
+    path.write_text(json.dumps(settings, indent=1))
+
+    taps = drafter.cfg.taps
+    t0 = time.perf_counter()
+    data_path, held_path, scores_path = out / "data.safetensors", out / "heldout.safetensors", out / "scores.pt"
+    if data_path.is_file() and held_path.is_file():
+        data, held = (Dataset.load(p, engine, taps, tcfg.gen_batch) for p in (data_path, held_path))
+    else:
+        held_p = [engine.encode(p.text, chat=True) for p in make_prompts(tcfg.heldout, "heldout", (cfg.domain,),
+                                                                           tcfg.seed)]
+        if cfg.data == "regenerated":
+            train_p = [engine.encode(p.text, chat=True) for p in make_prompts(tcfg.prompts, "train", (cfg.domain,),
+                                                                                tcfg.seed)]
+            data = regenerate(engine, train_p, taps, tcfg.max_new_tokens, tcfg.gen_batch, progress, "train")
+        else:
+            data = original_data(engine, domain_pairs(cfg.domain, tcfg.prompts, "train", tcfg.seed), taps,
+                                 tcfg.gen_batch)
+        # held-out τ is always against what the fine-tuned target itself says
+        held = regenerate(engine, held_p, taps, tcfg.max_new_tokens, tcfg.gen_batch, progress, "held-out")
+        data.save(data_path)
+        held.save(held_path)
+    data_s = time.perf_counter() - t0
+    log(f"data ({cfg.data}): {len(data)} train / {len(held)} held-out sequences, "
+        f"{int((data.lengths - data.starts).sum())} response tokens ({data_s:.0f} s)")
+
+    t0 = time.perf_counter()
+    if scores_path.is_file():
+        scores = torch.load(scores_path, map_location=device)
+    else:
+        scores = sample_scores(base, engine.model, data, cfg.select, cfg.score_anchors, tcfg.seed)
+        torch.save(scores, scores_path)
+    kept = select(data, scores, cfg.fraction)
+    score_s = time.perf_counter() - t0
+    with autocast_for(device):
+        base_tau = acceptance(base, engine.model, held)
+    log(f"selection ({cfg.select}): {len(kept)} of {len(data)} samples kept ({score_s:.0f} s); the base drafter's "
+        f"held-out tau against this target: {base_tau:.2f}")
+    del base
+
+    t0 = time.perf_counter()
+    tau, history = fit(drafter, engine.model, kept, held, tcfg, out / "checkpoint.pt", progress, log)
+    train_s = time.perf_counter() - t0
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    command = ["sparsespec train eda --target", target_name, "--base-drafter", str(base_path)]
+    command += [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in asdict(cfg).items()
+                if v != asdict(EdaConfig())[k]]
+    ignored = ("layers", "block_size", "taps", "intermediate_size", "kinds")  # the base drafter's, the domain's
+    command += [f"--{k.replace('_', '-')} {v}" for k, v in asdict(tcfg).items()
+                if v != asdict(TrainConfig())[k] and k not in ignored]
+    summary = {"target": target_name, "base_drafter": str(base_path), "eda": asdict(cfg), "train": asdict(tcfg),
+               "trainable_parameters": trainable, "parameters": total, "base_heldout_tau": base_tau,
+               "heldout_tau": tau, "history": history, "samples": len(data), "kept": len(kept),
+               "data_seconds": round(data_s, 1), "score_seconds": round(score_s, 1), "train_seconds": round(train_s, 1),
+               "device": hardware,
+               "made_by": " ".join(command) + f" ({hardware}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})"}
+    drafter.save(out / "drafter", dtype=storage, meta=summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

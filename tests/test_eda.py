@@ -1,0 +1,193 @@
+"""EDA: LoRA fine-tunes of a target (adapters that merge exactly), the decoupled drafter (drafts as its base until
+trained; only its private part trains), sample selection that finds the samples a base drafter gets wrong, and
+`train eda` / `train finetune` end to end."""
+
+import json
+
+import pytest
+import torch
+
+from sparsespec.errors import SparseSpecError
+from sparsespec.generate import GenerationConfig
+from sparsespec.spec.decode import speculative_generate
+from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter
+from sparsespec.spec.eda import EdaConfig, adapt_parameters, decouple, sample_scores, select, train_eda
+from sparsespec.spec.finetune import FinetuneConfig, add_lora, apply_adapter, finetune, merge_lora
+from sparsespec.spec.train import Dataset, TrainConfig, acceptance, fit, regenerate
+
+from .conftest import byte_engine
+from .test_spec import tiny_engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _forward(model, tokens):
+    from sparsespec.cache import KVCache
+
+    cache = KVCache(model.cfg, tokens.shape[0], tokens.shape[1], torch.float32, tokens.device)
+    return model.forward(tokens, torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1), cache, tokens.shape[1])
+
+
+def test_lora_starts_as_the_base_and_merges_into_the_weights_exactly(tmp_path):
+    from safetensors.torch import save_file
+
+    from sparsespec.spec.finetune import adapter_state
+
+    engine = tiny_engine(3)
+    tokens = torch.randint(0, 64, (2, 9))
+    base = _forward(engine.model, tokens)
+    loras = add_lora(engine.model, rank=4, alpha=8.0)
+    assert len(loras) == 4 * engine.config.num_layers
+    torch.testing.assert_close(_forward(engine.model, tokens), base, rtol=0, atol=0)  # B = 0: unchanged
+    with torch.no_grad():
+        for m in loras.values():
+            m.lora_b.normal_(0, 0.05)
+    adapted = _forward(engine.model, tokens)
+    assert (adapted - base).abs().max() > 1e-2
+    state = adapter_state(loras)
+    merge_lora(engine.model)
+    assert not any("lora" in n for n, _ in engine.model.named_parameters())
+    torch.testing.assert_close(_forward(engine.model, tokens), adapted, rtol=1e-4, atol=1e-4)
+    # the adapter file applied to a fresh copy of the base gives the same model
+    (tmp_path / "ad").mkdir()
+    save_file(state, str(tmp_path / "ad" / "adapter.safetensors"))
+    (tmp_path / "ad" / "adapter.json").write_text(json.dumps({"base": "tiny", "rank": 4, "alpha": 8.0}))
+    fresh = tiny_engine(3)
+    apply_adapter(fresh.model, tmp_path / "ad")
+    torch.testing.assert_close(_forward(fresh.model, tokens), adapted, rtol=1e-4, atol=1e-4)
+    with pytest.raises(SparseSpecError, match="does not fit this model"):
+        apply_adapter(tiny_engine(3, layers=3).model, tmp_path / "ad")
+    (tmp_path / "ad" / "adapter.json").write_text("{not json")
+    with pytest.raises(SparseSpecError, match="corrupt adapter"):
+        apply_adapter(fresh.model, tmp_path / "ad")
+
+
+def test_finetune_lowers_the_domain_loss_resumes_and_loads_as_a_model(tmp_path):
+    engine = byte_engine(0)
+    cfg = FinetuneConfig(domain="kjv", examples=6, rank=4, steps=6, batch=2, lr=3e-3, eval_every=3, heldout=2)
+    summary = finetune(engine, cfg, tmp_path / "ft", "byte", log=lambda *_: None)
+    losses = [h["heldout_loss"] for h in summary["history"]]
+    assert losses[-1] < losses[0] and summary["trainable_parameters"] == sum(
+        4 * (a + b) for a, b in [(64, 128), (64, 64), (64, 192), (96, 64)]) * 2
+    merged = [p.clone() for p in engine.model.parameters()]
+    fresh = byte_engine(0)
+    apply_adapter(fresh.model, tmp_path / "ft")
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(merged, fresh.model.parameters()))
+    # a finished run resumes at its end: nothing more to do, the same adapter
+    again = finetune(byte_engine(0), cfg, tmp_path / "ft", "byte", log=lambda *_: None)
+    assert again["heldout_loss"] == pytest.approx(summary["heldout_loss"])
+    with pytest.raises(SparseSpecError, match="other settings"):
+        finetune(byte_engine(0), FinetuneConfig(domain="shakespeare", examples=6, rank=4, steps=6, batch=2),
+                 tmp_path / "ft", "byte", log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def shifted():
+    """A base target and a 'fine-tuned' one (its last MLP and LM head moved), each with its own greedy answers to
+    the same prompts; a base drafter trained on the base target's answers."""
+    base = tiny_engine(5, vocab=48, scale=4.0)
+    tuned = tiny_engine(5, vocab=48, scale=4.0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in (*tuned.model.layers[-1].mlp.parameters(), tuned.model.lm_head.weight):
+            p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.8)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 48, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (112,), generator=g)]
+    taps = (0, 1)
+    torch.manual_seed(0)
+    drafter = DFlash(DFlashConfig(base.config, layers=1, block_size=4, taps=taps))
+    fit(drafter, base.model, regenerate(base, prompts[:80], taps, 40, 16), regenerate(base, prompts[80:96], taps, 40, 16),
+        TrainConfig(steps=250, batch=8, anchors=16, block_size=4, lr=3e-3, eval_every=250), log=lambda *_: None)
+    return base, tuned, drafter.eval().requires_grad_(False), prompts, taps
+
+
+def test_a_decoupled_drafter_drafts_as_its_base_and_trains_only_its_private_part(shifted):
+    base_target, tuned, base, prompts, taps = shifted
+    drafter = decouple(base, private_size=16)
+    assert drafter.cfg.private_size == 16 and DFlashConfig.from_json(drafter.cfg.to_json()) == drafter.cfg
+    assert "private_size" not in base.cfg.to_json()  # drafter files from before EDA keep their json
+    held = regenerate(tuned, prompts[96:], taps, 40, 16)
+    assert acceptance(drafter.eval(), tuned.model, held) == pytest.approx(acceptance(base, tuned.model, held))
+    trainable, total = adapt_parameters(drafter, train_fc=False)
+    private = sum(p.numel() for layer in drafter.layers for p in layer.mlp.private.parameters())
+    assert trainable == private and total == private + sum(p.numel() for p in base.parameters())
+    assert adapt_parameters(drafter, train_fc=True)[0] == private + drafter.fc.weight.numel()
+    adapt_parameters(drafter, train_fc=False)
+    frozen = {n: p.clone() for n, p in drafter.named_parameters() if not p.requires_grad}
+    data = regenerate(tuned, prompts[:80], taps, 40, 16)
+    before = acceptance(base, tuned.model, held)
+    tau, _ = fit(drafter, tuned.model, data, held, TrainConfig(steps=150, batch=8, anchors=16, block_size=4, lr=3e-3,
+                                                             eval_every=150), log=lambda *_: None)
+    assert all(torch.equal(p, frozen[n]) for n, p in drafter.named_parameters() if n in frozen)
+    assert tau > before + 0.1, (before, tau)
+    # the adapted drafter is a drafter like any other: saved, loaded, lossless in the loop
+    prompt = held.sequence(0)[:int(held.starts[0])]
+    gen = GenerationConfig(max_new_tokens=30)
+    out = speculative_generate(tuned, [prompt], DFlashDrafter(drafter.eval(), tuned.model), gen, 4)[0]
+    assert out.token_ids == tuned.generate([prompt], gen).token_ids[0]
+    with pytest.raises(SparseSpecError, match="already decoupled"):
+        decouple(drafter, 8)
+
+
+def test_selection_by_loss_or_acceptance_keeps_the_samples_the_base_drafter_gets_wrong(shifted):
+    """Half the samples are the base target's answers (which its drafter knows), half the fine-tuned target's: the
+    loss and acceptance rules keep mostly the latter, random keeps about half of each."""
+    base_target, tuned, base, prompts, taps = shifted
+    old = regenerate(base_target, prompts[:40], taps, 40, 16)
+    new = regenerate(tuned, prompts[40:80], taps, 40, 16)
+    both = Dataset(torch.cat([old.tokens, new.tokens]), torch.cat([old.offsets, new.offsets[1:] + old.offsets[-1]]),
+                   torch.cat([old.starts, new.starts]), torch.cat([old.features, new.features]))
+    for rule in ("loss", "acceptance", "random"):
+        scores = sample_scores(base, tuned.model, both, rule, anchors=16)
+        kept = torch.sort(scores, descending=True, stable=True).indices[:40]
+        share_new = float((kept >= 40).float().mean())
+        assert share_new > 0.8 if rule != "random" else 0.25 < share_new < 0.75, (rule, share_new)
+    chosen = select(both, scores, 0.25)
+    assert len(chosen) == 20
+    order = torch.sort(scores, descending=True, stable=True).indices[:20]
+    for i, r in enumerate(order.tolist()):  # packed anew, each sequence with its own features
+        assert chosen.sequence(i) == both.sequence(r) and int(chosen.starts[i]) == int(both.starts[r])
+        lo, hi = int(chosen.offsets[i]), int(chosen.offsets[i + 1])
+        assert torch.equal(chosen.features[lo:hi], both.features[int(both.offsets[r]):int(both.offsets[r + 1])])
+
+
+@pytest.mark.parametrize("data", ["regenerated", "original"])
+def test_train_eda_end_to_end_writes_a_drafter_the_loop_uses_and_resumes(tmp_path, data):
+    engine = byte_engine(0)
+    torch.manual_seed(0)
+    base = DFlash(DFlashConfig(engine.config, layers=1, block_size=4, taps=(0, 1)))
+    base.save(tmp_path / "base", dtype=torch.float32, meta={"heldout_tau": 1.0})
+    cfg = EdaConfig(domain="shakespeare", data=data, select="acceptance", fraction=0.5, private_size=8,
+                    score_anchors=4)
+    tcfg = TrainConfig(prompts=6, heldout=2, max_new_tokens=12, gen_batch=4, steps=4, batch=2, anchors=4,
+                       eval_every=2, kinds=("shakespeare",))
+    summary = train_eda(engine, tmp_path / "base", cfg, tcfg, tmp_path / "run", "byte", log=lambda *_: None)
+    assert summary["samples"] == 6 and summary["kept"] == 3 and summary["trainable_parameters"] == 64 * 2 * 8 + 8 * 64
+    adapted = DFlash.load(tmp_path / "run" / "drafter")
+    assert adapted.cfg.private_size == 8
+    meta = json.loads((tmp_path / "run" / "drafter.json").read_text())
+    assert "train eda" in meta["made_by"] and meta["base_drafter"] == str(tmp_path / "base")
+    prompt = engine.encode("Continue this scene.\n\nTo be, or not to be", chat=True)
+    gen = GenerationConfig(max_new_tokens=10)
+    assert speculative_generate(engine, [prompt], DFlashDrafter(adapted, engine.model), gen, 4)[0].token_ids == \
+        engine.generate([prompt], gen).token_ids[0]
+    again = train_eda(engine, tmp_path / "base", cfg, tcfg, tmp_path / "run", "byte", log=lambda *_: None)
+    assert again["heldout_tau"] == pytest.approx(summary["heldout_tau"])
+    with pytest.raises(SparseSpecError, match="other settings"):
+        train_eda(engine, tmp_path / "base", EdaConfig(domain="shakespeare", data=data, select="random"), tcfg,
+                  tmp_path / "run", "byte", log=lambda *_: None)
+    with pytest.raises(SparseSpecError, match="another target"):
+        train_eda(tiny_engine(0), tmp_path / "base", cfg, tcfg, tmp_path / "other", "tiny", log=lambda *_: None)
+
+
+def test_cli_train_eda_and_finetune_refuse_bad_options_with_one_line(tmp_path, capsys):
+    from sparsespec.cli import main
+
+    for argv in (["train", "eda", "--target", "x", "--base-drafter", str(tmp_path / "none"), "--domain", "kjv",
+                  "--out", str(tmp_path / "r")],
+                 ["train", "eda", "--target", "x", "--base-drafter", "b", "--domain", "kjv", "--out", "r",
+                  "--fraction", "1.5"],
+                 ["train", "finetune", "--domain", "kjv", "--out", str(tmp_path / "f"), "--alpha", "-1"]):
+        assert main(argv) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("sparsespec"), err
