@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "each on cuda (each answers its share of the prompts; gradients averaged; default: 1)")
     td.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a "
                     "terminal (a line every few seconds: the target's answers, then the optimisation)")
+    td.add_argument("--add-data", nargs="+", default=[], metavar="FILE", help="data sets of earlier runs with this "
+                    "target (their data.safetensors) added to the answers regenerated now")
     td.add_argument("--kinds", default="code,text", help="prompt kinds the target answers, split evenly: code, text, "
                     "long-code, long-text, long-essay, kjv, shakespeare (default: %(default)s)")
 
@@ -568,6 +570,9 @@ def cmd_train(args) -> None:
     _writable_folder(args.out)
     if args.init and not all(f.is_file() for f in drafter_files(Path(args.init))):
         raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")
+    for path in args.add_data:
+        if not Path(path).is_file():
+            raise SparseSpecError(f"--add-data {path}: no such file")
     if args.processes > 1:
         spawn(_train, args.processes, args.device, args, cfg)
     else:
@@ -592,7 +597,8 @@ def _train(args, cfg) -> None:
     summary = train_dflash(engine, cfg, out, args.target, progress=progress,
                            log=lambda m: print(m, file=sys.stderr, flush=True),
                            init=Path(args.init) if args.init else None,
-                           storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16, ranks=ranks)
+                           storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16, ranks=ranks,
+                           add_data=tuple(Path(p) for p in args.add_data))
     if ranks.main:
         print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['heldout_tau']:.2f}, "
               f"{summary['train_seconds']:.0f} s of training)")

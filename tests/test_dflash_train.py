@@ -1,6 +1,8 @@
 """DFlash training: the context mask is strictly before the anchor and labels are same-position — a drafter trained
 with either off by one must accept clearly fewer tokens (the check the DFlash spec warns about)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter, block_la
 from sparsespec.spec.train import TrainConfig, acceptance, fit, regenerate
 from sparsespec.generate import GenerationConfig
 
+from .conftest import byte_engine
 from .test_spec import tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -163,6 +166,34 @@ def test_packed_data_holds_each_sequences_own_features_and_reloads_them_from_its
     again = train.Dataset.load(tmp_path / "d.safetensors", target, taps, batch=5)  # other batches, other padding
     assert torch.equal(again.tokens, data.tokens) and torch.equal(again.starts, data.starts)
     torch.testing.assert_close(again.features.float(), data.features.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_earlier_answers_add_to_new_ones_once_and_only_the_same_targets(setup, tmp_path):
+    """`--add-data`: an earlier run's data set (its tokens, int32 on disk) joins the answers regenerated now,
+    a prompt answered in both kept once; another model's data set is refused."""
+    from sparsespec.errors import SparseSpecError
+
+    target, data, held, taps = setup
+    first = data.subset(torch.arange(0, 50))
+    first.save(tmp_path / "old.safetensors", train.fingerprint(target))
+    later = data.subset(torch.arange(30, 80))
+    both = later.concat(train.Dataset.load(tmp_path / "old.safetensors", target, taps, batch=8))
+    assert len(both) == 80 and [both.sequence(i) for i in range(50)] == [later.sequence(i) for i in range(50)]
+    assert sorted(tuple(both.sequence(i)) for i in range(80)) == sorted(tuple(data.sequence(i)) for i in range(80))
+    lo = int(both.offsets[50])
+    torch.testing.assert_close(both.features[lo:].float(), first.features[:int(first.offsets[30])].float(),
+                               atol=1e-2, rtol=1e-2)
+    with pytest.raises(SparseSpecError, match="another model's answers"):
+        train.Dataset.load(tmp_path / "old.safetensors", tiny_engine(6, vocab=48, scale=4.0), taps, batch=8)
+    # end to end: a run with an earlier run's data trains on both (and records them)
+    prompts_cfg = TrainConfig(prompts=4, heldout=2, max_new_tokens=8, gen_batch=4, steps=2, batch=2, anchors=4,
+                              block_size=4, eval_every=2, taps=2)
+    engine = byte_engine(0)
+    summary = train.train_dflash(engine, prompts_cfg, tmp_path / "a", "byte", log=lambda *_: None)
+    run = train.train_dflash(engine, replace(prompts_cfg, seed=1), tmp_path / "b", "byte", log=lambda *_: None,
+                             add_data=(tmp_path / "a" / "data.safetensors",))
+    seen = train.Dataset.load(tmp_path / "b" / "data.safetensors", engine, (0, 1), 4)
+    assert 4 < len(seen) <= 8 and "--add-data" in run["made_by"] and summary["made_by"]
 
 
 def test_the_schedule_warms_up_then_decays_to_zero_over_the_progress():

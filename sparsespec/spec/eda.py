@@ -29,8 +29,8 @@ from ..generate import Engine
 from .dflash import DecoupledMLP, DFlash, loss_weights
 from .finetune import encode_pairs
 from .prompts import DOMAINS, domain_pairs, make_prompts
-from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_loss, fit, regenerate, sample_anchors,
-                    tapped_features)
+from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_loss, fingerprint, fit, regenerate,
+                    sample_anchors, tapped_features)
 
 RULES = ("loss", "acceptance", "random")
 DATA = ("regenerated", "original")
@@ -178,8 +178,8 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
                                  tcfg.gen_batch)
         # held-out τ is always against what the fine-tuned target itself says
         held = regenerate(engine, held_p, taps, tcfg.max_new_tokens, tcfg.gen_batch, progress, "held-out")
-        data.save(data_path)
-        held.save(held_path)
+        data.save(data_path, fingerprint(engine))
+        held.save(held_path, fingerprint(engine))
     data_s = time.perf_counter() - t0
     log(f"data ({cfg.data}): {len(data)} train / {len(held)} held-out sequences, "
         f"{int((data.lengths - data.starts).sum())} response tokens ({data_s:.0f} s)")

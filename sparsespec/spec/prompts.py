@@ -83,8 +83,14 @@ def _in_split(split: str, nodes: list[ast.FunctionDef], module: str):
 
 
 def _code_prompt(lines: list[str], node: ast.FunctionDef, style: int) -> str:
-    """Style 0: complete the function from its first lines; 1: explain it; 2: write it from signature + docstring."""
+    """Style 0: complete the function from its first lines; 1: explain it; 2: write it from signature + docstring;
+    3: write unit tests for it; 4: rewrite it with type hints and a docstring."""
     src = "\n".join(lines)
+    if style == 3:
+        return f"Write pytest unit tests for this Python function.\n\n```python\n{src}\n```"
+    if style == 4:
+        return ("Rewrite this Python function with type hints and a short docstring. Reply with the whole function "
+                f"in a code block.\n\n```python\n{src}\n```")
     if style == 0:
         head = "\n".join(lines[: max(2, len(lines) // 3)])
         return ("Complete this Python function. Reply with the whole function in a code block.\n\n"
@@ -97,8 +103,8 @@ def _code_prompt(lines: list[str], node: ast.FunctionDef, style: int) -> str:
 
 
 def _code_prompts(split: str, rng: random.Random):
-    """One prompt a function of `_functions(more=True)` in a random style; then, for larger sets, the same functions
-    again in each of the other two styles."""
+    """One prompt a function of `_functions(more=True)` in a random style of the first three; then, for larger sets,
+    the same functions again in each of the other two, then in styles 3 and 4 (what comes first never changes)."""
     seen = []
     for _, lines, node, _ in _functions(split, rng, more=True):
         style = rng.randrange(3)
@@ -107,11 +113,18 @@ def _code_prompts(split: str, rng: random.Random):
     for shift in (1, 2):
         for lines, node, style in seen:
             yield _code_prompt(lines, node, (style + shift) % 3)
+    for style in (3, 4):
+        for lines, node, _ in seen:
+            yield _code_prompt(lines, node, style)
 
 
 def _texts(split: str, rng: random.Random):
-    """(identity, title, passage) from the text corpora in `split`."""
-    sources = [corpora.documents(c, rng.randrange(1 << 30)) for c in ("wiki", "shakespeare", "kjv")]
+    """(title, passage, later) from the text corpora in `split`: one passage a document, then (for larger sets,
+    `later` True) other passages of the documents of over 300 words, pass after pass (what comes first never
+    changes)."""
+    seeds = [rng.randrange(1 << 30) for _ in range(3)]
+    sources = [corpora.documents(c, seed) for c, seed in zip(("wiki", "shakespeare", "kjv"), seeds)]
+    long_docs = []
     while sources:
         src = rng.choice(sources)
         doc = next(src, None)
@@ -125,10 +138,24 @@ def _texts(split: str, rng: random.Random):
         passage = " ".join(words[start:start + rng.randrange(80, 200)])
         title = doc.split("\n", 1)[0][:80]
         if _split_of(title) == split:  # the whole document goes to one split
-            yield title, passage
+            if len(words) > 300:
+                long_docs.append((title, words))
+            yield title, passage, False
+    later = random.Random(f"later/{seeds}")  # (not drawn from rng: its draws after the first pass stay the same)
+    for _ in range(4):
+        later.shuffle(long_docs)
+        for title, words in long_docs:
+            start = later.randrange(len(words) - 200)
+            yield title, " ".join(words[start:start + later.randrange(80, 200)]), True
 
 
-def _text_prompt(title: str, passage: str, rng: random.Random) -> str:
+def _text_prompt(title: str, passage: str, rng: random.Random, later: bool = False) -> str:
+    """Styles 0-2 (summarise, write about the topic, paraphrase); `later` passages: 3 (key points) or 4 (questions
+    and answers)."""
+    if later:
+        if rng.randrange(2) == 0:
+            return f"List the key points of this passage as short bullet points.\n\n{passage}"
+        return f"Write three questions that this passage answers, each followed by its answer.\n\n{passage}"
     style = rng.randrange(3)
     if style == 0:
         return f"Summarise this passage in three sentences.\n\n{passage}"
@@ -163,7 +190,7 @@ def _long_code(split: str, rng: random.Random, long_chars: int):
 def _long_text(split: str, rng: random.Random, long_chars: int, essay: bool = False):
     """Long-document prompts: articles, chapters and play excerpts up to `long_chars`, then a question on one
     (`essay`: a request for a long essay on one, which asks for a long generation)."""
-    texts = _texts(split, rng)
+    texts = ((title, passage) for title, passage, later in _texts(split, rng) if not later)  # one passage a doc
     while True:
         chosen, size = [], 0
         for title, passage in texts:
@@ -258,8 +285,8 @@ def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code",
     if counts.get("code"):
         out += [Prompt("code", text) for _, text in zip(range(counts["code"]), _code_prompts(split, rng))]
     if counts.get("text"):
-        for _, (title, passage) in zip(range(counts["text"]), _texts(split, rng)):
-            out.append(Prompt("text", _text_prompt(title, passage, rng)))
+        for _, (title, passage, later) in zip(range(counts["text"]), _texts(split, rng)):
+            out.append(Prompt("text", _text_prompt(title, passage, rng, later)))
     essays = functools.partial(_long_text, essay=True)
     for kind, make in (("long-code", _long_code), ("long-text", _long_text), ("long-essay", essays)):
         if counts.get(kind):

@@ -111,17 +111,49 @@ class Dataset:
                            for r in rows.tolist()])
         return Dataset(self.tokens[index], offsets, self.starts[rows], self.features[index])
 
-    def save(self, path: Path) -> None:
+    def concat(self, other: "Dataset") -> "Dataset":
+        """This data set, then the sequences of `other` whose prompt it does not hold yet (a greedy target answers a
+        prompt alike every time: one copy is enough)."""
+        have = {tuple(self.sequence(i)[:int(self.starts[i])]) for i in range(len(self))}
+        new = [i for i in range(len(other)) if tuple(other.sequence(i)[:int(other.starts[i])]) not in have]
+        add = other.subset(torch.tensor(new, dtype=torch.long, device=other.tokens.device))
+        return Dataset(torch.cat([self.tokens, add.tokens]), torch.cat([self.offsets, add.offsets[1:] + self.offsets[-1]]),
+                       torch.cat([self.starts, add.starts]), torch.cat([self.features, add.features]))
+
+    def save(self, path: Path, target: str = "") -> None:
+        """The tokens (int32), offsets and starts; `target`: the answering model's fingerprint (`fingerprint`)."""
         from safetensors.torch import save_file
 
-        save_file({k: getattr(self, k).contiguous().cpu() for k in ("tokens", "offsets", "starts")}, str(path))
+        save_file({"tokens": self.tokens.int().contiguous().cpu(),
+                   **{k: getattr(self, k).contiguous().cpu() for k in ("offsets", "starts")}}, str(path),
+                  metadata={"target": target})
 
     @classmethod
     def load(cls, path: Path, engine: Engine, taps: tuple[int, ...], batch: int) -> "Dataset":
+        """A saved data set, its features recomputed by `engine`'s model; one made by another model is refused."""
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
-        d = {k: v.to(engine.device) for k, v in load_file(str(path)).items()}
+        try:
+            with safe_open(str(path), "pt") as f:
+                made_by = (f.metadata() or {}).get("target", "")
+            d = {k: v.to(engine.device) for k, v in load_file(str(path)).items()}
+            d["tokens"] = d["tokens"].long()
+        except (OSError, SafetensorError, KeyError) as e:
+            raise SparseSpecError(f"unreadable data set {path}: {e}") from None
+        if made_by and made_by != fingerprint(engine):
+            raise SparseSpecError(f"{path} holds another model's answers: training data must be this target's own")
         return cls(**d, features=tapped_features(engine, d["tokens"], d["offsets"], taps, batch))
+
+
+def fingerprint(engine: Engine) -> str:
+    """A model's identity for its data sets: its shape and a checksum of its embedding and LM head."""
+    import hashlib
+
+    model = engine.model
+    sums = [float(w.detach()[:256].double().sum()) for w in (model.embed_tokens.weight, model.lm_head.weight)]
+    shape = json.dumps(engine.config.__dict__, default=str, sort_keys=True)
+    return hashlib.sha256(f"{shape}|{sums[0]:.6e}|{sums[1]:.6e}".encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -213,13 +245,15 @@ def acceptance(drafter: DFlash, target, data: Dataset, anchors_per_row: int = 64
 
 def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, progress: bool = False,
                  log=print, init: Path | None = None, storage: torch.dtype = torch.bfloat16,
-                 ranks: Ranks | None = None) -> dict:
+                 ranks: Ranks | None = None, add_data: tuple[Path, ...] = ()) -> dict:
     """Train (or resume) a drafter for `engine`'s model into `out`; return the final summary. `init`: a drafter
     of the same shape (e.g. one trained in an earlier session on other prompts) whose weights the run starts from
     (a fresh optimiser and schedule); a checkpoint in `out` takes precedence. `storage`: the drafter file's dtype
     (bf16, or float8_e4m3fn: its matrices in FP8, half the bytes). `ranks`: data-parallel training, one process of
     several (`spec.ranks.spawn`): each answers its share of the prompts and trains on it, gradients averaged; only
-    the main process logs and writes the checkpoint and the drafter."""
+    the main process logs and writes the checkpoint and the drafter. `add_data`: data sets of earlier runs with this
+    target (their `data.safetensors`: the tokens of its answers) added to the answers regenerated here, prompts
+    answered twice once."""
     ranks = ranks or Ranks.current()
     if not ranks.main:
         progress, log = False, lambda *_: None
@@ -233,6 +267,8 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
                                                                                 "max_new_tokens", "seed")}}
     if cfg.kinds != TrainConfig.kinds:  # (runs of the default kinds, from before kinds could be chosen, resume)
         settings["data"]["kinds"] = list(cfg.kinds)
+    if add_data:
+        settings["data"]["add_data"] = [str(p) for p in add_data]
     settings["processes"] = ranks.size  # each process keeps its own share of the data: a resume needs as many
     if ranks.main:  # writes a new run's settings; the other processes then compare theirs
         _check_settings(out / "settings.json", settings)
@@ -260,8 +296,11 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
                   for p in ranks.share(make_prompts(cfg.heldout, "heldout", cfg.kinds, cfg.seed))]
         data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train")
         held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out")
-        data.save(data_path)
-        held.save(held_path)
+        for path in add_data:  # each process its share of them
+            extra = Dataset.load(path, engine, dcfg.taps, cfg.gen_batch)
+            data = data.concat(extra.subset(torch.arange(ranks.rank, len(extra), ranks.size, device=device)))
+        data.save(data_path, fingerprint(engine))
+        held.save(held_path, fingerprint(engine))
     counts = ranks.sum(torch.tensor([len(data), len(held), int((data.lengths - data.starts).sum())], device=device))
     data_s = ranks.max(time.perf_counter() - t0, device)
     log(f"data: {int(counts[0])} train / {int(counts[1])} held-out sequences, {int(counts[2])} response tokens "
@@ -277,6 +316,7 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
                 for k, v in asdict(cfg).items() if v != defaults[k]]
     command += ["--storage", "fp8" if storage == torch.float8_e4m3fn else "bf16"]
     command += ["--init", str(init)] if init is not None else []
+    command += ["--add-data", *map(str, add_data)] if add_data else []
     command += ["--processes", str(ranks.size)] if ranks.size > 1 else []
     summary = {"target": target_name, "train": asdict(cfg), "heldout_tau": tau, "history": history,
                "train_seconds": round(train_s, 1), "data_seconds": round(data_s, 1),
