@@ -520,4 +520,30 @@ def test_more_code_prompts_extend_the_set_without_changing_what_comes_first(monk
     assert sorted(more + held) == sorted(f"{m}_{i}" for m, n in (("top", 20), ("mid", 15), ("pkg", 30))
                                          for i in range(n))
     texts = list(prompts._code_prompts("train", random.Random(0)))
-    assert len(texts) == 3 * len(more) and len(set(texts)) == len(texts)
+    assert len(texts) == 5 * len(more) and len(set(texts)) == len(texts)  # 3 styles, then tests and type hints
+    assert all(t.startswith("Write pytest") for t in texts[3 * len(more):4 * len(more)])
+
+
+def test_more_text_prompts_take_other_passages_of_long_documents_after_one_a_document(monkeypatch):
+    """Text prompts: first one passage a document (as ever: every earlier set unchanged, long-document prompts
+    built from those alone), then other passages of the documents of over 300 words in the two later styles."""
+    from sparsespec import corpora
+    from sparsespec.spec import prompts
+
+    docs = {"wiki": [f"Short {i}\n" + "word " * 60 for i in range(6)],
+            "shakespeare": [f"PLAY {i}\n" + " ".join(f"w{i}_{j}" for j in range(2000)) for i in range(3)],
+            "kjv": [f"Book {i}\n" + " ".join(f"v{i}_{j}" for j in range(500)) for i in range(4)]}
+    monkeypatch.setattr(corpora, "documents", lambda corpus, seed=0: iter(docs[corpus]))
+    items = list(prompts._texts("train", random.Random(0)))
+    firsts = [t for t, _, later in items if not later]
+    train_docs = [d.split("\n")[0] for c in docs.values() for d in c if prompts._split_of(d.split("\n")[0]) == "train"]
+    assert sorted(firsts) == sorted(train_docs) and [later for *_, later in items] == sorted(
+        later for *_, later in items)  # every first passage before any later one
+    long_ones = {t for t in train_docs if not t.startswith("Short")}
+    assert {t for t, _, later in items if later} == long_ones and len(items) == len(firsts) + 4 * len(long_ones)
+    rng = random.Random(1)
+    made = [prompts._text_prompt(t, p, rng, later) for t, p, later in items]
+    assert all(m.startswith(("List the key points", "Write three questions")) for m, (*_, later) in zip(made, items)
+               if later)
+    assert not any(m.startswith(("List the key points", "Write three questions")) for m, (*_, later)
+                   in zip(made, items) if not later)
