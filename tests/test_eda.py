@@ -76,6 +76,7 @@ def test_finetune_lowers_the_domain_loss_resumes_and_loads_as_a_model(tmp_path):
     # a finished run resumes at its end: nothing more to do, the same adapter
     again = finetune(byte_engine(0), cfg, tmp_path / "ft", "byte", log=lambda *_: None)
     assert again["heldout_loss"] == pytest.approx(summary["heldout_loss"])
+    assert again["history"][0] == summary["history"][0]  # the base model's loss, kept in the checkpoint
     with pytest.raises(SparseSpecError, match="other settings"):
         finetune(byte_engine(0), FinetuneConfig(domain="shakespeare", examples=6, rank=4, steps=6, batch=2),
                  tmp_path / "ft", "byte", log=lambda *_: None)

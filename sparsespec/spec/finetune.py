@@ -211,18 +211,17 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
         f"{trainable:,} trainable parameters ({100 * trainable / total:.2f}% of {total:,})")
     opt = torch.optim.AdamW(params, lr=0.0, weight_decay=cfg.weight_decay)
     ckpt = out / "checkpoint.pt"
-    step, spent = 0, 0.0
+    step, spent, history = 0, 0.0, []  # history: [{step, loss, heldout_loss, seconds}], the base model's first
     if ckpt.is_file():
         state = torch.load(ckpt, map_location=device)
         for p, saved in zip(params, state["params"]):
             p.data.copy_(saved)
         opt.load_state_dict(state["opt"])
-        step, spent = state["step"], state["seconds"]
+        step, spent, history = state["step"], state["seconds"], state["history"]
         log(f"resumed at step {step} ({spent:.0f} s of optimisation)")
     g = torch.Generator().manual_seed(cfg.seed + step)
     autocast = (torch.autocast("cuda", torch.bfloat16) if device.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
-    history: list[dict] = []
 
     def done() -> float:
         return max(step / cfg.steps, spent / cfg.time_limit if cfg.time_limit else 0.0)
@@ -234,20 +233,21 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
         return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (p - cfg.warmup) / (1 - cfg.warmup))))
 
     @torch.no_grad()
-    def evaluate(loss: float) -> float:
+    def evaluate(loss: float | None) -> float:  # loss None: the base model, before any step
         with autocast:
             held_loss = sum(float(pair_loss(model, held[i:i + cfg.batch], device)) * len(held[i:i + cfg.batch])
                             for i in range(0, len(held), cfg.batch)) / len(held)
         history.append({"step": step, "loss": loss, "heldout_loss": held_loss, "seconds": round(spent, 1)})
         tmp = ckpt.with_name(ckpt.name + ".tmp")  # written whole, then renamed: never a corrupt checkpoint
         torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict(), "step": step,
-                    "seconds": spent}, tmp)
+                    "seconds": spent, "history": history}, tmp)
         os.replace(tmp, ckpt)
-        log(f"step {step}: loss {loss:.3f}, held-out loss {held_loss:.3f} ({spent:.0f} s)")
+        log(f"step {step}: {'the base model' if loss is None else f'loss {loss:.3f}'}, held-out loss {held_loss:.3f} "
+            f"({spent:.0f} s)")
         return held_loss
 
-    held_loss = evaluate(float("nan")) if step == 0 else float("nan")  # the base model's held-out loss first
-    loss_value = float("nan")
+    held_loss = evaluate(None) if step == 0 else history[-1]["heldout_loss"]  # the base model's first
+    loss_value = history[-1]["loss"]
     block_queries, model.block_queries = model.block_queries, 0  # training attends through SDPA (it has a backward)
     try:
         with progress_bar() as bar:

@@ -1,0 +1,55 @@
+#!/bin/sh
+# On the device machine: issue 14's table for one domain (results under $OUT/eda.tar.gz when OUT is set).
+#   sh scripts/gpu_eda.sh MODEL.gguf BASE_DRAFTER DOMAIN
+# MODEL.gguf: the base target rebuilt there (scripts/chunks.py); BASE_DRAFTER: the DFlash drafter made for it (a path
+# without .safetensors); DOMAIN: kjv or shakespeare. Every step writes into /root/eda/DOMAIN/<step> and resumes from
+# there while the machine stays warm (run it detached: `OUT= setsid nohup sh scripts/gpu_eda.sh ... &`, read
+# /root/eda/DOMAIN/log, then run it again with OUT set: finished steps are skipped and the results come back):
+#   ft        train finetune --domain DOMAIN                      the fine-tuned target (a LoRA adapter folder)
+#   loss      train eda --select loss                              (b) EDA: private MLPs, regenerated data, selection
+#   random    train eda --select random                            (c) the same amount of data chosen at random
+#   original  train eda --select loss --data original              (d) the domain's own text instead of regeneration
+#   retrain   train dflash --target ft --kinds DOMAIN              (e) a drafter of the base's shape trained from
+#                                                                      scratch for the fine-tune, RETRAIN x EDA's time
+#   bench     bench spec --target ft: the base drafter (a), then (b)-(e), held-out DOMAIN prompts, T = 0, compiled
+# Sizes (environment): DEVICE (cuda), FT_STEPS (300), FT_EXAMPLES (4096), PROMPTS (1024), FRACTION (0.5),
+# PRIVATE (256), STEPS (100000), TIME (120 s of optimisation for each EDA run), RETRAIN (4), LAYERS (3),
+# INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
+# ROOT (/root/eda).
+model=$1; base=$2; domain=$3
+[ -n "$model" ] && [ -n "$base" ] && [ -n "$domain" ] || { echo "usage: gpu_eda.sh MODEL BASE_DRAFTER DOMAIN"; exit 2; }
+export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+dev=${DEVICE:-cuda}; time=${TIME:-120}; prompts=${PROMPTS:-1024}
+root=${ROOT:-/root/eda}/$domain
+mkdir -p $root
+log=$root/log
+step() {  # step NAME COMMAND...: run once (a step with its done-file is skipped), output to the log
+  name=$1; shift
+  [ -f $root/$name.done ] && return 0
+  echo "== $name: $*" >> $log
+  { "$@" 2>&1; echo $? > $root/$name.rc; } | grep --line-buffered -v -i warn >> $log
+  [ "$(cat $root/$name.rc)" = 0 ] && touch $root/$name.done || echo "== $name failed" >> $log
+}
+S="python3 -m sparsespec"
+step ft $S train finetune --model "$model" --domain $domain --out $root/ft --steps ${FT_STEPS:-300} \
+  --examples ${FT_EXAMPLES:-4096} --device $dev --progress
+eda() {  # eda NAME OPTIONS...
+  name=$1; shift
+  step $name $S train eda --target $root/ft --base-drafter "$base" --domain $domain --out $root/$name \
+    --prompts $prompts --fraction ${FRACTION:-0.5} --private-size ${PRIVATE:-256} --steps ${STEPS:-100000} \
+    --time-limit $time --device $dev --progress $EXTRA "$@"
+}
+eda loss --select loss
+eda random --select random
+eda original --select loss --data original
+step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retrain --prompts $prompts \
+  --layers ${LAYERS:-3} --intermediate-size ${INTERMEDIATE:-2048} --steps ${STEPS:-100000} \
+  --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") --lr 3e-4 --device $dev --progress $EXTRA
+step bench $S bench spec --target $root/ft --drafters dflash:"$base" dflash:$root/loss/drafter \
+  dflash:$root/random/drafter dflash:$root/original/drafter dflash:$root/retrain/drafter --kinds $domain \
+  --prompts ${BENCH_PROMPTS:-32} --batch 1 --temperatures 0 --max-new-tokens ${NEW:-128} --block-size 16 \
+  --device $dev $([ "$dev" = cuda ] && echo --compile) --out $root/bench
+tail -40 $log
+[ -n "$OUT" ] || exit 0
+cd $root && tar czf $OUT/eda-$domain.tar.gz log ft/adapter.json */drafter.json */summary.json bench/spec.* \
+  2>/dev/null; ls -la $OUT
