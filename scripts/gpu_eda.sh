@@ -15,7 +15,7 @@
 # Sizes (environment): DEVICE (cuda), FT_STEPS (300), FT_EXAMPLES (4096), PROMPTS (1024), FRACTION (0.5),
 # PRIVATE (256), STEPS (100000), TIME (120 s of optimisation for each EDA run), RETRAIN (4), LAYERS (3),
 # INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
-# ROOT (/root/eda).
+# FT_EXTRA (more options for train finetune), ROOT (/root/eda).
 model=$1; base=$2; domain=$3
 [ -n "$model" ] && [ -n "$base" ] && [ -n "$domain" ] || { echo "usage: gpu_eda.sh MODEL BASE_DRAFTER DOMAIN"; exit 2; }
 export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -32,7 +32,7 @@ step() {  # step NAME COMMAND...: run once (a step with its done-file is skipped
 }
 S="python3 -m sparsespec"
 step ft $S train finetune --model "$model" --domain $domain --out $root/ft --steps ${FT_STEPS:-300} \
-  --examples ${FT_EXAMPLES:-4096} --device $dev --progress
+  --examples ${FT_EXAMPLES:-4096} --device $dev --progress $FT_EXTRA
 eda() {  # eda NAME OPTIONS...
   name=$1; shift
   step $name $S train eda --target $root/ft --base-drafter "$base" --domain $domain --out $root/$name \

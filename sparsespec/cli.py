@@ -74,6 +74,7 @@ def _token_ids(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     from .models.loading import DTYPES
     from .models.registry import DEFAULT_MODEL
+    from .spec.prompts import DOMAINS
 
     parser = _TopParser(prog="sparsespec", description="Long-context decoding: sparse attention + lossless "
                         "speculation.", epilog="`sparsespec COMMAND --help` shows a command's options.")
@@ -195,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     tf = trs.add_parser("finetune", help="fine-tune a target on a domain with LoRA (the targets EDA adapts to)")
     tf.add_argument("--model", default=DEFAULT_MODEL, help="base model: registry name, GGUF file or HF checkpoint "
                     "folder (default: %(default)s)")
-    tf.add_argument("--domain", choices=["kjv", "shakespeare"], required=True, help="continue Bible passages in the "
+    tf.add_argument("--domain", choices=DOMAINS, required=True, help="continue Bible passages in the "
                     "King James text, or scenes of Shakespeare's plays")
     tf.add_argument("--out", required=True, help="the adapter folder (resumes from its checkpoint); use it as "
                     "--model / --target elsewhere")
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--target", required=True, help="the fine-tuned target: an adapter folder from `train "
                     "finetune`, or any model")
     te.add_argument("--base-drafter", required=True, help="the DFlash drafter made for the base target (a path)")
-    te.add_argument("--domain", choices=["kjv", "shakespeare"], required=True, help="the target's domain: its "
+    te.add_argument("--domain", choices=DOMAINS, required=True, help="the target's domain: its "
                     "prompts make the data and the held-out set")
     te.add_argument("--out", required=True, help="folder for data, scores, checkpoints and the drafter (resumes)")
     te.add_argument("--select", choices=["loss", "acceptance", "random"], default="loss", help="rank the samples by "

@@ -251,7 +251,7 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
     block_queries, model.block_queries = model.block_queries, 0  # training attends through SDPA (it has a backward)
     try:
         with progress_bar() as bar:
-            task = bar.add_task("finetune", total=1000, completed=int(1000 * done()), visible=progress)
+            task = bar.add_task("finetune", total=1000, completed=int(1000 * min(1.0, done())), visible=progress)
             while done() < 1:
                 t0 = time.perf_counter()
                 for group in opt.param_groups:
@@ -271,7 +271,7 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
                 spent += time.perf_counter() - t0
                 if step % cfg.eval_every == 0 and done() < 1:
                     held_loss = evaluate(loss_value)
-                bar.update(task, completed=int(1000 * done()),
+                bar.update(task, completed=int(1000 * min(1.0, done())),
                            description=f"finetune (step {step}, loss {loss_value:.2f}, held-out {held_loss:.2f})")
         held_loss = evaluate(loss_value)
     finally:

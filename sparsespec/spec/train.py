@@ -444,7 +444,7 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
 
     tau, loss_value = float("nan"), float("nan")
     with progress_bar() as bar:
-        task = bar.add_task("train dflash", total=1000, completed=int(1000 * done()), visible=progress)
+        task = bar.add_task("train dflash", total=1000, completed=int(1000 * min(1.0, done())), visible=progress)
         while done() < 1:
             t0 = time.perf_counter()
             for group in opt.param_groups:
@@ -458,6 +458,6 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
             spent = ranks.max(spent + time.perf_counter() - t0, device)  # every process stops at the same step
             if step % cfg.eval_every == 0 and done() < 1:
                 tau = evaluate(loss_value)
-            bar.update(task, completed=int(1000 * done()),
+            bar.update(task, completed=int(1000 * min(1.0, done())),
                        description=f"train dflash (step {step}, loss {loss_value:.2f}, tau {tau:.2f})")
     return evaluate(loss_value), history
