@@ -22,20 +22,13 @@ export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 dev=${DEVICE:-cuda}; time=${TIME:-120}; prompts=${PROMPTS:-1024}
 root=${ROOT:-/root/eda}/$domain
 mkdir -p $root
-log=$root/log
-step() {  # step NAME COMMAND...: run once (a step with its done-file is skipped), output to the log
-  name=$1; shift
-  [ -f $root/$name.done ] && return 0
-  echo "== $name: $*" >> $log
-  { "$@" 2>&1; echo $? > $root/$name.rc; } | grep --line-buffered -v -i warn >> $log
-  [ "$(cat $root/$name.rc)" = 0 ] && touch $root/$name.done || echo "== $name failed" >> $log
-}
+. scripts/steps.sh
 S="python3 -m sparsespec"
 step ft $S train finetune --model "$model" --domain $domain --out $root/ft --steps ${FT_STEPS:-300} \
   --examples ${FT_EXAMPLES:-4096} --device $dev --progress $FT_EXTRA
-eda() {  # eda NAME OPTIONS...
-  name=$1; shift
-  step $name $S train eda --target $root/ft --base-drafter "$base" --domain $domain --out $root/$name \
+eda() {  # eda STEP OPTIONS...
+  run=$1; shift
+  step $run $S train eda --target $root/ft --base-drafter "$base" --domain $domain --out $root/$run \
     --prompts $prompts --fraction ${FRACTION:-0.5} --private-size ${PRIVATE:-256} --steps ${STEPS:-100000} \
     --time-limit $time --device $dev --progress $EXTRA "$@"
 }
@@ -49,7 +42,7 @@ step bench $S bench spec --target $root/ft --drafters dflash:"$base" dflash:$roo
   dflash:$root/random/drafter dflash:$root/original/drafter dflash:$root/retrain/drafter --kinds $domain \
   --prompts ${BENCH_PROMPTS:-32} --batch 1 --temperatures 0 --max-new-tokens ${NEW:-128} --block-size 16 \
   --device $dev $([ "$dev" = cuda ] && echo --compile) --out $root/bench
-tail -40 $log
+tail -40 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/eda-$domain.tar.gz log ft/adapter.json */drafter.json */summary.json bench/spec.* \
   2>/dev/null; ls -la $OUT
