@@ -31,6 +31,7 @@ from ..errors import SparseSpecError
 from ..models.transformer import Transformer
 from ..progress import progress_bar
 from .prompts import DOMAINS, domain_pairs
+from .train import learning_rate
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the linear maps of a decoder layer
 ADAPTER_FILES = ("adapter.safetensors", "adapter.json")
@@ -88,9 +89,8 @@ class LoraLinear(nn.Module):
 def _targets(model: Transformer):
     """(name, parent module, attribute) of every linear map LoRA adapts, in a fixed order."""
     for i, layer in enumerate(model.layers):
-        for parent, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
-                             (layer.mlp, "down_proj")):
-            yield f"layers.{i}.{attr}", parent, attr
+        for attr in TARGETS:
+            yield f"layers.{i}.{attr}", layer.self_attn if hasattr(layer.self_attn, attr) else layer.mlp, attr
 
 
 def add_lora(model: Transformer, rank: int, alpha: float) -> dict[str, LoraLinear]:
@@ -134,9 +134,11 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     try:
         meta = json.loads(info.read_text())
         state = load_file(str(weights))
-        meta["base"], meta["rank"], meta["alpha"]  # noqa: B018 (required keys)
-    except (KeyError, TypeError, ValueError, OSError, SafetensorError) as e:
+    except (TypeError, ValueError, OSError, SafetensorError) as e:
         raise SparseSpecError(f"corrupt adapter {path}: {e}") from None
+    missing = [key for key in ("base", "rank", "alpha") if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise SparseSpecError(f"corrupt adapter {path}: its json lacks {', '.join(missing)}")
     return state, meta
 
 
@@ -226,12 +228,6 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
     def done() -> float:
         return max(step / cfg.steps, spent / cfg.time_limit if cfg.time_limit else 0.0)
 
-    def lr() -> float:
-        p = done()
-        if p < cfg.warmup:
-            return cfg.lr * p / cfg.warmup
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (p - cfg.warmup) / (1 - cfg.warmup))))
-
     @torch.no_grad()
     def evaluate(loss: float | None) -> float:  # loss None: the base model, before any step
         with autocast:
@@ -255,7 +251,7 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
             while done() < 1:
                 t0 = time.perf_counter()
                 for group in opt.param_groups:
-                    group["lr"] = lr()
+                    group["lr"] = learning_rate(cfg, done())  # warm-up, then cosine decay
                 rows = torch.randint(0, len(train), (cfg.batch,), generator=g).tolist()
                 with autocast:
                     loss = pair_loss(model, [train[r] for r in rows], device)
