@@ -192,3 +192,23 @@ def test_cli_train_eda_and_finetune_refuse_bad_options_with_one_line(tmp_path, c
         assert main(argv) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("sparsespec"), err
+
+
+@pytest.mark.parametrize("domain", ["kjv", "shakespeare"])
+def test_domain_pairs_continue_their_source_text_and_keep_train_and_heldout_documents_apart(domain):
+    from sparsespec import corpora
+    from sparsespec.spec.prompts import domain_pairs, make_prompts
+
+    train = domain_pairs(domain, 40, "train", seed=3)
+    assert train == domain_pairs(domain, 40, "train", seed=3) and len({p for p, _ in train}) == 40
+    held = domain_pairs(domain, 20, "heldout", seed=3)
+    title = (lambda prompt: prompt.split("(", 1)[1].split(")", 1)[0]) if domain == "kjv" else (
+        lambda prompt: prompt.split("Shakespeare's ", 1)[1].split(".\n", 1)[0])
+    assert not {title(p) for p, _ in train} & {title(p) for p, _ in held}
+    sep = " " if domain == "kjv" else "\n"
+    source = [" ".join(d.split()) for d in corpora.documents(domain)]
+    for prompt, answer in train[:5] + held[:5]:  # the continuation is the text that follows the prompt's passage
+        passage = " ".join(prompt.split("\n\n", 1)[1].split())
+        assert any(passage + " " + " ".join(answer.split()) in doc for doc in source)
+        assert sep in answer
+    assert [p.text for p in make_prompts(6, "heldout", (domain,), seed=3)] == [p for p, _ in held[:6]]
