@@ -232,25 +232,20 @@ def _domain(corpus: str, split: str, rng: random.Random):
         title = doc.split("\n", 1)[0].strip()
         if _split_of(title) != split:
             continue
-        if corpus == "kjv":
-            words = doc.split("\n", 1)[1].split()
-            for _ in range(max(1, len(words) // 400)):  # a few passages a chapter
-                n, m = rng.randrange(40, 90), rng.randrange(80, 140)
-                if len(words) < n + m:
-                    break
-                at = rng.randrange(len(words) - n - m + 1)
-                yield (f"Continue this passage of the King James Bible ({title}).\n\n" + " ".join(words[at:at + n]),
-                       " ".join(words[at + n:at + n + m]))
-        else:
+        if corpus == "kjv":  # a chapter's words, a few passages a chapter
+            units, sep, every, first, then = doc.split("\n", 1)[1].split(), " ", 400, (40, 90), (80, 140)
+            head = f"Continue this passage of the King James Bible ({title})."
+        else:  # a play's lines past its title and cast
             lines = [line.rstrip() for line in doc.splitlines()]
-            lines = [line for line in lines[len(lines) // 20:] if line.strip()]  # past the title and the cast
-            for _ in range(max(1, len(lines) // 300)):
-                n, m = rng.randrange(10, 18), rng.randrange(16, 28)
-                if len(lines) < n + m:
-                    break
-                at = rng.randrange(len(lines) - n - m + 1)
-                yield (f"Continue this scene of Shakespeare's {title.title()}.\n\n" + "\n".join(lines[at:at + n]),
-                       "\n".join(lines[at + n:at + n + m]))
+            units, sep, every, first, then = ([line for line in lines[len(lines) // 20:] if line.strip()], "\n", 300,
+                                              (10, 18), (16, 28))
+            head = f"Continue this scene of Shakespeare's {title.title()}."
+        for _ in range(max(1, len(units) // every)):
+            n, m = rng.randrange(*first), rng.randrange(*then)
+            if len(units) < n + m:
+                break
+            at = rng.randrange(len(units) - n - m + 1)
+            yield f"{head}\n\n" + sep.join(units[at:at + n]), sep.join(units[at + n:at + n + m])
 
 
 def domain_pairs(domain: str, n: int, split: str = "train", seed: int = 0) -> list[tuple[str, str]]:
