@@ -49,9 +49,12 @@ def projection(row: dict, tau: float, block: int, layers: int) -> dict:
     if drafter is None:
         raise SystemExit(f"{row['model']}: no {layers}-layer drafter measured (run verify_cost.py --drafters {layers})")
     t1, tb = row["steps"]["1"][kind], row["steps"][str(block)][kind]
-    cycle = tb + drafter["draft_graph"] + drafter["ingest_graph"]
-    return {"model": row["model"], "steps": kind, "decode_ms": t1, "verify_ms": tb, "draft_ms": drafter["draft_graph"],
-            "ingest_ms": drafter["ingest_graph"], "cycle_ms": cycle, "speedup": tau * t1 / cycle}
+    # the drafter's steps compiled too where measured so (as `bench spec --compile` runs them)
+    draft_kind = "compiled" if kind == "compiled" and "draft_compiled" in drafter else "graph"
+    draft, ingest = drafter[f"draft_{draft_kind}"], drafter[f"ingest_{draft_kind}"]
+    cycle = tb + draft + ingest
+    return {"model": row["model"], "steps": kind, "decode_ms": t1, "verify_ms": tb, "draft_ms": draft,
+            "ingest_ms": ingest, "cycle_ms": cycle, "speedup": tau * t1 / cycle}
 
 
 def main() -> None:

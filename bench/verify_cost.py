@@ -2,8 +2,8 @@
 real shapes, CUDA-graph replays of the project's own `CudaGraphStep` (plain and torch.compile'd), the weights-read
 floor beside them, and with --profile where each step's time goes (torch.profiler over eager steps, kernels by
 total device time). --drafters: random DFlash drafters of these layer counts (block 16, the target's layer shape):
-their draft step (block forward, LM head, argmax) and context update (16 positions) as CUDA graphs (`DraftGraphs`)
-and eagerly, against the widest verify step: the draft's share of a speculative step.
+their draft step (block forward, LM head, argmax) and context update (16 positions) as CUDA graphs (`DraftGraphs`),
+as graphs of their torch.compile'd forwards, and eagerly, against the widest verify step: the draft's share.
 
     python bench/verify_cost.py [--models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b] [--widths 1,4,8,16]
                                 [--context 2048] [--batch 1] [--profile] [--drafters 1,5] [--out DIR]
@@ -25,9 +25,9 @@ from sparsespec.spec.dflash import DFlash, DFlashConfig, DraftGraphs
 from sparsespec.sparse_bench import copy_bandwidth, kernel_times, time_ms
 
 
-def draft_costs(cfg, target, layers: int, batch: int, context: int) -> dict:
+def draft_costs(cfg, target, layers: int, batch: int, context: int, compile: bool = True) -> dict:
     """A random DFlash drafter of `layers` layers (block 16) over a drafter cache holding `context` positions a row
-    -> ms of its draft and context-update steps, graphed and eager."""
+    -> ms of its draft and context-update steps, graphed, graphed after torch.compile (`compile`) and eager."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = DFlash(DFlashConfig(cfg, layers=layers, block_size=16))
@@ -56,6 +56,14 @@ def draft_costs(cfg, target, layers: int, batch: int, context: int) -> dict:
                "ingest_graph": time_ms(graphs.ingest_graph.replay),
                "draft_eager": time_ms(lambda: model.draft_tokens(target, tokens, starts, cache, context + B)),
                "ingest_eager": time_ms(lambda: model.ingest(features, positions, cache))}
+        if compile:
+            del graphs
+            graphs = DraftGraphs(model, target, cache, context + B, compile=True)
+            graphs.tokens.copy_(tokens)
+            graphs.starts.fill_(context)
+            graphs.at.fill_(context)
+            out["draft_compiled"] = time_ms(graphs.propose_graph.replay)
+            out["ingest_compiled"] = time_ms(graphs.ingest_graph.replay)
     del graphs, model, cache
     torch.cuda.empty_cache()
     return out
@@ -112,13 +120,16 @@ def main() -> None:
             print(f"  width {w:3d}: " + ", ".join(f"{label} {ms:.3f} ms ({ms / base[label]:.2f}x)"
                                                  for label, ms in cell.items()), flush=True)
         for layers in [int(n) for n in args.drafters.split(",") if n]:
-            d = draft_costs(cfg, model, layers, args.batch, args.context)
+            d = draft_costs(cfg, model, layers, args.batch, args.context, compile=not args.no_compile)
             verify = row["steps"][widths[-1]]["graph"]
             step = d["draft_graph"] + d["ingest_graph"] + verify
             d["share_of_step"] = (d["draft_graph"] + d["ingest_graph"]) / step
             row[f"dflash_{layers}_layers"] = d
+            compiled = (f" ({d['draft_compiled']:.3f} / {d['ingest_compiled']:.3f} compiled)"
+                        if "draft_compiled" in d else "")
             print(f"  DFlash {layers} layers ({d['params_m']:.0f}M): draft {d['draft_graph']:.3f} ms graphed / "
-                  f"{d['draft_eager']:.3f} eager, context update {d['ingest_graph']:.3f} / {d['ingest_eager']:.3f}; "
+                  f"{d['draft_eager']:.3f} eager, context update {d['ingest_graph']:.3f} / {d['ingest_eager']:.3f}"
+                  f"{compiled}; "
                   f"with the width-{widths[-1]} verify (graph) {step:.3f} ms a step, the drafter's share "
                   f"{100 * d['share_of_step']:.0f}%", flush=True)
         if args.profile:

@@ -407,6 +407,14 @@ def test_graphed_dflash_drafts_what_the_eager_drafter_drafts():
     for g, e, p in zip(runs[True], runs[False], plain):
         assert g.token_ids == e.token_ids == p
         assert g.committed == e.committed
+    # with --compile the drafter's two forwards are compiled before capture: the same drafts (fp32), and the output
+    # of compiled plain decoding
+    gen = GenerationConfig(max_new_tokens=40, compile=True)
+    drafter = DFlashDrafter(model, target.model)
+    compiled = speculative_generate(target, prompts, drafter, gen, 6)
+    assert drafter.compile and drafter.graphs is not None
+    for c, e, p in zip(compiled, runs[False], target.generate(prompts, gen).token_ids):
+        assert c.token_ids == p and c.committed == e.committed
 
 
 @cuda

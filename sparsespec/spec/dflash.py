@@ -272,9 +272,12 @@ class DraftGraphs:
         ingest   features [N, B, taps · H], starts [N]: the context K/V of B committed positions per row from its
                  start on (slots past a row's accepted tokens are dead: the next block overwrites them)
 
-    Warm-up and capture run with every row at `park`, slots no row ever commits."""
+    Warm-up and capture run with every row at `park`, slots no row ever commits. `compile`: both forwards run
+    through torch.compile first (as the target's steps with --compile), which fuses the small element-wise kernels
+    (norms, rotary, SwiGLU, residuals) between a layer's products: a 16-position block is launch-bound as a decode
+    step is."""
 
-    def __init__(self, model: DFlash, target: Transformer, cache: KVCache, park: int):
+    def __init__(self, model: DFlash, target: Transformer, cache: KVCache, park: int, compile: bool = False):
         N, B, dev = cache.batch, model.cfg.block_size, cache.device
         self.park = park
         self.tokens = torch.zeros(N, dtype=torch.long, device=dev)
@@ -286,9 +289,11 @@ class DraftGraphs:
         self.offsets = torch.arange(B, device=dev)
         tokens, starts, features, at, offsets = self.tokens, self.starts, self.features, self.at, self.offsets
         capacity = cache.capacity
+        draft, ingest = ((torch.compile(f, fullgraph=True, dynamic=False) for f in (_draft, _ingest)) if compile
+                         else (_draft, _ingest))
         self.propose_graph, self.proposals = capture(
-            lambda: model.draft_tokens(target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
-        self.ingest_graph, _ = capture(lambda: model.ingest(features, at[:, None] + offsets, cache), dev)
+            lambda: draft(model, target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
+        self.ingest_graph, _ = capture(lambda: ingest(model, features, at[:, None] + offsets, cache), dev)
 
     def propose(self, tokens: list[int], starts: list[int]) -> torch.Tensor:
         """-> the proposals [N, B − 1] on the device (the graph's output: the next replay overwrites it)."""
@@ -305,6 +310,14 @@ class DraftGraphs:
         self.ingest_graph.replay()
 
 
+def _draft(model: DFlash, target: Transformer, tokens, starts, cache: KVCache, capacity: int) -> torch.Tensor:
+    return model.draft_tokens(target, tokens, starts, cache, capacity)
+
+
+def _ingest(model: DFlash, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+    model.ingest(features, positions, cache)
+
+
 class DFlashDrafter(Drafter):
     """The DFlash model driven by the speculative loop: its own context cache (a row per batch row) gets only newly
     committed features; one forward drafts a block for every row; proposals are the argmax (point masses, lossless
@@ -318,11 +331,14 @@ class DFlashDrafter(Drafter):
         self.target = target
         self.taps = model.cfg.taps
         self.cache: KVCache | None = None
-        self.cuda_graph = False
+        self.cuda_graph = self.compile = False  # the runner's settings (`bind`): graphed, and compiled, drafts
         self.graphs: DraftGraphs | None = None
 
     def bind(self, runner):
-        self.cuda_graph = runner.cuda_graph and runner.device.type == "cuda"
+        cuda_graph, compile = runner.cuda_graph and runner.device.type == "cuda", runner.compile
+        if (cuda_graph, compile) != (self.cuda_graph, self.compile):
+            self.graphs = None  # captured for other settings
+        self.cuda_graph, self.compile = cuda_graph, compile
 
     def start(self, prompts, features, capacity):
         device = self.model.fc.weight.device
@@ -343,7 +359,7 @@ class DFlashDrafter(Drafter):
             self._ingest(features, [0] * len(prompts))
         self.cache.truncate([len(p) for p in prompts])
         if self.cuda_graph and not keep:
-            self.graphs = DraftGraphs(self.model, self.target, self.cache, capacity)
+            self.graphs = DraftGraphs(self.model, self.target, self.cache, capacity, self.compile)
 
     @torch.inference_mode()
     def start_row(self, row, prompt, features):
