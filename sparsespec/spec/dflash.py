@@ -291,9 +291,12 @@ class DraftGraphs:
         capacity = cache.capacity
         draft, ingest = ((torch.compile(f, fullgraph=True, dynamic=False) for f in (_draft, _ingest)) if compile
                          else (_draft, _ingest))
-        self.propose_graph, self.proposals = capture(
-            lambda: draft(model, target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
-        self.ingest_graph, _ = capture(lambda: ingest(model, features, at[:, None] + offsets, cache), dev)
+        # each drafter shape and cache size compiles its own variant (a benchmark's sizes, a test's models): allow
+        # more than Dynamo's default, past which it would silently run them eagerly
+        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
+            self.propose_graph, self.proposals = capture(
+                lambda: draft(model, target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
+            self.ingest_graph, _ = capture(lambda: ingest(model, features, at[:, None] + offsets, cache), dev)
 
     def propose(self, tokens: list[int], starts: list[int]) -> torch.Tensor:
         """-> the proposals [N, B − 1] on the device (the graph's output: the next replay overwrites it)."""
