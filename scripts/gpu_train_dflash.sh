@@ -9,8 +9,8 @@
 # Training may outlast one call: started detached (`setsid nohup sh ... &`, OUT unset: nothing is copied), the
 # machine kept warm by later calls that read the log, then SKIP_TRAIN=1 brings the drafter back.
 # Later sessions continue from the drafter brought back (reassembled with `scripts/chunks.py append`):
-# --init DRAFTER --seed N (other prompts) --add-data DATA (the earlier answers, brought back as data.safetensors:
-# 8 files a call with the 4 parts; NO_DATA=1 leaves it). Options as `sparsespec train dflash`, e.g.
+# --init DRAFTER --seed N (other prompts) --add-data DATA (the earlier answers: a call with DATA=1 SKIP_TRAIN=1
+# brings data.safetensors back in parts, reassembled with chunks.py). Options as `sparsespec train dflash`, e.g.
 #   --prompts 12288 --heldout 64 --gen-batch 256 --layers 3 --intermediate-size 2048 --time-limit 840
 # On a machine of several GPUs (the nvidia-h200-x2 kind), --processes 2 trains on both (one process each).
 model=$1; shift
@@ -23,13 +23,17 @@ if [ -z "$SKIP_TRAIN" ]; then
 fi
 [ -n "$OUT" ] || exit 0
 tail -25 $run/train.log
+if [ -n "$DATA" ]; then  # the answers' tokens instead (int32; ~19 MB for 16k prompts and answers), in 15 MiB parts:
+  mkdir -p /root/dataparts $OUT/data  # a later session adds them to its own answers (--add-data FILE)
+  [ -f /root/dataparts/manifest.json ] || python3 scripts/chunks.py split $run/data.safetensors /root/dataparts --size 15
+  cp /root/dataparts/* $OUT/data/ && ls -la $OUT/data
+  exit 0
+fi
 cp $run/train.log $OUT/train.log
 [ -f $run/drafter.safetensors ] || { echo "no drafter in $run"; exit 1; }
 mkdir -p /root/parts $OUT/drafter
 [ -f /root/parts/manifest.json ] || python3 scripts/chunks.py split $run/drafter.safetensors /root/parts --size 15
 cp $run/drafter.json $OUT/drafter.json
-# the answers' tokens (int32, ~10 MB for 16k answers): a later session adds them to its own (--add-data FILE)
-[ -n "$NO_DATA" ] || cp $run/data.safetensors $OUT/data.safetensors
 cp /root/parts/manifest.json $OUT/drafter/
 for i in $(seq ${FIRST:-0} ${LAST:-3}); do
   f=/root/parts/$(printf part%03d "$i"); [ -f "$f" ] && cp "$f" $OUT/drafter/
