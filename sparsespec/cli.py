@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "terminal (a line every few seconds: the target's answers, then the optimisation)")
     td.add_argument("--add-data", nargs="+", default=[], metavar="FILE", help="data sets of earlier runs with this "
                     "target (their data.safetensors) added to the answers regenerated now")
-    td.add_argument("--kinds", default="code,text", help="prompt kinds the target answers, split evenly: code, text, "
-                    "long-code, long-text, long-essay, kjv, shakespeare (default: %(default)s)")
+    td.add_argument("--kinds", default="code,text", help="prompt kinds the target answers, split evenly (a kind named "
+                    "twice takes two shares, e.g. code,code,text): code, text, long-code, long-text, long-essay, kjv, "
+                    "shakespeare (default: %(default)s)")
 
     tf = trs.add_parser("finetune", help="fine-tune a target on a domain with LoRA (the targets EDA adapts to)")
     tf.add_argument("--model", default=DEFAULT_MODEL, help="base model: registry name, GGUF file or HF checkpoint "

@@ -524,6 +524,16 @@ def test_more_code_prompts_extend_the_set_without_changing_what_comes_first(monk
     assert all(t.startswith("Write pytest") for t in texts[3 * len(more):4 * len(more)])
 
 
+def test_a_kind_named_twice_takes_two_shares_and_single_kinds_keep_their_sets():
+    from sparsespec.spec.prompts import make_prompts
+
+    both = make_prompts(9, "heldout", ("code", "code", "text"))
+    assert [p.kind for p in both].count("code") == 6 and [p.kind for p in both].count("text") == 3
+    assert [p.text for p in both if p.kind == "code"] == [p.text for p in make_prompts(6, "heldout", ("code",))]
+    even = make_prompts(8, "heldout")
+    assert [p.text for p in even if p.kind == "code"] == [p.text for p in make_prompts(4, "heldout", ("code",))]
+
+
 def test_more_text_prompts_take_other_passages_of_long_documents_after_one_a_document(monkeypatch):
     """Text prompts: first one passage a document (as ever: every earlier set unchanged, long-document prompts
     built from those alone), then other passages of the documents of over 300 words in the two later styles."""

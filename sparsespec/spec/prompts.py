@@ -267,15 +267,18 @@ def domain_pairs(domain: str, n: int, split: str = "train", seed: int = 0) -> li
 
 def make_prompts(n: int, split: str = "train", kinds: tuple[str, ...] = ("code", "text"), seed: int = 0,
                  long_chars: int = 64_000) -> list[Prompt]:
-    """n prompts, split evenly over `kinds` (in KINDS order, the first ones one more when n does not divide),
-    deterministic in (n, split, kinds, seed, long_chars). `long_chars`: the context size of the long kinds."""
+    """n prompts, split evenly over `kinds` (a kind named twice takes two shares; in KINDS order, the first ones one
+    more when n does not divide), deterministic in (n, split, kinds, seed, long_chars). `long_chars`: the context
+    size of the long kinds."""
     if split not in SPLITS:
         raise SparseSpecError(f"unknown prompt split {split!r} (choose from {', '.join(SPLITS)})")
     unknown = set(kinds) - set(KINDS)
     if unknown or not kinds:
         raise SparseSpecError(f"unknown prompt kind {sorted(unknown) or kinds} (choose from {', '.join(KINDS)})")
     rng = random.Random(f"{split}/{seed}")
-    counts = {k: n // len(kinds) + (i < n % len(kinds)) for i, k in enumerate(kinds)}
+    counts: dict[str, int] = {}  # a kind named twice takes two shares (e.g. code, code, text: two thirds code)
+    for i, k in enumerate(kinds):
+        counts[k] = counts.get(k, 0) + n // len(kinds) + (i < n % len(kinds))
     out: list[Prompt] = []
     if counts.get("code"):
         out += [Prompt("code", text) for _, text in zip(range(counts["code"]), _code_prompts(split, rng))]
