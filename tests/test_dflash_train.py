@@ -84,10 +84,10 @@ def test_fit_resumes_and_always_ends_with_an_evaluation(setup, tmp_path):
 def test_a_run_folder_refuses_other_settings(tmp_path):
     from sparsespec.errors import SparseSpecError
 
-    train._check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 1}})
-    train._check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 1}})
+    train.check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 1}})
+    train.check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 1}})
     with pytest.raises(SparseSpecError, match="other drafter settings"):
-        train._check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 2}})
+        train.check_settings(tmp_path / "settings.json", {"data": {"prompts": 4}, "drafter": {"layers": 2}})
 
 
 def test_a_run_can_start_from_an_earlier_drafter_of_the_same_shape(setup, tmp_path):

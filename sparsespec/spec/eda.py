@@ -22,15 +22,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import SparseSpecError
 from ..generate import Engine
-from .dflash import DecoupledMLP, DFlash, loss_weights
+from .dflash import DecoupledMLP, DFlash
 from .finetune import encode_pairs
 from .prompts import DOMAINS, domain_pairs, make_prompts
-from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_loss, fingerprint, fit, regenerate,
-                    sample_anchors, tapped_features)
+from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_ce, block_loss, block_taus, check_settings,
+                    fingerprint, fit, packed, regenerate, sample_anchors)
 
 RULES = ("loss", "acceptance", "random")
 DATA = ("regenerated", "original")
@@ -100,19 +99,15 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
         return torch.rand(len(data), generator=g, device=device)
     drafter.eval()
     scores = torch.empty(len(data), device=device)
-    B = drafter.cfg.block_size
     with autocast_for(device):
         for i in range(0, len(data), batch):
             rows = torch.arange(i, min(i + batch, len(data)), device=device)
             _, logits, labels = block_loss(drafter, target, data, rows, sample_anchors(data, rows, anchors, g))
             if rule == "loss":
-                w = loss_weights(B, device=device).expand_as(labels) * (labels >= 0)
-                ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0),
-                                     reduction="none").view_as(labels)
+                ce, w = block_ce(logits, labels)
                 scores[rows] = (ce * w).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)
             else:
-                hit = (logits.argmax(-1) == labels)[..., 1:]  # [n, M, B - 1]
-                scores[rows] = -(1 + hit.long().cumprod(-1).sum(-1).float()).mean(1)
+                scores[rows] = -block_taus(logits, labels).mean(1).float()
     return scores
 
 
@@ -126,11 +121,7 @@ def select(data: Dataset, scores: torch.Tensor, fraction: float) -> Dataset:
 def original_data(engine: Engine, pairs: list[tuple[str, str]], taps: tuple[int, ...], batch: int) -> Dataset:
     """The domain's own text after each prompt (no generation) and the target's features over it."""
     seqs = encode_pairs(engine, pairs)
-    device = engine.device
-    tokens = torch.tensor([t for s, _ in seqs for t in s], dtype=torch.long, device=device)
-    offsets = torch.tensor([0] + [len(s) for s, _ in seqs], device=device).cumsum(0)
-    return Dataset(tokens, offsets, torch.tensor([start for _, start in seqs], device=device),
-                   tapped_features(engine, tokens, offsets, taps, batch))
+    return packed(engine, [s for s, _ in seqs], [start for _, start in seqs], taps, batch)
 
 
 def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig, out: Path, target_name: str,
@@ -147,19 +138,14 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
         changed = sorted(k for k in mine if mine[k] != theirs[k])
         raise SparseSpecError(f"the base drafter {base_path} was made for another target than {target_name} "
                               f"({' / '.join(changed)} differ)")
-    if tcfg.block_size != base.cfg.block_size:
-        tcfg = replace(tcfg, block_size=base.cfg.block_size)
+    tcfg = replace(tcfg, block_size=base.cfg.block_size)  # the base drafter's blocks
     drafter = decouple(base, cfg.private_size)
     trainable, total = adapt_parameters(drafter, cfg.train_fc)
     log(f"eda: {trainable:,} of {total:,} drafter parameters trainable ({100 * trainable / total:.1f}%: private MLPs "
         f"of {cfg.private_size}{' and the feature projection' if cfg.train_fc else ''})")
     settings = {"target": target_name, "base": str(base_path), "eda": asdict(cfg),
                 "data": {k: getattr(tcfg, k) for k in ("prompts", "heldout", "max_new_tokens", "seed")}}
-    path = out / "settings.json"
-    if path.is_file() and json.loads(path.read_text()) != json.loads(json.dumps(settings)):
-        raise SparseSpecError(f"{out} holds an adaptation with other settings: resume it with the same ones or use "
-                              f"a new --out folder")
-    path.write_text(json.dumps(settings, indent=1))
+    check_settings(out / "settings.json", settings)
 
     taps = drafter.cfg.taps
     t0 = time.perf_counter()

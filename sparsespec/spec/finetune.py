@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from ..errors import SparseSpecError
 from ..models.transformer import Transformer
 from ..progress import progress_bar
 from .prompts import DOMAINS, domain_pairs
-from .train import learning_rate
+from .train import check_settings, learning_rate, save_whole
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the linear maps of a decoder layer
 ADAPTER_FILES = ("adapter.safetensors", "adapter.json")
@@ -196,11 +195,7 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
     out.mkdir(parents=True, exist_ok=True)
     settings = {"base": base_name, **{k: v for k, v in asdict(cfg).items() if k not in ("steps", "time_limit",
                                                                                           "eval_every")}}
-    settings_path = out / "settings.json"
-    if settings_path.is_file() and json.loads(settings_path.read_text()) != json.loads(json.dumps(settings)):
-        raise SparseSpecError(f"{out} holds a fine-tune with other settings: resume it with the same ones or use "
-                              f"a new --out folder")
-    settings_path.write_text(json.dumps(settings, indent=1))
+    check_settings(out / "settings.json", settings)
     device, model = engine.device, engine.model
     torch.manual_seed(cfg.seed)
     train = encode_pairs(engine, domain_pairs(cfg.domain, cfg.examples, "train", cfg.seed))
@@ -234,10 +229,8 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
             held_loss = sum(float(pair_loss(model, held[i:i + cfg.batch], device)) * len(held[i:i + cfg.batch])
                             for i in range(0, len(held), cfg.batch)) / len(held)
         history.append({"step": step, "loss": loss, "heldout_loss": held_loss, "seconds": round(spent, 1)})
-        tmp = ckpt.with_name(ckpt.name + ".tmp")  # written whole, then renamed: never a corrupt checkpoint
-        torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict(), "step": step,
-                    "seconds": spent, "history": history}, tmp)
-        os.replace(tmp, ckpt)
+        save_whole({"params": [p.detach() for p in params], "opt": opt.state_dict(), "step": step,
+                    "seconds": spent, "history": history}, ckpt)
         log(f"step {step}: {'the base model' if loss is None else f'loss {loss:.3f}'}, held-out loss {held_loss:.3f} "
             f"({spent:.0f} s)")
         return held_loss

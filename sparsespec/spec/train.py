@@ -195,6 +195,11 @@ def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], 
                 seqs.append(p + r)
                 starts.append(len(p))
             bar.advance(task, len(ids))
+    return packed(engine, seqs, starts, taps, batch)
+
+
+def packed(engine: Engine, seqs: list[list[int]], starts: list[int], taps: tuple[int, ...], batch: int) -> Dataset:
+    """Sequences (prompt + answer, the answer from starts[i] on) packed end to end, with `engine`'s features."""
     device = engine.device
     tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
     offsets = torch.tensor([0] + [len(s) for s in seqs], device=device).cumsum(0)
@@ -219,9 +224,22 @@ def block_loss(drafter: DFlash, target, data: Dataset, rows: torch.Tensor, ancho
     hidden = drafter.train_hidden(target, feats, tokens, anchors, mask)  # [n, M, B, H]
     logits = target.logits(hidden.to(target.lm_head.weight.dtype))  # [n, M, B, V] fp32
     labels = block_labels(tokens, anchors, lengths, B)
-    w = loss_weights(B, device=logits.device).expand_as(labels) * (labels >= 0)
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0), reduction="none").view_as(labels)
+    ce, w = block_ce(logits, labels)
     return (ce * w).sum() / w.sum().clamp(min=1e-6), logits, labels
+
+
+def block_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, M, B, V], labels [n, M, B] -> (cross-entropy, its decay weights (0 where no label)), [n, M, B]."""
+    w = loss_weights(labels.shape[-1], device=logits.device).expand_as(labels) * (labels >= 0)
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0), reduction="none").view_as(labels)
+    return ce, w
+
+
+def block_taus(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """logits [n, M, B, V], labels [n, M, B] -> [n, M] τ at T = 0 of each block: 1 + its leading run of correct
+    argmax predictions (invalid labels, -100, never hit)."""
+    hit = (logits.argmax(-1) == labels)[..., 1:]
+    return 1 + hit.long().cumprod(-1).sum(-1).double()
 
 
 @torch.no_grad()
@@ -235,9 +253,7 @@ def acceptance(drafter: DFlash, target, data: Dataset, anchors_per_row: int = 64
     for i in range(0, len(data), 4):
         rows = torch.arange(i, min(i + 4, len(data)), device=device)
         anchors = sample_anchors(data, rows, anchors_per_row, g)
-        _, logits, labels = block_loss(drafter, target, data, rows, anchors)
-        hit = (logits.argmax(-1) == labels)[..., 1:]  # [n, M, B-1]; invalid labels (-100) never hit
-        taus = 1 + hit.long().cumprod(-1).sum(-1).double()
+        taus = block_taus(*block_loss(drafter, target, data, rows, anchors)[1:])
         total += torch.stack([taus.sum(), torch.tensor(taus.numel(), dtype=torch.float64, device=device)])
     total = ranks.sum(total)
     return float(total[0] / total[1])
@@ -271,10 +287,10 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         settings["data"]["add_data"] = [str(p) for p in add_data]
     settings["processes"] = ranks.size  # each process keeps its own share of the data: a resume needs as many
     if ranks.main:  # writes a new run's settings; the other processes then compare theirs
-        _check_settings(out / "settings.json", settings)
+        check_settings(out / "settings.json", settings)
     ranks.barrier()
     if not ranks.main:
-        _check_settings(out / "settings.json", settings)
+        check_settings(out / "settings.json", settings)
     # before the data: a wrong --init fails at once
     drafter = DFlash(dcfg).to(device)
     with torch.no_grad():
@@ -347,17 +363,24 @@ def start_from(drafter: DFlash, path: Path) -> dict:
     return {"path": str(path), **{k: meta[k] for k in ("heldout_tau", "train", "train_seconds", "init") if k in meta}}
 
 
-def _check_settings(path: Path, settings: dict) -> None:
-    """A run folder resumes only with the target, drafter shape and data settings it was started with."""
+def check_settings(path: Path, settings: dict) -> None:
+    """A run folder (training, fine-tuning, adaptation) resumes only with the settings it was started with."""
     settings = json.loads(json.dumps(settings))
     if path.is_file():
         before = json.loads(path.read_text())
         changed = sorted(k for k in settings.keys() | before.keys() if before.get(k) != settings.get(k))
         if changed:
             raise SparseSpecError(f"{path.parent} holds a run with other {' / '.join(changed)} settings: resume it "
-                                  f"with the same ones or use a new --out folder")
+                                  f"with the same ones, or with other settings use a new --out folder")
     else:
         path.write_text(json.dumps(settings, indent=1))
+
+
+def save_whole(state: dict, path: Path) -> None:
+    """torch.save written whole, then renamed: a stopped run never leaves a corrupt checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 def train_step(drafter: DFlash, target, data: Dataset, cfg: TrainConfig, opt: torch.optim.Optimizer,
@@ -436,9 +459,7 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
             tau = acceptance(drafter, target, held, ranks=ranks)
         history.append({"step": step, "loss": loss, "heldout_tau": tau, "seconds": round(spent, 1)})
         if ckpt is not None and ranks.main:  # written whole, then renamed: never a corrupt checkpoint
-            tmp = ckpt.with_name(ckpt.name + ".tmp")
-            torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": spent}, tmp)
-            os.replace(tmp, ckpt)
+            save_whole({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": spent}, ckpt)
         log(f"step {step}: loss {loss:.3f}, held-out tau {tau:.2f} ({spent:.0f} s)")
         return tau
 
