@@ -33,6 +33,10 @@ eda() {  # eda STEP OPTIONS...
     --time-limit $time --device $dev --progress $EXTRA "$@"
 }
 eda loss --select loss
+# the random control answers the same prompts as the loss run: it starts from that run's data (same seed and sizes)
+if [ -f $root/loss.done ] && [ ! -d $root/random ]; then
+  mkdir -p $root/random && cp $root/loss/data.safetensors $root/loss/heldout.safetensors $root/random/
+fi
 eda random --select random
 eda original --select loss --data original
 step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retrain --prompts $prompts \
