@@ -1,11 +1,11 @@
 # Sourced by the device scripts: `step NAME COMMAND...` runs COMMAND once into the folder $root, its output appended
 # to $root/log (warnings left out); a step that finished (NAME.done) is skipped, so a script run again after a lost
 # call, or with OUT set to bring the results back, continues where it stopped. A failed step is logged and retried
-# by the next run. STEPS (default: all) names the steps to run this time, e.g. STEPS="he-t0-b1 verify".
+# by the next run. ONLY (default: all) names the steps to run this time, e.g. ONLY="he-t0-b1 verify".
 step() {  # (its variable is _step: the scripts' own names stay theirs)
   _step=$1; shift
   [ -f $root/$_step.done ] && return 0
-  case " ${STEPS:-$_step} " in *" $_step "*) ;; *) return 0 ;; esac
+  case " ${ONLY:-$_step} " in *" $_step "*) ;; *) return 0 ;; esac
   echo "== $_step: $*" >> $root/log
   { "$@" 2>&1; echo $? > $root/$_step.rc; } | grep --line-buffered -v -i warn >> $root/log
   [ "$(cat $root/$_step.rc)" = 0 ] && touch $root/$_step.done || echo "== $_step failed" >> $root/log
