@@ -44,7 +44,7 @@ def load(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float
         cfg, state, freq_factors = _read_hf_folder(path, dtype)
         tokenizer = _hf_tokenizer(path) if with_tokenizer else None
     elif path.is_file():
-        cfg, state, freq_factors = _read_gguf(path, dtype, progress)
+        cfg, state, freq_factors = _read_gguf(path, dtype, progress, device)
         tokenizer = _gguf_tokenizer(path) if with_tokenizer else None
     else:
         raise SparseSpecError(f"model not found: {path} is neither a registered model name, a file nor a folder")
@@ -145,17 +145,6 @@ _GGUF_NAMES = [
 ]
 
 
-def gguf_metadata(reader) -> dict:
-    """Scalar/string/array GGUF fields as Python values (token lists included)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - a field type gguf cannot decode is simply not exposed
-            continue
-    return meta
-
-
 def _gguf():
     """The gguf package (a dependency of ours, but an environment may lack it): one clear error where it is missing."""
     try:
@@ -168,36 +157,35 @@ def _gguf():
 
 
 def open_gguf(path: Path):
-    gguf = _gguf()
+    """The file's metadata and tensor table (gguf_file.GGUFFile), or one clear error for a damaged file."""
+    _gguf()
+    from .gguf_file import GGUFFormatError, read_gguf
+
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise SparseSpecError(f"{path} is not a GGUF file (bad magic) and not a checkpoint folder")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - gguf raises bare ValueError/IndexError on damaged files
-        raise SparseSpecError(f"corrupt or truncated GGUF file {path}: {_one_line(e)}") from None
-    size = path.stat().st_size
-    end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
-    if end > size:
-        raise SparseSpecError(f"truncated GGUF file {path}: {size} bytes, tensors need {end}")
-    return reader
+        return read_gguf(path)
+    except GGUFFormatError as e:
+        raise SparseSpecError(f"corrupt or truncated GGUF file {path}: {e}") from None
 
 
-def _read_gguf(path: Path, dtype: torch.dtype, progress: bool):
-    dequantize = _gguf().quants.dequantize
-
+def _read_gguf(path: Path, dtype: torch.dtype, progress: bool, device: str | torch.device = "cpu"):
+    """A GGUF file's config, HF-named state (dequantised on `device`, torch's threads or the GPU, cast to
+    `dtype`) and Llama 3 rope frequency factors."""
     from ..progress import track
+    from .dequant import dequantize
 
-    reader = open_gguf(path)
-    meta = gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
+    gguf_file = open_gguf(path)
+    meta = gguf_file.metadata
+    names = {t.name for t in gguf_file.tensors}
     cfg = ModelConfig.from_gguf(meta, has_output_weight="output.weight" in names)
     state: dict[str, torch.Tensor] = {}
     freq_factors = None
-    for t in track(reader.tensors, "dequantising weights", enabled=progress):
-        array = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+    for t in track(gguf_file.tensors, "dequantising weights", enabled=progress):
+        array = dequantize(t.data, t.type_name, device)
         if t.name == "rope_freqs.weight":
-            freq_factors = array.float()
+            freq_factors = array.float().cpu()
             continue
         hf_name = _gguf_to_hf(t.name)
         if hf_name is None:
