@@ -1,5 +1,5 @@
 #!/bin/sh
-# On the device machine: issue 14's table for one domain (results under $OUT/eda.tar.gz when OUT is set).
+# On the device machine: issue 14's table for one domain (results under $OUT/eda-DOMAIN.tar.gz when OUT is set).
 #   sh scripts/gpu_eda.sh MODEL.gguf BASE_DRAFTER DOMAIN
 # MODEL.gguf: the base target rebuilt there (scripts/chunks.py); BASE_DRAFTER: the DFlash drafter made for it (a path
 # without .safetensors); DOMAIN: kjv or shakespeare. Every step writes into /root/eda/DOMAIN/<step> and resumes from
@@ -7,13 +7,16 @@
 # /root/eda/DOMAIN/log, then run it again with OUT set: finished steps are skipped and the results come back):
 #   ft        train finetune --domain DOMAIN                      the fine-tuned target (a LoRA adapter folder)
 #   loss      train eda --select loss                              (b) EDA: private MLPs, regenerated data, selection
+#   reducible train eda --select reducible                         (b') selection by loss less the target's own loss
 #   random    train eda --select random                            (c) the same amount of data chosen at random
 #   original  train eda --select loss --data original              (d) the domain's own text instead of regeneration
 #   retrain   train dflash --target ft --kinds DOMAIN              (e) a drafter of the base's shape trained from
 #                                                                      scratch for the fine-tune, RETRAIN x EDA's time
 #   bench     bench spec --target ft: the base drafter (a), then (b)-(e), held-out DOMAIN prompts, T = 0, compiled
+# Every run after the loss run starts from its answers (same prompts, seed and sizes; the retrain answers anew).
 # Sizes (environment): DEVICE (cuda), FT_STEPS (300), FT_EXAMPLES (4096), PROMPTS (1024), FRACTION (0.5),
-# PRIVATE (256), STEPS (100000), TIME (120 s of optimisation for each EDA run), RETRAIN (4), LAYERS (3),
+# GEN_BATCH (128 prompts a generation batch), PRIVATE (256), STEPS (100000), TIME (120 s of optimisation for each
+# EDA run), RETRAIN (4), LAYERS (3),
 # INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
 # FT_EXTRA (more options for train finetune), ROOT (/root/eda).
 model=$1; base=$2; domain=$3
@@ -30,20 +33,23 @@ eda() {  # eda STEP OPTIONS...
   run=$1; shift
   step $run $S train eda --target $root/ft --base-drafter "$base" --domain $domain --out $root/$run \
     --prompts $prompts --fraction ${FRACTION:-0.5} --private-size ${PRIVATE:-256} --steps ${STEPS:-100000} \
-    --time-limit $time --device $dev --progress $EXTRA "$@"
+    --gen-batch ${GEN_BATCH:-128} --time-limit $time --device $dev --progress $EXTRA "$@"
+}
+reuse() {  # reuse RUN: RUN starts from the loss run's answers
+  if [ -f $root/loss.done ] && [ ! -d $root/$1 ]; then
+    mkdir -p $root/$1 && cp $root/loss/data.safetensors $root/loss/heldout.safetensors $root/$1/
+  fi
 }
 eda loss --select loss
-# the random control answers the same prompts as the loss run: it starts from that run's data (same seed and sizes)
-if [ -f $root/loss.done ] && [ ! -d $root/random ]; then
-  mkdir -p $root/random && cp $root/loss/data.safetensors $root/loss/heldout.safetensors $root/random/
-fi
-eda random --select random
+reuse reducible; eda reducible --select reducible
+reuse random; eda random --select random
 eda original --select loss --data original
 step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retrain --prompts $prompts \
   --layers ${LAYERS:-3} --intermediate-size ${INTERMEDIATE:-2048} --steps ${STEPS:-100000} \
-  --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") --lr 3e-4 --device $dev --progress $EXTRA
+  --gen-batch ${GEN_BATCH:-128} --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") --lr 3e-4 --device $dev --progress $EXTRA
 step bench $S bench spec --target $root/ft --drafters dflash:"$base" dflash:$root/loss/drafter \
-  dflash:$root/random/drafter dflash:$root/original/drafter dflash:$root/retrain/drafter --kinds $domain \
+  dflash:$root/reducible/drafter dflash:$root/random/drafter dflash:$root/original/drafter \
+  dflash:$root/retrain/drafter --kinds $domain \
   --prompts ${BENCH_PROMPTS:-32} --batch 1 --temperatures 0 --max-new-tokens ${NEW:-128} --block-size 16 \
   --device $dev $([ "$dev" = cuda ] && echo --compile) --out $root/bench
 tail -40 $root/log

@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--domain", choices=DOMAINS, required=True, help="the target's domain: its "
                     "prompts make the data and the held-out set")
     te.add_argument("--out", required=True, help="folder for data, scores, checkpoints and the drafter (resumes)")
-    te.add_argument("--select", choices=["loss", "acceptance", "random"], default="loss", help="rank the samples by "
-                    "the base drafter's loss, by its simulated acceptance (lowest first), or at random "
+    te.add_argument("--select", choices=["loss", "reducible", "acceptance", "random"], default="loss",
+                    help="rank the samples by the base drafter's loss, by that loss less the target's own loss on "
+                    "the same tokens (reducible), by its simulated acceptance (lowest first), or at random "
                     "(default: %(default)s)")
     te.add_argument("--fraction", type=_float, default=0.5, help="share of the samples kept (default: %(default)s)")
     te.add_argument("--data", choices=["regenerated", "original"], default="regenerated", help="the target's own "

@@ -11,7 +11,8 @@ from sparsespec.errors import SparseSpecError
 from sparsespec.generate import GenerationConfig
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter
-from sparsespec.spec.eda import EdaConfig, adapt_parameters, decouple, sample_scores, select, train_eda
+from sparsespec.spec.eda import (EdaConfig, adapt_parameters, decouple, sample_scores, select, target_nll,
+                                 train_eda)
 from sparsespec.spec.finetune import FinetuneConfig, add_lora, apply_adapter, finetune, merge_lora
 from sparsespec.spec.train import Dataset, TrainConfig, acceptance, fit, regenerate
 
@@ -138,7 +139,7 @@ def test_selection_by_loss_or_acceptance_keeps_the_samples_the_base_drafter_gets
     new = regenerate(tuned, prompts[40:80], taps, 40, 16)
     both = Dataset(torch.cat([old.tokens, new.tokens]), torch.cat([old.offsets, new.offsets[1:] + old.offsets[-1]]),
                    torch.cat([old.starts, new.starts]), torch.cat([old.features, new.features]))
-    for rule in ("loss", "acceptance", "random"):
+    for rule in ("loss", "reducible", "acceptance", "random"):
         scores = sample_scores(base, tuned.model, both, rule, anchors=16)
         kept = torch.sort(scores, descending=True, stable=True).indices[:40]
         share_new = float((kept >= 40).float().mean())
@@ -150,6 +151,41 @@ def test_selection_by_loss_or_acceptance_keeps_the_samples_the_base_drafter_gets
         assert chosen.sequence(i) == both.sequence(r) and int(chosen.starts[i]) == int(both.starts[r])
         lo, hi = int(chosen.offsets[i]), int(chosen.offsets[i + 1])
         assert torch.equal(chosen.features[lo:hi], both.features[int(both.offsets[r]):int(both.offsets[r + 1])])
+
+
+def test_target_nll_is_each_rows_own_next_token_loss():
+    engine = tiny_engine(5)
+    lengths = torch.tensor([9, 4, 1, 7])
+    tokens = torch.randint(0, 64, (4, 9))
+    got = target_nll(engine.model, tokens, lengths, chunk=3)  # chunks of 3 over 8 positions: the last one short
+    for r, n in enumerate(lengths.tolist()):
+        row = tokens[r:r + 1, :n]  # alone, unpadded
+        want = -engine.model.logits(_forward(engine.model, row))[0, :-1].log_softmax(-1).gather(-1, row[0, 1:, None])[:, 0]
+        torch.testing.assert_close(got[r, :n - 1], want, rtol=1e-5, atol=1e-5)
+        assert not got[r, n - 1:].any()  # no next token at a row's end, nothing past it
+
+
+def test_reducible_score_is_the_loss_score_less_the_targets_own_loss_on_the_same_labels(shifted):
+    from sparsespec.spec.dflash import block_labels, loss_weights
+    from sparsespec.spec.train import sample_anchors
+
+    _, tuned, base, prompts, taps = shifted
+    data = regenerate(tuned, prompts[:6], taps, 20, 8)
+    loss = sample_scores(base, tuned.model, data, "loss", anchors=8, seed=3, batch=4)
+    reducible = sample_scores(base, tuned.model, data, "reducible", anchors=8, seed=3, batch=4)
+    g = torch.Generator().manual_seed(3)  # the anchors both drew: batches of 4 rows, 8 blocks a row
+    B = base.cfg.block_size
+    for lo in range(0, len(data), 4):
+        rows = torch.arange(lo, min(lo + 4, len(data)))
+        anchors = sample_anchors(data, rows, 8, g)
+        for j, r in enumerate(rows.tolist()):
+            seq = torch.tensor([data.sequence(r)])
+            nll = -tuned.model.logits(_forward(tuned.model, seq))[0, :-1].log_softmax(-1).gather(-1, seq[0, 1:, None])[:, 0]
+            labels = block_labels(seq, anchors[j:j + 1], torch.tensor([seq.shape[1]]), B)[0]  # [8, B]
+            w = loss_weights(B).expand_as(labels) * (labels >= 0)
+            pos = (anchors[j, :, None] + torch.arange(B) - 1).clamp(0, len(nll) - 1)
+            expect = float((w * nll[pos]).sum() / w.sum())
+            assert abs(float(loss[r] - reducible[r]) - expect) < 1e-4, (r, float(loss[r] - reducible[r]), expect)
 
 
 @pytest.mark.parametrize("data", ["regenerated", "original"])
@@ -167,7 +203,8 @@ def test_train_eda_end_to_end_writes_a_drafter_the_loop_uses_and_resumes(tmp_pat
     adapted = DFlash.load(tmp_path / "run" / "drafter")
     assert adapted.cfg.private_size == 8
     meta = json.loads((tmp_path / "run" / "drafter.json").read_text())
-    assert "train eda" in meta["made_by"] and meta["base_drafter"] == str(tmp_path / "base")
+    assert "train eda" in meta["made_by"] and "--domain shakespeare" in meta["made_by"]
+    assert meta["base_drafter"] == str(tmp_path / "base")
     prompt = engine.encode("Continue this scene.\n\nTo be, or not to be", chat=True)
     gen = GenerationConfig(max_new_tokens=10)
     assert speculative_generate(engine, [prompt], DFlashDrafter(adapted, engine.model), gen, 4)[0].token_ids == \

@@ -436,6 +436,7 @@ def test_divergence_finds_the_first_differing_token_and_the_plain_steps_margin()
     """A speculative output that leaves the plain one at index j: reported there, with the decode step's top-2 logit
     margin (as plain decoding computed it) and the two steps' logit difference; fp32 paths agree closely, so a
     real margin is no near-tie and the recomputed steps do not reproduce the (made-up) divergence."""
+    from sparsespec.runner import RunnerPool
     from sparsespec.spec.bench import divergence
 
     engine = tiny_engine(0, scale=0.3)
@@ -459,6 +460,13 @@ def test_divergence_finds_the_first_differing_token_and_the_plain_steps_margin()
     assert d["delta"] < 1e-4 < d["margin"]
     assert not d["near_tie"] and not d["reproduced"]
     assert d["resolution"] < 1e-5  # fp32: a step of the dtype explains no real margin
+    pool = RunnerPool()  # on a pooled runner (the bench's): the same steps, twice (the kept runner emptied between)
+    for _ in range(2):  # (a larger cache than the unpooled runner's: its reductions may round differently)
+        p = divergence(engine, prompt, plain, plain[:j] + [other] + plain[j + 1:], 4, runners=pool)
+        assert {k: p[k] for k in ("index", "plain_token", "spec_token", "near_tie", "reproduced")} == \
+            {k: d[k] for k in ("index", "plain_token", "spec_token", "near_tie", "reproduced")}
+        assert p["margin"] == pytest.approx(d["margin"], abs=1e-4) and p["delta"] < 1e-4
+    assert len(pool.runners) == 1
     d0 = divergence(engine, prompt, plain, [plain[0] + 1] + plain[1:], 4)
     assert d0["index"] == 0 and d0["margin"] is None
 

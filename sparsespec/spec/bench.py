@@ -26,7 +26,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
 from ..results import read_rows
-from ..runner import Runner, RunnerPool
+from ..runner import Runner, RunnerPool, bucket_capacity
 from ..sampling import SamplingConfig
 from .decode import speculative_generate
 from .drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
@@ -151,7 +151,8 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                                      "tau": s.tau, "committed": s.committed, "tokens_per_s": tps,
                                      "plain_tokens_per_s": plain_tps, "speedup": speedup, "identical": same,
                                      "divergence": None if same in (None, True) else divergence(
-                                         engine, prompt, ref, s.token_ids, cfg.block_size, cuda_graph)})
+                                         engine, prompt, ref, s.token_ids, cfg.block_size, cuda_graph, compile,
+                                         runners)})
                         if sink is not None:
                             sink.write(json.dumps(rows[-1]) + "\n")
                             sink.flush()
@@ -161,7 +162,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
 
 @torch.inference_mode()
 def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[int], block: int,
-               cuda_graph: bool = True) -> dict | None:
+               cuda_graph: bool = True, compile: bool = False, runners: RunnerPool | None = None) -> dict | None:
     """Where a greedy speculative output first leaves the plain one, and whether rounding explains it.
 
     At the first differing output index j the plain token came from a 1-token decode step and the speculative one
@@ -170,7 +171,8 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     is the prefill's own token, the same in both loops). The recomputation approximates the loops' arithmetic: a
     batch of one row, the history's K/V from a prefill rather than from the loops' steps, and query 0 where the
     loop's token may have come from a later query of its block; `reproduced` says whether it disagrees as the
-    loops did. -> None when the outputs agree (or one is a
+    loops did. The steps run as the loops' did (`cuda_graph`, `compile`), on a runner from `runners` where given
+    (no capture or compilation of their own). -> None when the outputs agree (or one is a
     prefix of the other), else {"index": j, "plain_token", "spec_token", "margin": the decode step's top-1 minus
     top-2 logit, "delta": the largest |decode − verify| logit difference over those two tokens and the
     speculative token, "reproduced": whether the recomputed steps disagree as the loops did, "resolution": the
@@ -184,7 +186,11 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     if j == 0:
         return {**out, "margin": None, "delta": None, "reproduced": False, "near_tie": False}
     history = prompt + plain[:j - 1]  # the last token, plain[j - 1], is stepped
-    runner = Runner(engine.model, 1, len(history) + block, cuda_graph=cuda_graph)
+    if runners is not None:
+        capacity = bucket_capacity(len(history) + block, engine.config.max_position)
+        runner = runners.get(engine.model, 1, capacity, cuda_graph, compile)
+    else:
+        runner = Runner(engine.model, 1, len(history) + block, cuda_graph=cuda_graph, compile=compile)
     runner.prefill([history])
     n = runner.cache.lengths[0]
     token = torch.tensor([plain[j - 1]], device=engine.device)

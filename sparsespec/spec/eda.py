@@ -7,7 +7,8 @@
     data: the fine-tuned target's greedy answers to its domain's prompts and its features over them (regenerated),
         or the domain's original text after the same prompts (--data original: no generation)
     selection: each sample scored by the base drafter against the fine-tuned target — `loss` (its decay-weighted
-        block loss), `acceptance` (its simulated τ, lowest first) or `random` — and only the top `fraction` kept
+        block loss), `reducible` (that loss less the target's own loss on the same tokens), `acceptance` (its
+        simulated τ, lowest first) or `random` — and only the top `fraction` kept
     optimisation: train.py's loop (`fit`) on the kept samples, held-out τ on the domain's held-out prompts
 
 The adapted drafter is a DFlash drafter file like any other (its json records `private_size`, the base drafter and
@@ -31,7 +32,7 @@ from .prompts import DOMAINS, domain_pairs, make_prompts
 from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_ce, block_loss, block_taus, check_settings,
                     fingerprint, fit, packed, regenerate, sample_anchors)
 
-RULES = ("loss", "acceptance", "random")
+RULES = ("loss", "reducible", "acceptance", "random")
 DATA = ("regenerated", "original")
 
 
@@ -39,7 +40,7 @@ DATA = ("regenerated", "original")
 class EdaConfig:
     domain: str = "kjv"  # the fine-tuned target's domain: the prompts it answers
     data: str = "regenerated"  # regenerated (the fine-tuned target's answers) | original (the domain's own text)
-    select: str = "loss"  # loss | acceptance | random: how samples are ranked before the top `fraction` is kept
+    select: str = "loss"  # loss | reducible | acceptance | random: how samples are ranked; the top `fraction` kept
     fraction: float = 0.5
     private_size: int = 256  # width of each drafter layer's private MLP
     train_fc: bool = False  # also adapt the feature projection (fc)
@@ -91,8 +92,10 @@ def adapt_parameters(drafter: DFlash, train_fc: bool) -> tuple[int, int]:
 def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: int, seed: int = 0,
                   batch: int = 4) -> torch.Tensor:
     """[N] how much each sample is worth training on (higher first) by the drafter's predictions against the target's
-    tokens: `loss` its decay-weighted block cross-entropy, `acceptance` minus its simulated τ at T = 0 (mean over
-    `anchors` blocks), `random` a seeded random draw."""
+    tokens, over `anchors` blocks a sample: `loss` its decay-weighted block cross-entropy, `reducible` that loss minus
+    the target's own next-token loss on the same labels (what the drafter gets wrong where the target is sure: the
+    learnable part, not text any model finds uncertain), `acceptance` minus its simulated τ at T = 0, `random` a
+    seeded random draw."""
     device = data.tokens.device
     g = torch.Generator(device=device).manual_seed(seed)
     if rule == "random":
@@ -102,13 +105,35 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
     with autocast_for(device):
         for i in range(0, len(data), batch):
             rows = torch.arange(i, min(i + batch, len(data)), device=device)
-            _, logits, labels = block_loss(drafter, target, data, rows, sample_anchors(data, rows, anchors, g))
-            if rule == "loss":
-                ce, w = block_ce(logits, labels)
-                scores[rows] = (ce * w).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)
-            else:
+            at = sample_anchors(data, rows, anchors, g)  # [n, M]
+            _, logits, labels = block_loss(drafter, target, data, rows, at)
+            if rule == "acceptance":
                 scores[rows] = -block_taus(logits, labels).mean(1).float()
+                continue
+            ce, w = block_ce(logits, labels)  # [n, M, B] each
+            if rule == "reducible":  # label k of a block is token anchor + k, which the target predicts at anchor + k - 1
+                nll = target_nll(target, *data.batch(rows)[::2])  # [n, T]
+                pos = (at[..., None] + torch.arange(labels.shape[-1], device=device) - 1).clamp(0, nll.shape[1] - 1)
+                ce = ce - nll.gather(1, pos.flatten(1)).view_as(ce)
+            scores[rows] = (ce * w).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)
     return scores
+
+
+@torch.no_grad()
+def target_nll(target, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """tokens [n, T] (right-padded), lengths [n] -> [n, T] fp32: the target's loss −log p(tokens[t + 1] | tokens[..t])
+    at each position t (0 at a row's last position and past it), its LM head `chunk` positions at a time."""
+    from ..cache import KVCache
+
+    n, T = tokens.shape
+    cache = KVCache(target.cfg, n, T, target.embed_tokens.weight.dtype, tokens.device)
+    hidden, _ = target.forward_tapped(tokens, torch.arange(T, device=tokens.device).expand(n, -1), cache, T, ())
+    nll = torch.zeros(n, T, device=tokens.device)
+    for s in range(0, T - 1, chunk):
+        e = min(s + chunk, T - 1)
+        logp = target.logits(hidden[:, s:e]).log_softmax(-1)  # [n, e - s, V]
+        nll[:, s:e] = -logp.gather(-1, tokens[:, s + 1:e + 1, None])[..., 0]
+    return nll * (torch.arange(T, device=tokens.device) < lengths[:, None] - 1)
 
 
 def select(data: Dataset, scores: torch.Tensor, fraction: float) -> Dataset:
@@ -190,7 +215,7 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     command = ["sparsespec train eda --target", target_name, "--base-drafter", str(base_path)]
     command += [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in asdict(cfg).items()
-                if v != asdict(EdaConfig())[k]]
+                if v != asdict(EdaConfig())[k] or k == "domain"]
     ignored = ("layers", "block_size", "taps", "intermediate_size", "kinds")  # the base drafter's, the domain's
     command += [f"--{k.replace('_', '-')} {v}" for k, v in asdict(tcfg).items()
                 if v != asdict(TrainConfig())[k] and k not in ignored]
