@@ -7,6 +7,8 @@
 # spec.jsonl); run it detached (`OUT= setsid nohup sh scripts/gpu_bench_dflash.sh ... &`), read
 # /root/dflash-bench/log, then once more with OUT set to bring the results back:
 #   he-t0-b1 / he-t1-b1 / he-t0-b4   HumanEval's 164 problems: T = 0 and 1 at batch 1, T = 0 at batch 4
+#   he-t0-b1-inv                     he-t0-b1 with --row-invariant (decode and verify round alike: greedy output
+#                                    identical in bf16 too; plain and speculative both with the row-invariant kernels)
 #   chat-t0-b1                       held-out code and text chat prompts (N_CHAT of each kind), T = 0 and 1
 #   verify                           bench/verify_cost.py: decode, 16-wide verify and a LAYERS-layer drafter's steps
 #                                    in the target's shape and in Llama-3.1-8B's (random weights, compiled graphs)
@@ -26,6 +28,7 @@ spec() {  # spec STEP OPTIONS...
 spec he-t0-b1 --kinds humaneval --prompts ${N_HE:-164} --batch 1 --temperatures 0
 spec he-t1-b1 --kinds humaneval --prompts ${N_HE:-164} --batch 1 --temperatures 1
 spec he-t0-b4 --kinds humaneval --prompts ${N_HE:-164} --batch 4 --temperatures 0
+spec he-t0-b1-inv --kinds humaneval --prompts ${N_HE:-164} --batch 1 --temperatures 0 --row-invariant
 spec chat-t0-b1 --kinds code,text --prompts ${N_CHAT:-32} --batch 1 --temperatures 0,1
 step verify python3 bench/verify_cost.py --models llama-3.1-8b,$name --widths 1,16 --drafters ${LAYERS:-3} \
   --out $root/verify

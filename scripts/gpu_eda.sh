@@ -12,7 +12,8 @@
 #   original  train eda --select loss --data original              (d) the domain's own text instead of regeneration
 #   retrain   train dflash --target ft --kinds DOMAIN              (e) a drafter of the base's shape trained from
 #                                                                      scratch for the fine-tune, RETRAIN x EDA's time
-#   bench     bench spec --target ft: the base drafter (a), then (b)-(e), held-out DOMAIN prompts, T = 0, compiled
+#   bench     bench spec --target ft: the base drafter (a), then (b)-(e), held-out DOMAIN prompts, T = 0, compiled,
+#             on cuda with --row-invariant (verify and decode round alike: greedy output identical in bf16)
 # Every run after the loss run starts from its answers (same prompts, seed and sizes; the retrain answers anew).
 # Sizes (environment): DEVICE (cuda), FT_STEPS (300), FT_EXAMPLES (4096), PROMPTS (1024), FRACTION (0.5),
 # GEN_BATCH (128 prompts a generation batch), PRIVATE (256), STEPS (100000), TIME (120 s of optimisation for each
@@ -51,7 +52,7 @@ step bench $S bench spec --target $root/ft --drafters dflash:"$base" dflash:$roo
   dflash:$root/reducible/drafter dflash:$root/random/drafter dflash:$root/original/drafter \
   dflash:$root/retrain/drafter --kinds $domain \
   --prompts ${BENCH_PROMPTS:-32} --batch 1 --temperatures 0 --max-new-tokens ${NEW:-128} --block-size 16 \
-  --device $dev $([ "$dev" = cuda ] && echo --compile) --out $root/bench
+  --device $dev $([ "$dev" = cuda ] && echo --compile --row-invariant) --out $root/bench
 tail -40 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/eda-$domain.tar.gz log ft/adapter.json */drafter.json */summary.json bench/spec.* \
