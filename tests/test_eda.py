@@ -160,7 +160,8 @@ def test_target_nll_is_each_rows_own_next_token_loss():
     got = target_nll(engine.model, tokens, lengths, chunk=3)  # chunks of 3 over 8 positions: the last one short
     for r, n in enumerate(lengths.tolist()):
         row = tokens[r:r + 1, :n]  # alone, unpadded
-        want = -engine.model.logits(_forward(engine.model, row))[0, :-1].log_softmax(-1).gather(-1, row[0, 1:, None])[:, 0]
+        logp = engine.model.logits(_forward(engine.model, row))[0, :-1].log_softmax(-1)
+        want = -logp.gather(-1, row[0, 1:, None])[:, 0]
         torch.testing.assert_close(got[r, :n - 1], want, rtol=1e-5, atol=1e-5)
         assert not got[r, n - 1:].any()  # no next token at a row's end, nothing past it
 
@@ -180,7 +181,8 @@ def test_reducible_score_is_the_loss_score_less_the_targets_own_loss_on_the_same
         anchors = sample_anchors(data, rows, 8, g)
         for j, r in enumerate(rows.tolist()):
             seq = torch.tensor([data.sequence(r)])
-            nll = -tuned.model.logits(_forward(tuned.model, seq))[0, :-1].log_softmax(-1).gather(-1, seq[0, 1:, None])[:, 0]
+            logp = tuned.model.logits(_forward(tuned.model, seq))[0, :-1].log_softmax(-1)
+            nll = -logp.gather(-1, seq[0, 1:, None])[:, 0]
             labels = block_labels(seq, anchors[j:j + 1], torch.tensor([seq.shape[1]]), B)[0]  # [8, B]
             w = loss_weights(B).expand_as(labels) * (labels >= 0)
             pos = (anchors[j, :, None] + torch.arange(B) - 1).clamp(0, len(nll) - 1)
