@@ -11,7 +11,8 @@
 #   random    train eda --select random                            (c) the same amount of data chosen at random
 #   original  train eda --select loss --data original              (d) the domain's own text instead of regeneration
 #   retrain   train dflash --target ft --kinds DOMAIN              (e) a drafter of the base's shape trained from
-#                                                                      scratch for the fine-tune, RETRAIN x EDA's time
+#                                                                      scratch for the fine-tune, RETRAIN x EDA's time,
+#                                                                      on RETRAIN_PROMPTS answers (default PROMPTS)
 #   bench     bench spec --target ft: the base drafter (a), then (b)-(e), held-out DOMAIN prompts, T = 0, compiled,
 #             on cuda with --row-invariant (verify and decode round alike: greedy output identical in bf16)
 # Every run after the loss run starts from its answers (same prompts, seed and sizes; the retrain answers anew).
@@ -45,9 +46,10 @@ eda loss --select loss
 reuse reducible; eda reducible --select reducible
 reuse random; eda random --select random
 eda original --select loss --data original
-step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retrain --prompts $prompts \
-  --layers ${LAYERS:-3} --intermediate-size ${INTERMEDIATE:-2048} --steps ${STEPS:-100000} \
-  --gen-batch ${GEN_BATCH:-128} --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") --lr 3e-4 --device $dev --progress $EXTRA
+step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retrain \
+  --prompts ${RETRAIN_PROMPTS:-$prompts} --layers ${LAYERS:-3} --intermediate-size ${INTERMEDIATE:-2048} \
+  --steps ${STEPS:-100000} --gen-batch ${GEN_BATCH:-128} --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") \
+  --lr 3e-4 --device $dev --progress $EXTRA
 step bench $S bench spec --target $root/ft --drafters dflash:"$base" dflash:$root/loss/drafter \
   dflash:$root/reducible/drafter dflash:$root/random/drafter dflash:$root/original/drafter \
   dflash:$root/retrain/drafter --kinds $domain \
