@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("prompts", 512, "training prompts (half code, half text) the target answers"),
             ("heldout", 32, "held-out prompts for the acceptance (tau) estimate"),
             ("max-new-tokens", 256, "answer length the target generates per prompt"),
-            ("gen-batch", 32, "prompts per target generation batch"),
+            ("gen-batch", None, "prompts per target generation batch (default: 32 on cpu, 128 on cuda)"),
             ("layers", 1, "drafter decoder layers"),
             ("block-size", 16, "tokens per drafted block (the anchor + the tokens drafted after it)"),
             ("taps", 3, "target layers whose features condition the drafter (spread evenly)"),
@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("batch", 8, "sequences per step"),
             ("anchors", 64, "blocks per sequence per step"),
             ("eval-every", 200, "steps between held-out evaluations (and checkpoints)")):
-        td.add_argument(f"--{name}", type=_positive_int, default=default, help=f"{text} (default: %(default)s)")
+        td.add_argument(f"--{name}", type=_positive_int, default=default,
+                        help=text if default is None else f"{text} (default: %(default)s)")
     td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: 0, the target's)")
     td.add_argument("--storage", choices=["bf16", "fp8"], default="bf16", help="the drafter file's weights: bf16, or "
                     "fp8 (its matrices in FP8 with a scale per row: half the bytes; default: %(default)s)")
@@ -238,12 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
             ("prompts", 1024, "domain prompts the target answers"),
             ("heldout", 32, "held-out domain prompts for the acceptance (tau) estimate"),
             ("max-new-tokens", 256, "answer length the target generates per prompt"),
-            ("gen-batch", 32, "prompts per target generation batch"),
+            ("gen-batch", None, "prompts per target generation batch (default: 32 on cpu, 128 on cuda)"),
             ("steps", 1000, "optimisation steps"),
             ("batch", 8, "sequences per step"),
             ("anchors", 64, "blocks per sequence per step"),
             ("eval-every", 200, "steps between held-out evaluations (and checkpoints)")):
-        te.add_argument(f"--{name}", type=_positive_int, default=default, help=f"{text} (default: %(default)s)")
+        te.add_argument(f"--{name}", type=_positive_int, default=default,
+                        help=text if default is None else f"{text} (default: %(default)s)")
     te.add_argument("--lr", type=_float, default=3e-4, help="AdamW peak learning rate (default: %(default)s)")
     te.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
     te.add_argument("--storage", choices=["bf16", "fp8"], default="bf16", help="the drafter file's weights "
@@ -565,7 +567,7 @@ def cmd_train(args) -> None:
     if args.what == "eda":
         return _eda(args)
     cfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
-                      gen_batch=args.gen_batch, layers=args.layers, block_size=args.block_size, taps=args.taps,
+                      gen_batch=_gen_batch(args), layers=args.layers, block_size=args.block_size, taps=args.taps,
                       intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
                       anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
                       time_limit=args.time_limit, seed=args.seed,
@@ -640,7 +642,7 @@ def _eda(args) -> None:
     cfg = EdaConfig(domain=args.domain, data=args.data, select=args.select, fraction=args.fraction,
                     private_size=args.private_size, train_fc=args.train_fc)
     tcfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
-                       gen_batch=args.gen_batch, steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr,
+                       gen_batch=_gen_batch(args), steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr,
                        eval_every=args.eval_every, time_limit=args.time_limit, seed=args.seed, kinds=(args.domain,))
     if not all(f.is_file() for f in drafter_files(Path(args.base_drafter))):
         raise SparseSpecError(f"--base-drafter {args.base_drafter}: no drafter there (need its .safetensors and "
@@ -656,6 +658,12 @@ def _eda(args) -> None:
     print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['base_heldout_tau']:.2f} -> "
           f"{summary['heldout_tau']:.2f}; {summary['trainable_parameters']:,} trainable parameters, "
           f"{summary['train_seconds']:.0f} s of training)")
+
+
+def _gen_batch(args) -> int:
+    """--gen-batch, else the device's default: 32 prompts a batch on the CPU, 128 on a GPU (2.6x faster answers than
+    32 for the 1.5B on the H200)."""
+    return args.gen_batch or (128 if args.device == "cuda" else 32)
 
 
 def cmd_bench(args) -> None:

@@ -279,3 +279,13 @@ def test_data_parallel_training_keeps_the_processes_drafters_equal_on_their_own_
     assert all(torch.equal(x, y) for x, y in zip(a["state"].values(), b["state"].values()))
     assert a["tau"] == b["tau"] > 1.5, (a["tau"], b["tau"])
     assert a["first"] == data.sequence(0) and b["first"] == data.sequence(1)  # prompts 0 and 1: one each
+
+
+def test_answers_are_generated_in_device_sized_batches_unless_told():
+    from sparsespec.cli import _gen_batch, build_parser
+
+    parser = build_parser()
+    for what in (["dflash"], ["eda", "--target", "t", "--base-drafter", "b", "--domain", "kjv"]):
+        for extra, want in (([], 32), (["--device", "cuda"], 128), (["--gen-batch", "7", "--device", "cuda"], 7)):
+            args = parser.parse_args(["train", *what, "--out", "o", *extra])
+            assert _gen_batch(args) == want, (what, extra)
