@@ -56,6 +56,26 @@ def test_correct_offsets_train_a_drafter_that_the_loop_accepts(setup):
     assert out.tau > 1.5
 
 
+def test_the_decoding_schedule_estimate_is_what_the_loop_commits(setup):
+    """Blocks anchored as the loop anchors them (the answer's first token, then after each accepted run and the
+    target's token), teacher-forced on the target's own answers: each answer's steps are the loop's steps."""
+    target, _, held, _ = setup
+    drafter = _train(setup)[0]
+    tau, committed = train.decoding_acceptance(drafter, target.model, held, batch=3)
+    total = steps = same = 0
+    for i in range(len(held)):
+        prompt, answer = held.sequence(i)[:int(held.starts[i])], held.sequence(i)[int(held.starts[i]):]
+        gen = GenerationConfig(max_new_tokens=len(answer), stop_on_eos=False)
+        out = speculative_generate(target, [prompt], DFlashDrafter(drafter, target.model), gen, 4)[0]
+        assert out.token_ids == answer  # the loop follows the answer the estimate is forced on
+        assert sum(committed[i]) == len(answer) - 1  # every answer token after the first, once
+        same += out.committed == committed[i]
+        total, steps = total + sum(out.committed), steps + out.steps
+    assert same >= len(held) - 1, same  # (a drafter's near-tie may round apart in its two code paths)
+    assert tau == pytest.approx(total / steps, rel=0.02)
+    assert 1.5 < tau <= 4
+
+
 def test_a_context_mask_that_includes_the_anchor_trains_a_useless_drafter(setup, monkeypatch):
     _, _, good = _train(setup)
     leak = lambda anchors, lengths, T, B: block_mask(anchors + 1, lengths, T, B)  # noqa: E731 (sees c_anchor)
@@ -194,6 +214,7 @@ def test_earlier_answers_add_to_new_ones_once_and_only_the_same_targets(setup, t
                              add_data=(tmp_path / "a" / "data.safetensors",))
     seen = train.Dataset.load(tmp_path / "b" / "data.safetensors", engine, (0, 1), 4)
     assert 4 < len(seen) <= 8 and "--add-data" in run["made_by"] and summary["made_by"]
+    assert 1 <= summary["heldout_tau_decoding"] <= prompts_cfg.block_size
 
 
 def test_the_schedule_warms_up_then_decays_to_zero_over_the_progress():

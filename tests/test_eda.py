@@ -213,6 +213,8 @@ def test_train_eda_end_to_end_writes_a_drafter_the_loop_uses_and_resumes(tmp_pat
         engine.generate([prompt], gen).token_ids[0]
     again = train_eda(engine, tmp_path / "base", cfg, tcfg, tmp_path / "run", "byte", log=lambda *_: None)
     assert again["heldout_tau"] == pytest.approx(summary["heldout_tau"])
+    for key in ("heldout_tau_decoding", "base_heldout_tau_decoding"):  # tokens per verify step, 1 to the block
+        assert 1 <= summary[key] <= 4 and again[key] == pytest.approx(summary[key])
     with pytest.raises(SparseSpecError, match="other settings"):
         train_eda(engine, tmp_path / "base", EdaConfig(domain="shakespeare", data=data, select="random"), tcfg,
                   tmp_path / "run", "byte", log=lambda *_: None)

@@ -30,7 +30,7 @@ from .dflash import DecoupledMLP, DFlash
 from .finetune import encode_pairs
 from .prompts import DOMAINS, domain_pairs, make_prompts
 from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_ce, block_loss, block_taus, check_settings,
-                    fingerprint, fit, packed, regenerate, sample_anchors)
+                    decoding_acceptance, fingerprint, fit, packed, regenerate, sample_anchors)
 
 RULES = ("loss", "reducible", "acceptance", "random")
 DATA = ("regenerated", "original")
@@ -205,13 +205,18 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     score_s = time.perf_counter() - t0
     with autocast_for(device):
         base_tau = acceptance(base, engine.model, held)
+        base_decoding = decoding_acceptance(base, engine.model, held)[0]
     log(f"selection ({cfg.select}): {len(kept)} of {len(data)} samples kept ({score_s:.0f} s); the base drafter's "
-        f"held-out tau against this target: {base_tau:.2f}")
+        f"held-out tau against this target: {base_tau:.2f} (on the decoding loop's schedule: {base_decoding:.2f})")
     del base
 
     t0 = time.perf_counter()
     tau, history = fit(drafter, engine.model, kept, held, tcfg, out / "checkpoint.pt", progress, log)
     train_s = time.perf_counter() - t0
+    with autocast_for(device):
+        decoding_tau = decoding_acceptance(drafter.eval(), engine.model, held)[0]
+    log(f"held-out tau on the decoding loop's schedule: {base_decoding:.2f} -> {decoding_tau:.2f} (uniform anchors: "
+        f"{base_tau:.2f} -> {tau:.2f})")
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     command = ["sparsespec train eda --target", target_name, "--base-drafter", str(base_path)]
     command += [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in asdict(cfg).items()
@@ -221,7 +226,8 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
                 if v != asdict(TrainConfig())[k] and k not in ignored]
     summary = {"target": target_name, "base_drafter": str(base_path), "eda": asdict(cfg), "train": asdict(tcfg),
                "trainable_parameters": trainable, "parameters": total, "base_heldout_tau": base_tau,
-               "heldout_tau": tau, "history": history, "samples": len(data), "kept": len(kept),
+               "heldout_tau": tau, "base_heldout_tau_decoding": base_decoding, "heldout_tau_decoding": decoding_tau,
+               "history": history, "samples": len(data), "kept": len(kept),
                "data_seconds": round(data_s, 1), "score_seconds": round(score_s, 1), "train_seconds": round(train_s, 1),
                "device": hardware,
                "made_by": " ".join(command) + f" ({hardware}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})"}
