@@ -20,6 +20,7 @@ import torch
 
 from sparsespec.generate import Engine, GenerationConfig
 from sparsespec.progress import progress_bar
+from sparsespec.runner import RunnerPool
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlash, DFlashDrafter
 from sparsespec.spec.prompts import make_prompts
@@ -42,6 +43,7 @@ def main() -> None:
     path = args.drafter or drafter_path(args.target)
     drafter = DFlash.load(path, device=engine.device).eval()
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)  # as `regenerate` answers
+    runners, loop_drafter = RunnerPool(), DFlashDrafter(drafter, engine.model)  # graphs kept across prompts
     rows = []
     for kind in args.kinds.split(","):
         ids = [engine.encode(p.text, chat=True) for p in make_prompts(args.prompts, "heldout", (kind,), 0)]
@@ -54,8 +56,7 @@ def main() -> None:
         with progress_bar() as bar:
             task = bar.add_task(f"{kind}: speculative decoding", total=len(ids))
             for i, p in enumerate(ids):
-                out = speculative_generate(engine, [p], DFlashDrafter(drafter, engine.model), gen,
-                                           drafter.cfg.block_size)[0]
+                out = speculative_generate(engine, [p], loop_drafter, gen, drafter.cfg.block_size, runners)[0]
                 steps, committed = steps + out.steps, committed + sum(out.committed)
                 same += out.token_ids == data.sequence(i)[int(data.starts[i]):]
                 bar.advance(task)
