@@ -86,19 +86,19 @@ class _Cursor:
 def read_gguf(path: str | Path) -> GGUFFile:
     """The file's metadata and tensor table (tensor data memory-mapped, read on use) -> GGUFFile.
     Raises GGUFFormatError on anything malformed: bad magic, unsupported version, truncation, a tensor past the end."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise GGUFFormatError("not a GGUF file (bad magic)")
         header = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        return _parse(path, header, GGML_QUANT_SIZES, GGMLQuantizationType)
+        return _parse(path, header)
     finally:
         header.close()
 
 
-def _parse(path, header: mmap.mmap, sizes, types) -> GGUFFile:
+def _parse(path, header: mmap.mmap) -> GGUFFile:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     c = _Cursor(header)
     c.pos = 4
     version = c.unpack("I")
@@ -116,7 +116,7 @@ def _parse(path, header: mmap.mmap, sizes, types) -> GGUFFile:
         dims = [c.unpack("Q") for _ in range(c.unpack("I"))]
         kind, offset = c.unpack("IQ")
         try:
-            qtype = types(kind)
+            qtype = GGMLQuantizationType(kind)
         except ValueError:
             raise GGUFFormatError(f"tensor {name!r} has unknown type {kind}") from None
         infos.append((name, dims, qtype, offset))
@@ -125,7 +125,7 @@ def _parse(path, header: mmap.mmap, sizes, types) -> GGUFFile:
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = []
     for name, dims, qtype, offset in infos:
-        block, size = sizes[qtype]
+        block, size = GGML_QUANT_SIZES[qtype]
         shape = tuple(reversed(dims)) or (1,)
         count = int(np.prod(shape))
         if shape[-1] % block:
@@ -136,9 +136,9 @@ def _parse(path, header: mmap.mmap, sizes, types) -> GGUFFile:
             raise GGUFFormatError(f"truncated: tensor {name!r} needs bytes up to {first + n_bytes}, the file has "
                                   f"{len(buf)}")
         raw = buf[first:first + n_bytes]
-        if qtype == types.F32:
+        if qtype == GGMLQuantizationType.F32:
             data = raw.view(np.float32).reshape(shape)
-        elif qtype == types.F16:
+        elif qtype == GGMLQuantizationType.F16:
             data = raw.view(np.float16).reshape(shape)
         else:
             data = raw.reshape(*shape[:-1], shape[-1] // block * size)

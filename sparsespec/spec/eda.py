@@ -112,7 +112,8 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
                 continue
             ce, w = block_ce(logits, labels)  # [n, M, B] each
             if rule == "reducible":  # label k of a block: token anchor + k, the target's prediction at anchor + k - 1
-                nll = target_nll(target, *data.batch(rows)[::2])  # [n, T]
+                index, lengths = data.padded(rows)
+                nll = target_nll(target, data.tokens[index], lengths)  # [n, T]
                 pos = (at[..., None] + torch.arange(labels.shape[-1], device=device) - 1).clamp(0, nll.shape[1] - 1)
                 ce = ce - nll.gather(1, pos.flatten(1)).view_as(ce)
             scores[rows] = (ce * w).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)

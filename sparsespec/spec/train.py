@@ -94,13 +94,16 @@ class Dataset:
     def sequence(self, i: int) -> list[int]:
         return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])].tolist()
 
-    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rows [n] -> tokens [n, T], features [n, T, taps * H], lengths [n]: right-padded (with each row's last
-        token, which every mask and label ignores) to the longest row, T."""
+    def padded(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [n] -> (index [n, T] into the packed tokens, lengths [n]): right-padded (with each row's last token,
+        which every mask and label ignores) to the longest row, T."""
         lengths = self.lengths[rows]
-        T = int(lengths.max())
-        at = torch.minimum(torch.arange(T, device=rows.device), lengths[:, None] - 1)
-        index = self.offsets[rows][:, None] + at  # [n, T]
+        at = torch.minimum(torch.arange(int(lengths.max()), device=rows.device), lengths[:, None] - 1)
+        return self.offsets[rows][:, None] + at, lengths
+
+    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows [n] -> tokens [n, T], features [n, T, taps * H], lengths [n] (padded as `padded`)."""
+        index, lengths = self.padded(rows)
         return self.tokens[index], self.features[index], lengths
 
     def subset(self, rows: torch.Tensor) -> "Dataset":
