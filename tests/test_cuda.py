@@ -472,6 +472,42 @@ def test_row_invariant_products_make_a_verify_block_compute_the_decode_steps_log
 
 @cuda
 @pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("batch,width", [(1, 16), (3, 16), (2, 8)])
+def test_row_invariant_verify_columns_equal_plain_decode_steps_of_their_tokens(compile, batch, width):
+    """Every column of a row-invariant verify block, not only its first, computes bitwise the logits that plain
+    decoding's one-token steps compute for the same tokens, as a speculative bench meets them: the verify on a
+    runner with a drafter's taps and a block more capacity, the decode steps on a plain runner (no taps); the
+    1.5B's full widths (hidden 1536, MLP 8960, 12 / 2 heads of 128, q/k/v biases, its vocabulary), batch 1 and
+    more, and blocks that straddle the block attention's fixed splits (512 slots). (A bench of the fine-tuned
+    1.5B at batch 1, block 16, compiled, left plain greedy on 8 of 16 prompts at near-ties with
+    `--row-invariant` on; the earlier test checks column 0 of an 8-wide block only.)"""
+    from sparsespec.config import ModelConfig
+    from sparsespec.models.transformer import Transformer
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=2,
+                      num_heads=12, num_kv_heads=2, head_dim=128, max_position=4096, qkv_bias=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval().requires_grad_(False).to("cuda", torch.bfloat16)
+    model.row_invariant()
+    gen = torch.Generator().manual_seed(batch * 100 + width)
+    lengths = [505, 1020, 300][:batch]  # 505 + 16 and 1020 + 8 cross a 512-slot split
+    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    block = torch.randint(1, cfg.vocab_size, (batch, width), generator=gen).cuda()
+    capacity = max(lengths) + 64
+    spec = Runner(model, batch, capacity + width, compile=compile, taps=(0, 1))
+    spec.prefill_tapped(prompts)
+    verified, features = spec.verify(block, width)  # [B, W, V], [B, W, 2 * H]
+    assert features is not None
+    plain = Runner(model, batch, capacity, compile=compile)
+    plain.prefill(prompts)
+    for j in range(width):
+        decoded = plain.decode(block[:, j])  # [B, V]
+        for b in range(batch):
+            assert torch.equal(verified[b, j], decoded[b]), f"row {b}, column {j} of {width}"
+
+
+@cuda
+@pytest.mark.parametrize("compile", [False, True])
 def test_fp8_drafts_run_the_fp8_kernel_and_keep_greedy_output_exact_in_bf16(compile, monkeypatch):
     """bf16 self-speculation whose draft steps multiply with FP8 copies of the weights through the row kernel (the
     verify with the model's weights, row-invariant here so that plain and speculative greedy round alike): the

@@ -253,3 +253,43 @@ def test_domain_pairs_continue_their_source_text_and_keep_train_and_heldout_docu
         assert any(passage + " " + " ".join(answer.split()) in doc for doc in source)
         assert sep in answer
     assert [p.text for p in make_prompts(6, "heldout", (domain,), seed=3)] == [p for p, _ in held[:6]]
+
+
+def test_eda_curves_costs_runs_that_reused_answers_at_the_answering_runs_price_and_plots(tmp_path, capsys):
+    """bench/eda_curves.py over a table's run folders: a regenerated EDA run that reused another run's answers is
+    charged that run's answer seconds, the original-text run and the retrain their own; a retrain's trainable
+    parameters are its whole drafter's; every run's evaluations become points of the plot."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "bench" / "eda_curves.py"
+    spec = importlib.util.spec_from_file_location("eda_curves", path)
+    curves = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curves)
+    cfg = DFlashConfig(tiny_engine(0).config, layers=1, block_size=4, taps=(0, 1))
+    history = [{"step": 10, "loss": 3.0, "heldout_tau": 1.5, "seconds": 5.0},
+               {"step": 20, "loss": 2.0, "heldout_tau": 1.8, "seconds": 10.0}]
+    runs = {"loss": ("regenerated", 40.0, 3.0), "random": ("regenerated", 2.0, 0.0), "original": ("original", 7.0, 3.0)}
+    for name, (data, data_s, score_s) in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({
+            "eda": {"data": data}, "trainable_parameters": 123, "data_seconds": data_s, "score_seconds": score_s,
+            "train_seconds": 11.0, "heldout_tau": 1.8, "heldout_tau_decoding": 1.6, "base_heldout_tau": 1.2,
+            "history": history}))
+    (tmp_path / "retrain").mkdir()
+    (tmp_path / "retrain" / "summary.json").write_text(json.dumps({
+        "data_seconds": 41.0, "train_seconds": 30.0, "heldout_tau": 1.9, "heldout_tau_decoding": 1.7,
+        "history": history}))
+    (tmp_path / "retrain" / "drafter.json").write_text(json.dumps({"config": cfg.to_json()}))
+    loaded = curves.load_runs(tmp_path, "loss")
+    assert {n: r["answer_s"] for n, r in loaded.items()} == {"loss": 40.0, "original": 7.0, "random": 40.0,
+                                                            "retrain": 41.0}
+    assert loaded["loss"]["curve"] == [(48.0, 1.5), (53.0, 1.8)]
+    assert loaded["retrain"]["trainable"] == sum(p.numel() for p in DFlash(cfg).parameters())
+    assert loaded["random"]["trainable"] == 123
+    curves.main([str(tmp_path), "--answers", "loss"])
+    out = capsys.readouterr().out
+    assert "| random | 123 | 40.0 + 0.0 + 11.0 = 51 | 1.60 | 1.80 |" in out
+    assert (tmp_path / "tau_curves.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="no such run"):
+        curves.load_runs(tmp_path, "nope")
