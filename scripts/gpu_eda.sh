@@ -10,16 +10,20 @@
 #   reducible train eda --select reducible                         (b') selection by loss less the target's own loss
 #   random    train eda --select random                            (c) the same amount of data chosen at random
 #   original  train eda --select loss --data original              (d) the domain's own text instead of regeneration
+#   probe-loss   train eda --select loss --probe-tokens PROBE      (b") selection before regeneration: every prompt's
+#                                                                      first PROBE answer tokens scored, only the kept
+#                                                                      prompts answered in full
+#   probe-random train eda --select random --probe-tokens PROBE    (c") its control: as many prompts, at random
 #   retrain   train dflash --target ft --kinds DOMAIN              (e) a drafter of the base's shape trained from
 #                                                                      scratch for the fine-tune, RETRAIN x EDA's time,
 #                                                                      on RETRAIN_PROMPTS answers (default PROMPTS)
-#   bench     bench spec --target ft: the base drafter (a), then (b)-(e), held-out DOMAIN prompts, T = 0, compiled,
-#             on cuda with --row-invariant (verify and decode round alike: greedy output identical in bf16)
+#   bench     bench spec --target ft: the base drafter (a), then every run above that made a drafter (ONLY may skip
+#             some), held-out DOMAIN prompts, T = 0, compiled, on cuda with --row-invariant (verify and decode
+#             round alike: greedy output identical in bf16)
 # Every run after the loss run starts from its answers (same prompts, seed and sizes; the retrain answers anew).
 # Sizes (environment): DEVICE (cuda), FT_STEPS (300), FT_EXAMPLES (4096), PROMPTS (1024), FRACTION (0.5),
-# GEN_BATCH (128 prompts a generation batch), PRIVATE (256), STEPS (100000), TIME (120 s of optimisation for each
-# EDA run), RETRAIN (4), LAYERS (3),
-# INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
+# GEN_BATCH (128 prompts a generation batch), PROBE (32 answer tokens a probe), PRIVATE (256), STEPS (100000),
+# TIME (120 s of optimisation for each EDA run), RETRAIN (4), LAYERS (3), INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
 # FT_EXTRA (more options for train finetune), ROOT (/root/eda).
 model=$1; base=$2; domain=$3
 [ -n "$model" ] && [ -n "$base" ] && [ -n "$domain" ] || { echo "usage: gpu_eda.sh MODEL BASE_DRAFTER DOMAIN"; exit 2; }
@@ -46,13 +50,17 @@ eda loss --select loss
 reuse reducible; eda reducible --select reducible
 reuse random; eda random --select random
 eda original --select loss --data original
+eda probe-loss --select loss --probe-tokens ${PROBE:-32}
+eda probe-random --select random --probe-tokens ${PROBE:-32}
 step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retrain \
   --prompts ${RETRAIN_PROMPTS:-$prompts} --layers ${LAYERS:-3} --intermediate-size ${INTERMEDIATE:-2048} \
   --steps ${STEPS:-100000} --gen-batch ${GEN_BATCH:-128} --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") \
   --lr 3e-4 --device $dev --progress $EXTRA
-step bench $S bench spec --target $root/ft --drafters dflash:"$base" dflash:$root/loss/drafter \
-  dflash:$root/reducible/drafter dflash:$root/random/drafter dflash:$root/original/drafter \
-  dflash:$root/retrain/drafter --kinds $domain \
+drafters=dflash:$base
+for run in loss reducible random original probe-loss probe-random retrain; do
+  [ -f $root/$run/drafter.json ] && drafters="$drafters dflash:$root/$run/drafter"
+done
+step bench $S bench spec --target $root/ft --drafters $drafters --kinds $domain \
   --prompts ${BENCH_PROMPTS:-32} --batch 1 --temperatures 0 --max-new-tokens ${NEW:-128} --block-size 16 \
   --device $dev $([ "$dev" = cuda ] && echo --compile --row-invariant) --out $root/bench
 tail -40 $root/log

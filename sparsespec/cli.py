@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--private-size", type=_positive_int, default=256, help="width of each layer's private MLP "
                     "(default: %(default)s)")
     te.add_argument("--train-fc", action="store_true", help="also adapt the feature projection")
+    te.add_argument("--probe-tokens", type=_positive_int, default=0, metavar="K", help="select prompts before "
+                    "answering them: score every prompt's first K answer tokens, then answer only the kept "
+                    "prompts in full (regenerated data; default: off, every prompt answered in full and scored)")
     for name, default, text in (
             ("prompts", 1024, "domain prompts the target answers"),
             ("heldout", 32, "held-out domain prompts for the acceptance (tau) estimate"),
@@ -640,7 +643,7 @@ def _eda(args) -> None:
     from .spec.train import TrainConfig
 
     cfg = EdaConfig(domain=args.domain, data=args.data, select=args.select, fraction=args.fraction,
-                    private_size=args.private_size, train_fc=args.train_fc)
+                    private_size=args.private_size, train_fc=args.train_fc, probe_tokens=args.probe_tokens)
     tcfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
                        gen_batch=_gen_batch(args), steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr,
                        eval_every=args.eval_every, time_limit=args.time_limit, seed=args.seed, kinds=(args.domain,))

@@ -222,6 +222,43 @@ def test_train_eda_end_to_end_writes_a_drafter_the_loop_uses_and_resumes(tmp_pat
         train_eda(tiny_engine(0), tmp_path / "base", cfg, tcfg, tmp_path / "other", "tiny", log=lambda *_: None)
 
 
+@pytest.mark.parametrize("rule", ["loss", "random"])
+def test_probe_selection_answers_only_the_prompts_whose_probes_score_highest(tmp_path, rule):
+    """--probe-tokens: every prompt answered with a few tokens, the probes scored by the rule (random: no probes), and
+    only the top fraction of the prompts answered in full and trained on; a resumed run keeps them."""
+    from sparsespec.spec.eda import choose_prompts, random_scores, top
+    from sparsespec.spec.prompts import make_prompts
+
+    engine = byte_engine(0)
+    torch.manual_seed(0)
+    base = DFlash(DFlashConfig(engine.config, layers=1, block_size=4, taps=(0, 1)))
+    base.save(tmp_path / "base", dtype=torch.float32, meta={"heldout_tau": 1.0})
+    cfg = EdaConfig(domain="kjv", select=rule, fraction=0.4, private_size=8, score_anchors=4, probe_tokens=5)
+    tcfg = TrainConfig(prompts=7, heldout=2, max_new_tokens=12, gen_batch=4, steps=2, batch=2, anchors=4,
+                       eval_every=2, kinds=("kjv",))
+    prompts = [engine.encode(p.text, chat=True) for p in make_prompts(7, "train", ("kjv",), 0)]
+    if rule == "random":
+        expect = random_scores(7, 0, engine.device)
+    else:
+        probes = regenerate(engine, prompts, base.cfg.taps, 5, 4)
+        assert all(int(n) - int(s) <= 5 for n, s in zip(probes.lengths, probes.starts))
+        expect = sample_scores(base, engine.model, probes, rule, 4, 0)
+    keep = top(expect, 0.4)
+    assert len(keep) == 3
+    summary = train_eda(engine, tmp_path / "base", cfg, tcfg, tmp_path / "run", "byte", log=lambda *_: None)
+    assert summary["samples"] == 7 and summary["kept"] == 3 and "--probe-tokens 5" in summary["made_by"]
+    data = Dataset.load(tmp_path / "run" / "data.safetensors", engine, base.cfg.taps, 4)
+    assert [data.sequence(i)[:int(data.starts[i])] for i in range(3)] == [prompts[i] for i in keep.tolist()]
+    full = engine.generate([prompts[i] for i in keep.tolist()], GenerationConfig(max_new_tokens=12)).token_ids
+    assert [data.sequence(i)[int(data.starts[i]):] for i in range(3)] == full  # answered in full
+    torch.testing.assert_close(choose_prompts(engine, base, prompts, cfg, tcfg, tmp_path / "run" / "scores.pt")[0],
+                               keep)  # the saved scores
+    again = train_eda(engine, tmp_path / "base", cfg, tcfg, tmp_path / "run", "byte", log=lambda *_: None)
+    assert again["kept"] == 3 and again["heldout_tau"] == pytest.approx(summary["heldout_tau"])
+    with pytest.raises(SparseSpecError, match="only regenerated data is probed"):
+        EdaConfig(data="original", probe_tokens=5)
+
+
 def test_cli_train_eda_and_finetune_refuse_bad_options_with_one_line(tmp_path, capsys):
     from sparsespec.cli import main
 

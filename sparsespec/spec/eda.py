@@ -8,7 +8,10 @@
         or the domain's original text after the same prompts (--data original: no generation)
     selection: each sample scored by the base drafter against the fine-tuned target — `loss` (its decay-weighted
         block loss), `reducible` (that loss less the target's own loss on the same tokens), `acceptance` (its
-        simulated τ, lowest first) or `random` — and only the top `fraction` kept
+        simulated τ, lowest first) or `random` — and only the top `fraction` kept; with --probe-tokens K the
+        selection comes before regeneration: every prompt is answered with K tokens only, those probes are scored,
+        and only the kept prompts are answered in full (the answers, EDA's largest cost, shrink to about
+        K / max_new_tokens + fraction of answering every prompt)
     optimisation: train.py's loop (`fit`) on the kept samples, held-out τ on the domain's held-out prompts
 
 The adapted drafter is a DFlash drafter file like any other (its json records `private_size`, the base drafter and
@@ -45,6 +48,7 @@ class EdaConfig:
     private_size: int = 256  # width of each drafter layer's private MLP
     train_fc: bool = False  # also adapt the feature projection (fc)
     score_anchors: int = 32  # blocks a sample is scored on
+    probe_tokens: int = 0  # 0: score full answers; K: score K-token answers, then answer only the kept prompts
 
     def __post_init__(self):
         if self.domain not in DOMAINS:
@@ -57,6 +61,9 @@ class EdaConfig:
             raise SparseSpecError(f"fraction must be in (0, 1], got {self.fraction}")
         if self.private_size < 1 or self.score_anchors < 1:
             raise SparseSpecError("private size and score anchors must be >= 1")
+        if self.probe_tokens < 0 or (self.probe_tokens and self.data != "regenerated"):
+            raise SparseSpecError(f"probe tokens must be >= 0, and only regenerated data is probed (got "
+                                  f"{self.probe_tokens} with {self.data} data)")
 
 
 def decouple(base: DFlash, private_size: int) -> DFlash:
@@ -97,9 +104,9 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
     learnable part, not text any model finds uncertain), `acceptance` minus its simulated τ at T = 0, `random` a
     seeded random draw."""
     device = data.tokens.device
-    g = torch.Generator(device=device).manual_seed(seed)
     if rule == "random":
-        return torch.rand(len(data), generator=g, device=device)
+        return random_scores(len(data), seed, device)
+    g = torch.Generator(device=device).manual_seed(seed)
     drafter.eval()
     scores = torch.empty(len(data), device=device)
     with autocast_for(device):
@@ -120,6 +127,11 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
     return scores
 
 
+def random_scores(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """[n] the `random` rule's scores: a seeded uniform draw."""
+    return torch.rand(n, generator=torch.Generator(device=device).manual_seed(seed), device=device)
+
+
 @torch.no_grad()
 def target_nll(target, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     """tokens [n, T] (right-padded), lengths [n] -> [n, T] fp32: the target's loss −log p(tokens[t + 1] | tokens[..t])
@@ -137,11 +149,38 @@ def target_nll(target, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int =
     return nll * (torch.arange(T, device=tokens.device) < lengths[:, None] - 1)
 
 
+def top(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """scores [N] -> the indices [ceil(fraction · N)] of the highest scores (ties to the earlier one), highest first."""
+    n = max(1, int(-(-fraction * scores.shape[0] // 1)))
+    return torch.sort(scores, descending=True, stable=True).indices[:n]
+
+
 def select(data: Dataset, scores: torch.Tensor, fraction: float) -> Dataset:
     """The ceil(fraction · N) samples of highest score (ties to the earlier one), highest first."""
-    n = max(1, int(-(-fraction * len(data) // 1)))
-    order = torch.sort(scores, descending=True, stable=True).indices[:n]
-    return data.subset(order)
+    return data.subset(top(scores, fraction))
+
+
+def choose_prompts(engine: Engine, base: DFlash, prompts: list[list[int]], cfg: EdaConfig, tcfg: TrainConfig,
+                   scores_path: Path, progress: bool = False) -> tuple[torch.Tensor, float]:
+    """Selection before regeneration (cfg.probe_tokens > 0): the target answers every prompt (token ids) with its
+    first probe_tokens tokens only, the base drafter scores those probes by cfg.select, and the top cfg.fraction
+    of the prompts are kept -> (their indices, highest score first; the seconds spent scoring). The scores are
+    saved to `scores_path` (a resumed run reuses them); `random` draws without probing."""
+    device = engine.device
+    if scores_path.is_file():
+        scores = torch.load(scores_path, map_location=device)
+        if scores.shape != (len(prompts),):
+            raise SparseSpecError(f"{scores_path} scores {scores.shape[0]} prompts, not {len(prompts)}")
+        return top(scores, cfg.fraction), 0.0
+    if cfg.select == "random":
+        scores, score_s = random_scores(len(prompts), tcfg.seed, device), 0.0
+    else:
+        probes = regenerate(engine, prompts, base.cfg.taps, cfg.probe_tokens, tcfg.gen_batch, progress, "probe")
+        t0 = time.perf_counter()
+        scores = sample_scores(base, engine.model, probes, cfg.select, cfg.score_anchors, tcfg.seed)
+        score_s = time.perf_counter() - t0
+    torch.save(scores, scores_path)
+    return top(scores, cfg.fraction), score_s
 
 
 def original_data(engine: Engine, pairs: list[tuple[str, str]], taps: tuple[int, ...], batch: int) -> Dataset:
@@ -176,6 +215,7 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     taps = drafter.cfg.taps
     t0 = time.perf_counter()
     data_path, held_path, scores_path = out / "data.safetensors", out / "heldout.safetensors", out / "scores.pt"
+    probe_s = 0.0  # seconds of scoring probes (selection before regeneration): scoring, not data
     if data_path.is_file() and held_path.is_file():
         data, held = (Dataset.load(p, engine, taps, tcfg.gen_batch) for p in (data_path, held_path))
     else:
@@ -184,6 +224,9 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
         if cfg.data == "regenerated":
             train_p = [engine.encode(p.text, chat=True) for p in make_prompts(tcfg.prompts, "train", (cfg.domain,),
                                                                                 tcfg.seed)]
+            if cfg.probe_tokens:  # only the kept prompts are answered in full
+                keep, probe_s = choose_prompts(engine, base, train_p, cfg, tcfg, scores_path, progress)
+                train_p = [train_p[i] for i in keep.tolist()]
             data = regenerate(engine, train_p, taps, tcfg.max_new_tokens, tcfg.gen_batch, progress, "train")
         else:
             data = original_data(engine, domain_pairs(cfg.domain, tcfg.prompts, "train", tcfg.seed), taps,
@@ -192,22 +235,26 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
         held = regenerate(engine, held_p, taps, tcfg.max_new_tokens, tcfg.gen_batch, progress, "held-out")
         data.save(data_path, fingerprint(engine))
         held.save(held_path, fingerprint(engine))
-    data_s = time.perf_counter() - t0
-    log(f"data ({cfg.data}): {len(data)} train / {len(held)} held-out sequences, "
-        f"{int((data.lengths - data.starts).sum())} response tokens ({data_s:.0f} s)")
+    data_s = time.perf_counter() - t0 - probe_s
+    log(f"data ({cfg.data}{f', {cfg.probe_tokens}-token probes' if cfg.probe_tokens else ''}): {len(data)} train / "
+        f"{len(held)} held-out sequences, {int((data.lengths - data.starts).sum())} response tokens ({data_s:.0f} s)")
 
     t0 = time.perf_counter()
-    if scores_path.is_file():
-        scores = torch.load(scores_path, map_location=device)
+    if cfg.probe_tokens:  # the prompts were chosen before their answers (`choose_prompts`): every answer is kept
+        kept = data
     else:
-        scores = sample_scores(base, engine.model, data, cfg.select, cfg.score_anchors, tcfg.seed)
-        torch.save(scores, scores_path)
-    kept = select(data, scores, cfg.fraction)
-    score_s = time.perf_counter() - t0
+        if scores_path.is_file():
+            scores = torch.load(scores_path, map_location=device)
+        else:
+            scores = sample_scores(base, engine.model, data, cfg.select, cfg.score_anchors, tcfg.seed)
+            torch.save(scores, scores_path)
+        kept = select(data, scores, cfg.fraction)
+    score_s = probe_s + time.perf_counter() - t0
+    samples = tcfg.prompts if cfg.probe_tokens else len(data)
     with autocast_for(device):
         base_tau = acceptance(base, engine.model, held)
         base_decoding = decoding_acceptance(base, engine.model, held)[0]
-    log(f"selection ({cfg.select}): {len(kept)} of {len(data)} samples kept ({score_s:.0f} s); the base drafter's "
+    log(f"selection ({cfg.select}): {len(kept)} of {samples} samples kept ({score_s:.0f} s); the base drafter's "
         f"held-out tau against this target: {base_tau:.2f} (on the decoding loop's schedule: {base_decoding:.2f})")
     del base
 
@@ -228,7 +275,7 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     summary = {"target": target_name, "base_drafter": str(base_path), "eda": asdict(cfg), "train": asdict(tcfg),
                "trainable_parameters": trainable, "parameters": total, "base_heldout_tau": base_tau,
                "heldout_tau": tau, "base_heldout_tau_decoding": base_decoding, "heldout_tau_decoding": decoding_tau,
-               "history": history, "samples": len(data), "kept": len(kept),
+               "history": history, "samples": samples, "kept": len(kept),
                "data_seconds": round(data_s, 1), "score_seconds": round(score_s, 1), "train_seconds": round(train_s, 1),
                "device": hardware,
                "made_by": " ".join(command) + f" ({hardware}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})"}
