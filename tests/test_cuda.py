@@ -472,8 +472,8 @@ def test_row_invariant_products_make_a_verify_block_compute_the_decode_steps_log
 
 @cuda
 @pytest.mark.parametrize("compile", [False, True])
-@pytest.mark.parametrize("batch,width", [(1, 16), (3, 16), (2, 8)])
-def test_row_invariant_verify_columns_equal_plain_decode_steps_of_their_tokens(compile, batch, width):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_row_invariant_verify_columns_equal_plain_decode_steps_of_their_tokens(compile, batch):
     """Every column of a row-invariant verify block, not only its first, computes bitwise the logits that plain
     decoding's one-token steps compute for the same tokens, as a speculative bench meets them: the verify on a
     runner with a drafter's taps and a block more capacity, the decode steps on a plain runner (no taps); the
@@ -489,8 +489,9 @@ def test_row_invariant_verify_columns_equal_plain_decode_steps_of_their_tokens(c
     torch.manual_seed(0)
     model = Transformer(cfg).eval().requires_grad_(False).to("cuda", torch.bfloat16)
     model.row_invariant()
-    gen = torch.Generator().manual_seed(batch * 100 + width)
-    lengths = [505, 1020, 300][:batch]  # 505 + 16 and 1020 + 8 cross a 512-slot split
+    width = 16  # the bench's block
+    gen = torch.Generator().manual_seed(batch)
+    lengths = [505, 1020, 300][:batch]  # 505 + 16 and 1020 + 16 cross a 512-slot split
     prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     block = torch.randint(1, cfg.vocab_size, (batch, width), generator=gen).cuda()
     capacity = max(lengths) + 64
