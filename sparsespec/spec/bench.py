@@ -151,8 +151,8 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                                      "tau": s.tau, "committed": s.committed, "tokens_per_s": tps,
                                      "plain_tokens_per_s": plain_tps, "speedup": speedup, "identical": same,
                                      "divergence": None if same in (None, True) else divergence(
-                                         engine, prompt, ref, s.token_ids, cfg.block_size, cuda_graph, compile,
-                                         runners)})
+                                         engine, prompt, ref, s.token_ids, s.committed, cfg.block_size, gen,
+                                         drafter.taps, runners)})
                         if sink is not None:
                             sink.write(json.dumps(rows[-1]) + "\n")
                             sink.flush()
@@ -161,42 +161,68 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
 
 
 @torch.inference_mode()
-def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[int], block: int,
-               cuda_graph: bool = True, compile: bool = False, runners: RunnerPool | None = None) -> dict | None:
+def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[int], committed: list[int],
+               block: int, gen: GenerationConfig, taps: tuple[int, ...] = (),
+               runners: RunnerPool | None = None) -> dict | None:
     """Where a greedy speculative output first leaves the plain one, and whether rounding explains it.
 
-    At the first differing output index j the plain token came from a 1-token decode step and the speculative one
-    from a verify block; both steps are recomputed teacher-forced from the prompt and plain[:j]: one prefill of
-    the history, then a decode step and a `block`-wide verify step (its query 0) of the token plain[j - 1] (j = 0
-    is the prefill's own token, the same in both loops). The recomputation approximates the loops' arithmetic: a
-    batch of one row, the history's K/V from a prefill rather than from the loops' steps, and query 0 where the
-    loop's token may have come from a later query of its block; `reproduced` says whether it disagrees as the
-    loops did. The steps run as the loops' did (`cuda_graph`, `compile`), on a runner from `runners` where given
-    (no capture or compilation of their own). -> None when the outputs agree (or one is a
-    prefix of the other), else {"index": j, "plain_token", "spec_token", "margin": the decode step's top-1 minus
-    top-2 logit, "delta": the largest |decode − verify| logit difference over those two tokens and the
-    speculative token, "reproduced": whether the recomputed steps disagree as the loops did, "resolution": the
-    spacing of the model's dtype at the top logit (the LM head's output is rounded to it), "near_tie": margin
+    Both loops are replayed teacher-forced along plain[:j] (the speculative output is the same up to its first
+    differing index j), each as it ran: plain decoding's prefill then one decode step a token; speculation's
+    prefill (with the drafter's `taps`) then one `block`-wide verify step per entry of `committed` (its tokens
+    committed a step), each block the step's pending token and accepted proposals (its rejected proposals, which
+    no committed column sees, replaced by padding), the cache advanced as the loop advanced it. Runners are sized
+    as the pooled loops size theirs and taken from `runners` where given (the loops' own captured and compiled
+    steps); the replay is of a batch of one row, and its eager (uncaptured) verify steps are block-wide where the
+    loop's were as wide as their proposals. -> None when the outputs agree (or one is a prefix of the other),
+    else {"index": j, "plain_token", "spec_token", "margin": the decode step's top-1 minus top-2 logit at j,
+    "delta": the largest |decode − verify| logit difference over those two tokens and the speculative token,
+    "reproduced": whether the replayed steps disagree at j as the loops did, "first_difference": the first index
+    whose decode and verify logits are not bitwise equal ({"index", "column": its column in its verify block,
+    "delta": the largest difference over the vocabulary}; None: equal up to j), "largest_difference": the index
+    of the largest such difference (alike), "resolution": the spacing of the
+    model's dtype at the top logit (the LM head's output is rounded to it), "near_tie": margin
     <= 2 · max(delta, resolution) (two paths that differ by delta per logit can swap a pair closer than 2 · delta;
-    a batch's GEMMs, which the one-row recomputation does not repeat, can move each logit by a step of the dtype)}."""
+    a batch's GEMMs, which the one-row replay does not repeat, can move each logit by a step of the dtype)}."""
     j = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
     if j is None:
         return None
     out = {"index": j, "plain_token": plain[j], "spec_token": spec[j]}
-    if j == 0:
-        return {**out, "margin": None, "delta": None, "reproduced": False, "near_tie": False}
-    history = prompt + plain[:j - 1]  # the last token, plain[j - 1], is stepped
-    if runners is not None:
-        capacity = bucket_capacity(len(history) + block, engine.config.max_position)
-        runner = runners.get(engine.model, 1, capacity, cuda_graph, compile)
-    else:
-        runner = Runner(engine.model, 1, len(history) + block, cuda_graph=cuda_graph, compile=compile)
-    runner.prefill([history])
-    n = runner.cache.lengths[0]
-    token = torch.tensor([plain[j - 1]], device=engine.device)
-    decode = runner.decode(token)[0].float()  # [V]
-    runner.truncate([n])
-    verify = runner.verify(token.expand(1, block).contiguous(), block)[0][0, 0].float()  # [V]: query 0
+    if j == 0:  # the prefill's own token, the same computation in both loops
+        return {**out, "margin": None, "delta": None, "reproduced": False, "first_difference": None,
+                "largest_difference": None, "near_tie": False}
+    limit = engine.config.max_position
+
+    def runner(capacity: int, taps: tuple[int, ...]) -> Runner:
+        capacity = bucket_capacity(capacity, limit)  # as the pooled loops (generate, speculative_generate) size it
+        if runners is not None:
+            return runners.get(engine.model, 1, capacity, gen.cuda_graph, gen.compile, taps)
+        return Runner(engine.model, 1, capacity, cuda_graph=gen.cuda_graph, compile=gen.compile, taps=taps)
+
+    device = engine.device
+    plain_runner = runner(len(prompt) + gen.max_new_tokens, ())
+    plain_runner.prefill([prompt], gen.prefill_chunk)
+    decoded = torch.stack([plain_runner.decode(torch.tensor([t], device=device))[0].float().clone()
+                           for t in plain[:j]])  # [j, V]: row t predicts plain[t + 1] (each step's view copied)
+    spec_runner = runner(min(len(prompt) + gen.max_new_tokens + block, limit), tuple(taps))
+    spec_runner.prefill_tapped([prompt], gen.prefill_chunk)
+    verified, columns, at = [], [], 0  # at: the output index of the step's pending token
+    for c in committed:
+        if at >= j:
+            break
+        tokens = plain[at:at + c] + [0] * (block - c)  # the pending token, the accepted proposals, padding
+        logits = spec_runner.verify(torch.tensor([tokens], device=device), block)[0]  # [1, block, V]
+        verified.append(logits[0, :c].float().clone())  # rows predict plain[at + 1 .. at + c]
+        columns += range(c)
+        spec_runner.truncate([len(prompt) + at + c])
+        at += c
+    verified = torch.cat(verified)[:j]  # [j, V]
+    gaps = (decoded - verified).abs().amax(-1)  # [j] each index's largest logit difference
+    differs = (gaps > 0).nonzero()[:, 0].tolist()
+    worst = int(gaps.argmax())
+
+    def where(t: int) -> dict:
+        return {"index": t + 1, "column": columns[t], "delta": float(gaps[t])}
+    decode, verify = decoded[j - 1], verified[j - 1]  # the step that gave index j
     top2 = decode.topk(2)
     ids = {int(top2.indices[0]), int(top2.indices[1]), spec[j]}
     delta = max(float((decode[i] - verify[i]).abs()) for i in ids)
@@ -204,7 +230,8 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     resolution = spacing(engine.dtype, float(top2.values[0]))
     return {**out, "margin": margin, "delta": delta, "resolution": resolution,
             "reproduced": int(decode.argmax()) == plain[j] and int(verify.argmax()) == spec[j],
-            "near_tie": margin <= 2 * max(delta, resolution)}
+            "first_difference": where(differs[0]) if differs else None,
+            "largest_difference": where(worst) if differs else None, "near_tie": margin <= 2 * max(delta, resolution)}
 
 
 def spacing(dtype: torch.dtype, x: float) -> float:
@@ -235,9 +262,10 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
         same = [r["identical"] for r in g if r["identical"] is not None]
         ident = f"{sum(same)}/{len(same)}" if same else "-"
         diverged = [r.get("divergence") for r in g if r["identical"] is False]
-        if diverged:  # how many of the divergences start where the plain step's top two logits nearly tie
-            ties = sum(bool(d and d["near_tie"]) for d in diverged)
-            ident += f" ({ties} of {len(diverged)} at near-ties)"
+        if diverged:  # how many of the divergences start where the plain step's top two logits nearly tie, and
+            ties = sum(bool(d and d["near_tie"]) for d in diverged)  # how many the replay of both loops reproduced
+            again = sum(bool(d and d.get("reproduced")) for d in diverged)
+            ident += f" ({ties} of {len(diverged)} at near-ties, {again} reproduced)"
         speedup = f"{tps / ptps:.2f}x" if ptps > 0 else "-"
         lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | {speedup} | {ident} |")
     table = "\n".join(lines)
