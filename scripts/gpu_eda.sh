@@ -23,7 +23,8 @@
 # Every run after the loss run starts from its answers (same prompts, seed and sizes; the retrain answers anew).
 # Sizes (environment): DEVICE (cuda), FT_STEPS (300), FT_EXAMPLES (4096), PROMPTS (1024), FRACTION (0.5),
 # GEN_BATCH (128 prompts a generation batch), PROBE (32 answer tokens a probe), PRIVATE (256), STEPS (100000),
-# TIME (120 s of optimisation for each EDA run), RETRAIN (4), LAYERS (3), INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
+# TIME (120 s of optimisation for each EDA run), RETRAIN (4), RETRAIN_PROMPTS (PROMPTS), LAYERS (3),
+# INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
 # FT_EXTRA (more options for train finetune), ROOT (/root/eda).
 model=$1; base=$2; domain=$3
 [ -n "$model" ] && [ -n "$base" ] && [ -n "$domain" ] || { echo "usage: gpu_eda.sh MODEL BASE_DRAFTER DOMAIN"; exit 2; }

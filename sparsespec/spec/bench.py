@@ -222,6 +222,7 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
 
     def where(t: int) -> dict:
         return {"index": t + 1, "column": columns[t], "delta": float(gaps[t])}
+
     decode, verify = decoded[j - 1], verified[j - 1]  # the step that gave index j
     top2 = decode.topk(2)
     ids = {int(top2.indices[0]), int(top2.indices[1]), spec[j]}
