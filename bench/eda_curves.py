@@ -85,7 +85,8 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     base = next((r for r in runs.values() if r["base_tau"] is not None), None)
     if base is not None:
         ax.axhline(base["base_tau"], color="grey", linestyle=":", label="base drafter (uniform anchors)")
-    ax.plot([], [], marker="*", markersize=11, color="black", linestyle="none", label="final, loop's schedule")
+    if any(r["tau_decoding"] is not None for r in runs.values()):
+        ax.plot([], [], marker="*", markersize=11, color="black", linestyle="none", label="final, loop's schedule")
     ax.set_xlabel("GPU seconds (answers + scoring + optimisation)")
     ax.set_ylabel("held-out τ")
     ax.set_title(title, fontsize=10)
