@@ -54,6 +54,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# (name, default, help) of the positive-integer options `train dflash` and `train eda` share: of their answers, and
+# of their optimisation steps (default None: the help says what it depends on)
+_DATA_OPTIONS = (("max-new-tokens", 256, "answer length the target generates per prompt"),
+                 ("gen-batch", None, "prompts per target generation batch (default: 32 on cpu, 128 on cuda)"))
+_STEP_OPTIONS = (("batch", 8, "sequences per step"), ("anchors", 64, "blocks per sequence per step"),
+                 ("eval-every", 200, "steps between held-out evaluations (and checkpoints)"))
+
+
+def _positive_options(parser: argparse.ArgumentParser, *options: tuple[str, int | None, str]) -> None:
+    for name, default, text in options:
+        parser.add_argument(f"--{name}", type=_positive_int, default=default,
+                            help=text if default is None else f"{text} (default: %(default)s)")
+
+
 def _float(text: str) -> float:
     try:
         return float(text)
@@ -160,20 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder "
                     "(default: %(default)s)")
     td.add_argument("--out", required=True, help="folder for data, checkpoints and the drafter (resumes from it)")
-    for name, default, text in (
-            ("prompts", 512, "training prompts (half code, half text) the target answers"),
-            ("heldout", 32, "held-out prompts for the acceptance (tau) estimate"),
-            ("max-new-tokens", 256, "answer length the target generates per prompt"),
-            ("gen-batch", None, "prompts per target generation batch (default: 32 on cpu, 128 on cuda)"),
-            ("layers", 1, "drafter decoder layers"),
-            ("block-size", 16, "tokens per drafted block (the anchor + the tokens drafted after it)"),
-            ("taps", 3, "target layers whose features condition the drafter (spread evenly)"),
-            ("steps", 2000, "optimisation steps"),
-            ("batch", 8, "sequences per step"),
-            ("anchors", 64, "blocks per sequence per step"),
-            ("eval-every", 200, "steps between held-out evaluations (and checkpoints)")):
-        td.add_argument(f"--{name}", type=_positive_int, default=default,
-                        help=text if default is None else f"{text} (default: %(default)s)")
+    _positive_options(td, ("prompts", 512, "training prompts (half code, half text) the target answers"),
+                      ("heldout", 32, "held-out prompts for the acceptance (tau) estimate"), *_DATA_OPTIONS,
+                      ("layers", 1, "drafter decoder layers"),
+                      ("block-size", 16, "tokens per drafted block (the anchor + the tokens drafted after it)"),
+                      ("taps", 3, "target layers whose features condition the drafter (spread evenly)"),
+                      ("steps", 2000, "optimisation steps"), *_STEP_OPTIONS)
     td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: 0, the target's)")
     td.add_argument("--storage", choices=["bf16", "fp8"], default="bf16", help="the drafter file's weights: bf16, or "
                     "fp8 (its matrices in FP8 with a scale per row: half the bytes; default: %(default)s)")
@@ -238,17 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--probe-tokens", type=_positive_int, default=0, metavar="K", help="select prompts before "
                     "answering them: score every prompt's first K answer tokens, then answer only the kept "
                     "prompts in full (regenerated data; default: off, every prompt answered in full and scored)")
-    for name, default, text in (
-            ("prompts", 1024, "domain prompts the target answers"),
-            ("heldout", 32, "held-out domain prompts for the acceptance (tau) estimate"),
-            ("max-new-tokens", 256, "answer length the target generates per prompt"),
-            ("gen-batch", None, "prompts per target generation batch (default: 32 on cpu, 128 on cuda)"),
-            ("steps", 1000, "optimisation steps"),
-            ("batch", 8, "sequences per step"),
-            ("anchors", 64, "blocks per sequence per step"),
-            ("eval-every", 200, "steps between held-out evaluations (and checkpoints)")):
-        te.add_argument(f"--{name}", type=_positive_int, default=default,
-                        help=text if default is None else f"{text} (default: %(default)s)")
+    _positive_options(te, ("prompts", 1024, "domain prompts the target answers"),
+                      ("heldout", 32, "held-out domain prompts for the acceptance (tau) estimate"),
+                      *_DATA_OPTIONS, ("steps", 1000, "optimisation steps"), *_STEP_OPTIONS)
     te.add_argument("--lr", type=_float, default=3e-4, help="AdamW peak learning rate (default: %(default)s)")
     te.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
     te.add_argument("--storage", choices=["bf16", "fp8"], default="bf16", help="the drafter file's weights "

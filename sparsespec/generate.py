@@ -21,7 +21,7 @@ from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
 from .models.transformer import Transformer
 from .progress import track
-from .runner import Runner, RunnerPool, bucket_capacity
+from .runner import Runner, RunnerPool, loop_capacity
 from .sampling import SamplingConfig, make_generator, sample
 
 
@@ -181,10 +181,8 @@ class Engine:
         if policy is not None and self.config.sliding_window is not None:
             raise SparseSpecError("sparse attention policies do not support sliding-window models yet; use dense")
         B = len(prompts)
-        capacity = max(lens) + gen.max_new_tokens
-        # compiled or pooled dense steps serve calls of nearby lengths (a sparse policy's fixed widths: exact size)
-        if policy is None and (gen.compile or runners is not None):
-            capacity = bucket_capacity(capacity, self.config.max_position)
+        capacity = loop_capacity(max(lens) + gen.max_new_tokens, self.config.max_position, gen.compile,
+                                 runners is not None, policy is not None)
         if runners is not None and policy is None:
             runner = runners.get(self.model, B, capacity, gen.cuda_graph, gen.compile)
         else:

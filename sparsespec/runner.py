@@ -49,6 +49,13 @@ def bucket_capacity(capacity: int, limit: int) -> int:
     return min(size, limit)
 
 
+def loop_capacity(need: int, limit: int, compile: bool, pooled: bool, sparse: bool = False) -> int:
+    """A decoding loop's cache size for `need` slots: `bucket_capacity` where its dense steps are shared with other
+    calls (compiled, or taken from a `RunnerPool`), else exactly `need` (a sparse policy's fixed widths are sized to
+    the call). Plain decoding, speculation and the bench's replay of both size their caches here alike."""
+    return bucket_capacity(need, limit) if not sparse and (compile or pooled) else need
+
+
 class RunnerPool:
     """Dense runners kept for reuse by the calls of one loop (a benchmark over many prompts): a captured step, and
     with `compile` its compilation, belongs to its runner's static cache, so a call of the same model, batch,

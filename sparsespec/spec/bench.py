@@ -26,7 +26,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
 from ..results import read_rows
-from ..runner import Runner, RunnerPool, bucket_capacity
+from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig
 from .decode import speculative_generate
 from .drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
@@ -171,8 +171,8 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     prefill (with the drafter's `taps`) then one `block`-wide verify step per entry of `committed` (its tokens
     committed a step), each block the step's pending token and accepted proposals (its rejected proposals, which
     no committed column sees, replaced by padding), the cache advanced as the loop advanced it. Runners are sized
-    as the pooled loops size theirs and taken from `runners` where given (the loops' own captured and compiled
-    steps); the replay is of a batch of one row, and its eager (uncaptured) verify steps are block-wide where the
+    as the loops size theirs (`loop_capacity`) and taken from `runners` where given (the loops' own captured and
+    compiled steps); the replay is of a batch of one row, and its eager (uncaptured) verify steps are block-wide where the
     loop's were as wide as their proposals. -> None when the outputs agree (or one is a prefix of the other),
     else {"index": j, "plain_token", "spec_token", "margin": the decode step's top-1 minus top-2 logit at j,
     "delta": the largest |decode − verify| logit difference over those two tokens and the speculative token,
@@ -193,7 +193,7 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     limit = engine.config.max_position
 
     def runner(capacity: int, taps: tuple[int, ...]) -> Runner:
-        capacity = bucket_capacity(capacity, limit)  # as the pooled loops (generate, speculative_generate) size it
+        capacity = loop_capacity(capacity, limit, gen.compile, runners is not None)  # as the loops sized theirs
         if runners is not None:
             return runners.get(engine.model, 1, capacity, gen.cuda_graph, gen.compile, taps)
         return Runner(engine.model, 1, capacity, cuda_graph=gen.cuda_graph, compile=gen.compile, taps=taps)

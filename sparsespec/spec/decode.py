@@ -25,7 +25,7 @@ import torch
 from ..attention.policy import device_ints
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
-from ..runner import Runner, RunnerPool, bucket_capacity
+from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig, make_generator, sample
 from .drafters import Drafter
 from .verify import verify_greedy_rows, verify_sampling
@@ -72,9 +72,8 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         engine.check_fits(len(prompt), gen.max_new_tokens)
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
     rooms = [min(len(p) + gen.max_new_tokens + block_size, engine.config.max_position) for p in prompts]
-    capacity = max(rooms)
-    if drafter.policy is None and (gen.compile or runners is not None):  # steps shared by calls of nearby lengths
-        capacity = bucket_capacity(capacity, engine.config.max_position)
+    capacity = loop_capacity(max(rooms), engine.config.max_position, gen.compile, runners is not None,
+                             drafter.policy is not None)
     if runners is not None and drafter.policy is None:
         runner = runners.get(engine.model, len(prompts), capacity, gen.cuda_graph, gen.compile, drafter.taps)
     else:
