@@ -197,8 +197,9 @@ def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
 def test_block_attention_in_fixed_chunks_is_bitwise_the_same_over_any_capacity_batch_and_block(D, dtype):
     """With `chunk` the splits sit at fixed slots: a query's output is bitwise the same whether the cache holds
     S or more slots (a speculative loop's cache is a block longer than plain decoding's), whatever other rows share
-    the batch and whether the query is alone (a decode step) or the first of a block (a verify step); and it
-    stays within the reference's tolerance. A chunk that is no multiple of the key block is refused."""
+    the batch and whether the query is alone (a decode step) or any column of a block (a verify step; here 5
+    queries of a group of 3 heads: 15 rows, and 35 in the wider block below, tiled alike); and it stays within the
+    reference's tolerance. A chunk that is no multiple of the key block is refused."""
     gen = torch.Generator().manual_seed(D)
     Hkv, G, S, chunk = 2, 3, 300, 2 * _block_n(D)
     q = torch.randn(3, Hkv * G, 5, D, generator=gen).to(DEVICE, dtype)  # [B, Hq, T, D]
@@ -211,9 +212,17 @@ def test_block_attention_in_fixed_chunks_is_bitwise_the_same_over_any_capacity_b
     assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     longer = block_attention(q, k, v, positions, chunk=chunk)  # more slots, more (empty) splits
     assert torch.equal(longer, out)
-    for r in range(3):  # each row alone, its first query alone (a decode step's shape)
-        alone = block_attention(q[r:r + 1, :, :1], k[r:r + 1, :, :S + 7], v[r:r + 1, :, :S + 7],
-                                positions[r:r + 1, :1], chunk=chunk)
-        assert torch.equal(alone, out[r:r + 1, :, :1]), r
+    for r in range(3):  # each row alone, each of its queries alone (a decode step's shape)
+        for t in range(5):
+            alone = block_attention(q[r:r + 1, :, t:t + 1], k[r:r + 1, :, :S + 7], v[r:r + 1, :, :S + 7],
+                                    positions[r:r + 1, t:t + 1], chunk=chunk)
+            assert torch.equal(alone, out[r:r + 1, :, t:t + 1]), (r, t)
+    wide = torch.randn(3, Hkv * G, 12, D, generator=gen).to(DEVICE, dtype)  # a 12-wide block: 36 rows a head
+    wide_positions = positions[:, :1] + torch.arange(12, device=DEVICE)  # [B, 12]
+    block = block_attention(wide, k, v, wide_positions, chunk=chunk)
+    for r, t in ((0, 0), (0, 11), (1, 6), (2, 10)):
+        alone = block_attention(wide[r:r + 1, :, t:t + 1], k[r:r + 1], v[r:r + 1], wide_positions[r:r + 1, t:t + 1],
+                                chunk=chunk)
+        assert torch.equal(alone, block[r:r + 1, :, t:t + 1]), (r, t)
     with pytest.raises(ValueError, match="multiple"):
         block_attention(q, k, v, positions, chunk=_block_n(D) + 8)

@@ -19,6 +19,7 @@ LOG2E = 1.4426950408889634
 MIN_BLOCKS_PER_SPLIT = 2  # a split streams at least this many BLOCK_N index blocks
 PROGRAMS_PER_SM = 3  # aim for 2-4 partial programs per multiprocessor
 MERGE_BLOCK_S = 64  # splits merged per step
+INVARIANT_TILE = 16  # (head, query) rows a program of the fixed-chunk block attention (one MMA tile's rows)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -215,11 +216,12 @@ def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale
                           stride_vs, stride_pb,
                           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    tile = tl.program_id(0)  # fastest: the row tiles of one KV head's split run side by side (its K/V read once)
+    pid = tl.program_id(1)
+    split = tl.program_id(2)
     b = (pid // HKV).to(tl.int64)
     h = pid % HKV
-    offs_r = tl.arange(0, BLOCK_R)  # rows (query head g of the group, query t of the block): r = g * T + t
+    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # rows (query head g, query t of the block): r = g * T + t
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     live = offs_r < G * T
@@ -244,7 +246,7 @@ def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale
         s = tl.where(seen, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
 
-    part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(1) + split  # [BLOCK_R]
+    part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(2) + split  # [BLOCK_R]
     tl.store(m_part + part, m_i, mask=live)
     tl.store(l_part + part, l_i, mask=live)
     tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=live[:, None])
@@ -260,9 +262,11 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     positions  [B, T]          int; query t of row b sees slots 0..positions[b, t] (causal over the cache)
     -> out     [B, Hq, T, D]   q's dtype (contiguous), fp32 accumulation
     chunk      0: split S for the device's parallelism (`num_splits`); else slots a split, a multiple of the key
-               block: splits at fixed slots whatever S, B and T are, so a query's result is bitwise the same
-               over caches of different capacities (a speculative loop's cache is a block longer than plain
-               decoding's) and batches of any size (row-invariant steps)
+               block: splits at fixed slots whatever S, B and T are, and the (head, query) rows in tiles of
+               INVARIANT_TILE whatever G · T is, so a query's result is bitwise the same over caches of different
+               capacities (a speculative loop's cache is a block longer than plain decoding's), batches of any
+               size and blocks of any width (row-invariant steps: a verify column computes what the decode step
+               of its token does)
     Launches depend on shapes alone: capturable in a CUDA graph."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -276,22 +280,26 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         if chunk % block_n:
             raise ValueError(f"block_attention's chunk must be a multiple of {block_n} slots, got {chunk}")
         splits = triton.cdiv(max(S, 1), chunk)
+        # one tile shape (and so one MMA shape and one reduction layout) for a decode step's rows and a verify
+        # block's: a tile of G * T rows rounded up to a power of two sums a row's scores in another order
+        block_r, stages = INVARIANT_TILE, 2
     else:
         splits = num_splits(S, B * Hkv, D, q.device) if splits is None else splits
         chunk = triton.cdiv(triton.cdiv(max(S, 1), block_n), splits) * block_n
+        # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
+        # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3
+        block_r, stages = max(16, triton.next_power_of_2(G * T)), 2 if T == 1 else 3
+    tiles = triton.cdiv(G * T, block_r)
     positions = positions.contiguous()
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     acc_part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
-    _block_partial_kernel[(B * Hkv, splits)](
+    _block_partial_kernel[(tiles, B * Hkv, splits)](
         q, k, v, positions, m_part, l_part, acc_part, scale * LOG2E, chunk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), positions.stride(0),
-        HKV=Hkv, G=G, T=T, D=D, BLOCK_R=max(16, triton.next_power_of_2(G * T)), BLOCK_N=block_n,
-        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4,
-        # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
-        # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3
-        num_stages=2 if T == 1 else 3)
+        HKV=Hkv, G=G, T=T, D=D, BLOCK_R=block_r, BLOCK_N=block_n,
+        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=stages)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     # (fixed chunks: a fixed merge tile too, so that a cache with more, empty, splits merges alike)
     block_s = MERGE_BLOCK_S if fixed else min(MERGE_BLOCK_S, triton.next_power_of_2(splits))
