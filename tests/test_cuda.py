@@ -478,7 +478,8 @@ def test_row_invariant_verify_columns_equal_plain_decode_steps_of_their_tokens(c
     decoding's one-token steps compute for the same tokens, as a speculative bench meets them: the verify on a
     runner with a drafter's taps and a block more capacity, the decode steps on a plain runner (no taps); the
     1.5B's full widths (hidden 1536, MLP 8960, 12 / 2 heads of 128, q/k/v biases, its vocabulary), batch 1 and
-    more, and blocks that straddle the block attention's fixed splits (512 slots). (A bench of the fine-tuned
+    more, four successive blocks (the cache written by verify steps, as a loop's is), and blocks that straddle the
+    block attention's fixed splits (512 slots). (A bench of the fine-tuned
     1.5B at batch 1, block 16, compiled, left plain greedy on 8 of 16 prompts at near-ties with
     `--row-invariant` on; the earlier test checks column 0 of an 8-wide block only. On the H200, 2026-12-02, this
     test failed at batch 3 uncompiled while batch 1 passed, and the bench's exact replay put the first logit
@@ -496,18 +497,24 @@ def test_row_invariant_verify_columns_equal_plain_decode_steps_of_their_tokens(c
     gen = torch.Generator().manual_seed(batch)
     lengths = [505, 1020, 300][:batch]  # 505 + 16 and 1020 + 16 cross a 512-slot split
     prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    block = torch.randint(1, cfg.vocab_size, (batch, width), generator=gen).cuda()
-    capacity = max(lengths) + 64
+    blocks = 4  # successive blocks, each committed whole, as a loop that accepts every proposal would
+    tokens = torch.randint(1, cfg.vocab_size, (batch, blocks * width), generator=gen).cuda()
+    capacity = max(lengths) + blocks * width + 64
     spec = Runner(model, batch, capacity + width, compile=compile, taps=(0, 1))
     spec.prefill_tapped(prompts)
-    verified, features = spec.verify(block, width)  # [B, W, V], [B, W, 2 * H]
-    assert features is not None
+    verified = []
+    for i in range(blocks):
+        logits, features = spec.verify(tokens[:, i * width:(i + 1) * width], width)  # [B, W, V], [B, W, 2 * H]
+        assert features is not None
+        verified.append(logits.clone())  # (the graph's output: the next replay overwrites it)
+        spec.truncate([n + (i + 1) * width for n in lengths])
+    verified = torch.cat(verified, 1)  # [B, blocks * W, V]
     plain = Runner(model, batch, capacity, compile=compile)
     plain.prefill(prompts)
-    for j in range(width):
-        decoded = plain.decode(block[:, j])  # [B, V]
+    for j in range(blocks * width):
+        decoded = plain.decode(tokens[:, j])  # [B, V]
         for b in range(batch):
-            assert torch.equal(verified[b, j], decoded[b]), f"row {b}, column {j} of {width}"
+            assert torch.equal(verified[b, j], decoded[b]), f"row {b}, column {j % width} of block {j // width}"
 
 
 @cuda
