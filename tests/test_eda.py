@@ -166,6 +166,21 @@ def test_target_nll_is_each_rows_own_next_token_loss():
         assert not got[r, n - 1:].any()  # no next token at a row's end, nothing past it
 
 
+def test_scores_do_not_depend_on_how_many_samples_are_scored_at_once(shifted):
+    """The default batch (`scoring_rows`: as many samples as fit the memory budget) scores as one sample at a time
+    does: on the CPU the anchors come from one generator stream either way, and the rows are independent."""
+    from sparsespec.spec.eda import scoring_rows
+
+    _, tuned, base, prompts, taps = shifted
+    data = regenerate(tuned, prompts[:7], taps, 20, 8)
+    assert scoring_rows(8, base.cfg.block_size, base.cfg.target.vocab_size, torch.device("cpu")) >= 7
+    assert scoring_rows(32, 16, 151936, torch.device("cpu")) == 3  # the 1.5B's blocks: 311 MB a sample in 1 GiB
+    assert scoring_rows(10**6, 16, 151936, torch.device("cpu")) == 1
+    together = sample_scores(base, tuned.model, data, "loss", anchors=8, seed=5)  # (a continuous score: no argmax
+    alone = sample_scores(base, tuned.model, data, "loss", anchors=8, seed=5, batch=1)  # ties to break either way)
+    assert torch.allclose(together, alone, rtol=1e-4, atol=1e-5)
+
+
 def test_reducible_score_is_the_loss_score_less_the_targets_own_loss_on_the_same_labels(shifted):
     from sparsespec.spec.dflash import block_labels, loss_weights
     from sparsespec.spec.train import sample_anchors
