@@ -281,7 +281,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             raise ValueError(f"block_attention's chunk must be a multiple of {block_n} slots, got {chunk}")
         splits = triton.cdiv(max(S, 1), chunk)
         # one tile shape (and so one MMA shape and one reduction layout) for a decode step's rows and a verify
-        # block's: a tile of G * T rows rounded up to a power of two sums a row's scores in another order
+        # block's: a tile of G * T rows rounded up to a power of two sums a row's scores in another order. The
+        # price: each of a block's G * T / 16 tiles reads the split's K/V (side by side, so mostly from L2)
         block_r, stages = INVARIANT_TILE, 2
     else:
         splits = num_splits(S, B * Hkv, D, q.device) if splits is None else splits
