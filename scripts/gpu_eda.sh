@@ -8,6 +8,7 @@
 #   ft        train finetune --domain DOMAIN                      the fine-tuned target (a LoRA adapter folder)
 #   loss      train eda --select loss                              (b) EDA: private MLPs, regenerated data, selection
 #   reducible train eda --select reducible                         (b') selection by loss less the target's own loss
+#   acceptance train eda --select acceptance                       (b''') selection by the base drafter's simulated tau
 #   random    train eda --select random                            (c) the same amount of data chosen at random
 #   original  train eda --select loss --data original              (d) the domain's own text instead of regeneration
 #   probe-loss   train eda --select loss --probe-tokens PROBE      (b") selection before regeneration: every prompt's
@@ -25,7 +26,8 @@
 # GEN_BATCH (128 prompts a generation batch), PROBE (32 answer tokens a probe), PRIVATE (256), STEPS (100000),
 # TIME (120 s of optimisation for each EDA run), RETRAIN (4), RETRAIN_PROMPTS (PROMPTS), LAYERS (3),
 # INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
-# FT_EXTRA (more options for train finetune), ROOT (/root/eda).
+# EDA_EXTRA (more options for the train eda runs only, e.g. "--lr 1e-3"), FT_EXTRA (more options for train
+# finetune), ROOT (/root/eda).
 model=$1; base=$2; domain=$3
 [ -n "$model" ] && [ -n "$base" ] && [ -n "$domain" ] || { echo "usage: gpu_eda.sh MODEL BASE_DRAFTER DOMAIN"; exit 2; }
 export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -40,7 +42,7 @@ eda() {  # eda STEP OPTIONS...
   run=$1; shift
   step $run $S train eda --target $root/ft --base-drafter "$base" --domain $domain --out $root/$run \
     --prompts $prompts --fraction ${FRACTION:-0.5} --private-size ${PRIVATE:-256} --steps ${STEPS:-100000} \
-    --gen-batch ${GEN_BATCH:-128} --time-limit $time --device $dev --progress $EXTRA "$@"
+    --gen-batch ${GEN_BATCH:-128} --time-limit $time --device $dev --progress $EXTRA $EDA_EXTRA "$@"
 }
 reuse() {  # reuse RUN: RUN starts from the loss run's answers
   if [ -f $root/loss.done ] && [ ! -d $root/$1 ]; then
@@ -49,6 +51,7 @@ reuse() {  # reuse RUN: RUN starts from the loss run's answers
 }
 eda loss --select loss
 reuse reducible; eda reducible --select reducible
+reuse acceptance; eda acceptance --select acceptance
 reuse random; eda random --select random
 eda original --select loss --data original
 eda probe-loss --select loss --probe-tokens ${PROBE:-32}
@@ -58,7 +61,7 @@ step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retra
   --steps ${STEPS:-100000} --gen-batch ${GEN_BATCH:-128} --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") \
   --lr 3e-4 --device $dev --progress $EXTRA
 drafters=dflash:$base
-for run in loss reducible random original probe-loss probe-random retrain; do
+for run in loss reducible acceptance random original probe-loss probe-random retrain; do
   [ -f $root/$run/drafter.json ] && drafters="$drafters dflash:$root/$run/drafter"
 done
 step bench $S bench spec --target $root/ft --drafters $drafters --kinds $domain \
