@@ -102,6 +102,28 @@ def test_streamed_text_equals_final_text_on_broken_utf8(one_thread):
         assert ["".join(p) for p in pieces] == result.texts
 
 
+def test_text_is_detokenised_incrementally_only_where_something_reads_it(one_thread, monkeypatch):
+    """Without `on_text` and stop strings the rows' text is decoded once at the end (no per-token detokenisation
+    between decode steps), and is the same text the streamed run shows; a stop string or a reader turns the
+    incremental text back on."""
+    eng = byte_engine()
+    prompts = [list("Grüße aus Köln 🎉".encode()), list("abc".encode())]
+    calls = []
+    real = TextStream.add
+    monkeypatch.setattr(TextStream, "add", lambda self, token: calls.append(token) or real(self, token))
+    gen = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=3))
+    quiet = eng.generate(prompts, gen)
+    assert not calls
+    pieces: list[list[str]] = [[] for _ in prompts]
+    shown = eng.generate(prompts, gen, on_text=lambda b, text: pieces[b].append(text))
+    assert calls and shown.token_ids == quiet.token_ids and shown.texts == quiet.texts
+    assert ["".join(p) for p in pieces] == quiet.texts
+    calls.clear()
+    cut = eng.generate(prompts, GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=3),
+                                                 stop_strings=("e",)))
+    assert calls and all("e" not in text for text in cut.texts)
+
+
 def test_chat_system_message(smollm2_engine):
     eng = smollm2_engine
     with_system = eng.tokenizer.decode(eng.encode("Say hi.", chat=True, system="Answer in French."))
