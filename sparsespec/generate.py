@@ -2,7 +2,8 @@
 
     prompts --pad right--> prefill (chunks of `prefill_chunk` positions) --> logits of each row's last token
       --> sample --> decode loop: forward(token at position = row length) --> sample --> stop on EOS / string
-    each row's text grows as its tokens arrive (TextStream): `on_text` can show it while it is generated
+    each row's text grows as its tokens arrive (TextStream) where `on_text` shows it while it is generated or a
+    stop string must be found; otherwise it is decoded once, at the end
 """
 
 from __future__ import annotations
