@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -175,21 +176,31 @@ def choose_prompts(engine: Engine, base: DFlash, prompts: list[list[int]], cfg: 
     first probe_tokens tokens only, the base drafter scores those probes by cfg.select, and the top cfg.fraction
     of the prompts are kept -> (their indices, highest score first; the seconds spent scoring). The scores are
     saved to `scores_path` (a resumed run reuses them); `random` draws without probing."""
-    device = engine.device
-    if scores_path.is_file():
-        scores = torch.load(scores_path, map_location=device)
-        if scores.shape != (len(prompts),):
-            raise SparseSpecError(f"{scores_path} scores {scores.shape[0]} prompts, not {len(prompts)}")
-        return top(scores, cfg.fraction), 0.0
-    if cfg.select == "random":
-        scores, score_s = random_scores(len(prompts), tcfg.seed, device), 0.0
-    else:
+    score_s = 0.0
+
+    def score() -> torch.Tensor:
+        nonlocal score_s
+        if cfg.select == "random":
+            return random_scores(len(prompts), tcfg.seed, engine.device)
         probes = regenerate(engine, prompts, base.cfg.taps, cfg.probe_tokens, tcfg.gen_batch, progress, "probe")
         t0 = time.perf_counter()
         scores = sample_scores(base, engine.model, probes, cfg.select, cfg.score_anchors, tcfg.seed)
         score_s = time.perf_counter() - t0
-    torch.save(scores, scores_path)
-    return top(scores, cfg.fraction), score_s
+        return scores
+
+    return top(saved_scores(scores_path, len(prompts), engine.device, score), cfg.fraction), score_s
+
+
+def saved_scores(path: Path, n: int, device: torch.device, score: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The [n] scores saved at `path` by an earlier run (a resumed run reuses them), else `score()`'s, saved there."""
+    if path.is_file():
+        scores = torch.load(path, map_location=device)
+        if scores.shape != (n,):
+            raise SparseSpecError(f"{path} holds {scores.shape[0]} scores, not {n}: another run's folder?")
+        return scores
+    scores = score()
+    torch.save(scores, path)
+    return scores
 
 
 def original_data(engine: Engine, pairs: list[tuple[str, str]], taps: tuple[int, ...], batch: int) -> Dataset:
@@ -252,11 +263,8 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     if cfg.probe_tokens:  # the prompts were chosen before their answers (`choose_prompts`): every answer is kept
         kept = data
     else:
-        if scores_path.is_file():
-            scores = torch.load(scores_path, map_location=device)
-        else:
-            scores = sample_scores(base, engine.model, data, cfg.select, cfg.score_anchors, tcfg.seed)
-            torch.save(scores, scores_path)
+        scores = saved_scores(scores_path, len(data), device, lambda: sample_scores(
+            base, engine.model, data, cfg.select, cfg.score_anchors, tcfg.seed))
         kept = select(data, scores, cfg.fraction)
     score_s = probe_s + time.perf_counter() - t0
     samples = tcfg.prompts if cfg.probe_tokens else len(data)
