@@ -215,6 +215,8 @@ def test_earlier_answers_add_to_new_ones_once_and_only_the_same_targets(setup, t
     seen = train.Dataset.load(tmp_path / "b" / "data.safetensors", engine, (0, 1), 4)
     assert 4 < len(seen) <= 8 and "--add-data" in run["made_by"] and summary["made_by"]
     assert 1 <= summary["heldout_tau_decoding"] <= prompts_cfg.block_size
+    drafter = DFlash.load(tmp_path / "a" / "drafter")
+    assert summary["trainable_parameters"] == summary["parameters"] == sum(p.numel() for p in drafter.parameters())
 
 
 def test_the_schedule_warms_up_then_decays_to_zero_over_the_progress():

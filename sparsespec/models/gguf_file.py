@@ -27,6 +27,10 @@ class GGUFFormatError(ValueError):
     """The bytes are not a GGUF file this reader understands (its message says where and why)."""
 
 
+class NotGGUF(GGUFFormatError):
+    """The file does not start with the GGUF magic: some other kind of file."""
+
+
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
@@ -88,7 +92,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     Raises GGUFFormatError on anything malformed: bad magic, unsupported version, truncation, a tensor past the end."""
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
-            raise GGUFFormatError("not a GGUF file (bad magic)")
+            raise NotGGUF("not a GGUF file (bad magic)")
         header = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         return _parse(path, header)

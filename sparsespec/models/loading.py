@@ -159,13 +159,12 @@ def _gguf():
 def open_gguf(path: Path):
     """The file's metadata and tensor table (gguf_file.GGUFFile), or one clear error for a damaged file."""
     _gguf()
-    from .gguf_file import GGUFFormatError, read_gguf
+    from .gguf_file import GGUFFormatError, NotGGUF, read_gguf
 
-    with open(path, "rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise SparseSpecError(f"{path} is not a GGUF file (bad magic) and not a checkpoint folder")
     try:
         return read_gguf(path)
+    except NotGGUF:
+        raise SparseSpecError(f"{path} is not a GGUF file (bad magic) and not a checkpoint folder") from None
     except GGUFFormatError as e:
         raise SparseSpecError(f"corrupt or truncated GGUF file {path}: {e}") from None
 

@@ -366,7 +366,9 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     command += ["--init", str(init)] if init is not None else []
     command += ["--add-data", *map(str, add_data)] if add_data else []
     command += ["--processes", str(ranks.size)] if ranks.size > 1 else []
-    summary = {"target": target_name, "train": asdict(cfg), "heldout_tau": tau,
+    parameters = sum(p.numel() for p in drafter.parameters())  # all trained (EDA's summary has the same keys)
+    summary = {"target": target_name, "train": asdict(cfg), "trainable_parameters": parameters,
+               "parameters": parameters, "heldout_tau": tau,
                "heldout_tau_decoding": decoding_tau, "history": history,
                "train_seconds": round(train_s, 1), "data_seconds": round(data_s, 1),
                "device": hardware if ranks.size == 1 else f"{ranks.size} x {hardware}",
