@@ -27,7 +27,8 @@
 # TIME (120 s of optimisation for each EDA run), RETRAIN (4), RETRAIN_PROMPTS (PROMPTS), LAYERS (3),
 # INTERMEDIATE (2048), BENCH_PROMPTS (32), NEW (128), EXTRA (more options for every train eda / train dflash),
 # EDA_EXTRA (more options for the train eda runs only, e.g. "--lr 1e-3"), FT_EXTRA (more options for train
-# finetune), ROOT (/root/eda).
+# finetune), ROOT (/root/eda), FT (a fine-tune folder made by an earlier run, e.g. /root/eda/DOMAIN/ft: linked as
+# this root's ft and its step skipped, so a second ROOT, e.g. with another FRACTION, adapts to the same target).
 model=$1; base=$2; domain=$3
 [ -n "$model" ] && [ -n "$base" ] && [ -n "$domain" ] || { echo "usage: gpu_eda.sh MODEL BASE_DRAFTER DOMAIN"; exit 2; }
 export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -35,6 +36,10 @@ dev=${DEVICE:-cuda}; time=${TIME:-120}; prompts=${PROMPTS:-1024}
 root=${ROOT:-/root/eda}/$domain
 mkdir -p $root
 . scripts/steps.sh
+if [ -n "$FT" ] && [ ! -e $root/ft ]; then
+  [ -f "$FT/adapter.json" ] || { echo "FT=$FT is not a fine-tune folder (no adapter.json)"; exit 2; }
+  ln -s "$(cd "$FT" && pwd)" $root/ft && touch $root/ft.done
+fi
 S="python3 -m sparsespec"
 step ft $S train finetune --model "$model" --domain $domain --out $root/ft --steps ${FT_STEPS:-300} \
   --examples ${FT_EXAMPLES:-4096} --device $dev --progress $FT_EXTRA
@@ -67,7 +72,7 @@ done
 step bench $S bench spec --target $root/ft --drafters $drafters --kinds $domain \
   --prompts ${BENCH_PROMPTS:-32} --batch 1 --temperatures 0 --max-new-tokens ${NEW:-128} --block-size 16 \
   --device $dev $([ "$dev" = cuda ] && echo --compile --row-invariant) --out $root/bench
-tail -40 $root/log
+[ -f $root/log ] && tail -40 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/eda-$domain.tar.gz log ft/adapter.json */drafter.json */summary.json bench/spec.* \
   2>/dev/null; ls -la $OUT
