@@ -198,7 +198,7 @@ def test_block_attention_in_fixed_chunks_is_bitwise_the_same_over_any_capacity_b
     """With `chunk` the splits sit at fixed slots: a query's output is bitwise the same whether the cache holds
     S or more slots (a speculative loop's cache is a block longer than plain decoding's), whatever other rows share
     the batch and whether the query is alone (a decode step) or any column of a block (a verify step; here 5
-    queries of a group of 3 heads: 15 rows, and 35 in the wider block below, tiled alike); and it stays within the
+    queries of a group of 3 heads: 15 rows, and 36 in the wider block below, tiled alike); and it stays within the
     reference's tolerance. A chunk that is no multiple of the key block is refused."""
     gen = torch.Generator().manual_seed(D)
     Hkv, G, S, chunk = 2, 3, 300, 2 * _block_n(D)

@@ -172,8 +172,8 @@ def divergence(engine: Engine, prompt: list[int], plain: list[int], spec: list[i
     committed a step), each block the step's pending token and accepted proposals (its rejected proposals, which
     no committed column sees, replaced by padding), the cache advanced as the loop advanced it. Runners are sized
     as the loops size theirs (`loop_capacity`) and taken from `runners` where given (the loops' own captured and
-    compiled steps); the replay is of a batch of one row, and its eager (uncaptured) verify steps are block-wide where the
-    loop's were as wide as their proposals. -> None when the outputs agree (or one is a prefix of the other),
+    compiled steps); the replay is of a batch of one row, and its eager (uncaptured) verify steps are block-wide
+    where the loop's were as wide as their proposals. -> None when the outputs agree (or one is a prefix of the other),
     else {"index": j, "plain_token", "spec_token", "margin": the decode step's top-1 minus top-2 logit at j,
     "delta": the largest |decode − verify| logit difference over those two tokens and the speculative token,
     "reproduced": whether the replayed steps disagree at j as the loops did, "first_difference": the first index
