@@ -113,19 +113,24 @@ def test_encode_slots_in_bf16_keep_the_codes():
     assert torch.equal(out[0], ref[0])
 
 
-def _check_selection(keys, positions, tokens, forced_from, k, key_bits, blocks=(2048,), **kw):
+def _check_selection(keys, positions, tokens, forced_from, k, key_bits, blocks=(2048,), candidates=False, **kw):
     ref_idx, ref_count = select_topk_ref(keys, positions, tokens, forced_from, k, key_bits, **kw)
+    # the radix path; with `candidates` and keys of up to 16 bits also the candidate path (a threshold from one
+    # slot in 4, no margin: rows that keep too few candidates fall back, the others are served by theirs)
+    paths = [dict(sampled=False)] + ([dict(sampled=True, stride=4, margin=0)] if candidates and key_bits <= 16
+                                     else [])
     for block in blocks:  # 2048: one block a row; 32: many blocks shared by several programs a row
-        idx = torch.full_like(ref_idx, -7)
-        count = torch.full_like(ref_count, -7)
-        attended = torch.full((len(positions),), 0.5, device=DEVICE)
-        select_topk(keys.clone(), positions, tokens, forced_from, k, key_bits, out=(idx, count), block=block,
-                    attended=attended, **kw)
-        assert torch.equal(count, ref_count)
-        assert torch.allclose(attended, 0.5 + ref_count.view(len(positions), -1).float().mean(-1))
-        for r in range(keys.shape[0]):
-            n = int(count[r])
-            assert idx[r, :n].tolist() == ref_idx[r, :n].tolist(), (block, r)
+        for path in paths:
+            idx = torch.full_like(ref_idx, -7)
+            count = torch.full_like(ref_count, -7)
+            attended = torch.full((len(positions),), 0.5, device=DEVICE)
+            select_topk(keys.clone(), positions, tokens, forced_from, k, key_bits, out=(idx, count), block=block,
+                        attended=attended, **path, **kw)
+            assert torch.equal(count, ref_count), path
+            assert torch.allclose(attended, 0.5 + ref_count.view(len(positions), -1).float().mean(-1))
+            for r in range(keys.shape[0]):
+                n = int(count[r])
+                assert idx[r, :n].tolist() == ref_idx[r, :n].tolist(), (block, path, r)
     return idx, count
 
 
@@ -149,14 +154,14 @@ def test_select_topk_equals_reference(S, Hkv, key_bits, spread):
         for sinks, window in ((0, 0), (2, 3), (4, 40)):
             forced_from = positions + 1
             _check_selection(keys, positions, tokens, forced_from, k, key_bits, sinks=sinks, window=window,
-                             blocks=(2048, 32) if window == 3 else (2048,))
+                             blocks=(2048, 32) if window == 3 else (2048,), candidates=window == 3)
     # slots from forced_from on (BinaryPC: not yet encoded) and a policy's forced list
     forced_from = torch.tensor([S - 3, S // 2 - 1, 0], dtype=torch.int32, device=DEVICE)
     extra = torch.randint(0, S, (B * Hkv, 6), generator=g).int().to(DEVICE)
     extra_n = torch.tensor([6, 2, 0], dtype=torch.int32, device=DEVICE)
     tokens = torch.tensor([7, 3, 2], dtype=torch.int32, device=DEVICE)
     idx, count = _check_selection(keys, positions, tokens, forced_from, 20, key_bits, sinks=1, window=2,
-                                  extra=extra, extra_n=extra_n, blocks=(2048, 32))
+                                  extra=extra, extra_n=extra_n, blocks=(2048, 32), candidates=True)
     chosen = set(idx[0, :count[0]].tolist())
     assert {S - 3, S - 2, S - 1, 0} <= chosen and set(extra[0].tolist()) <= chosen
 
@@ -183,12 +188,48 @@ def test_select_reusing_one_scratch_equals_reference(block):
             keys = torch.randint(1, 1 << key_bits - 1, (R, S), generator=g).to(torch.int16).to(DEVICE)
         opts = dict(sinks=sinks, window=window, extra=extra, extra_n=extra_n)
         ref_idx, ref_count = select_topk_ref(keys, positions, tokens, forced_from, 48, key_bits, **opts)
-        idx, count = select_topk(keys.clone(), positions, tokens, forced_from, 48, key_bits, scratch=scratch,
-                                 block=block, **opts)
-        assert torch.equal(count, ref_count), key_bits
-        for r in range(R):
-            assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), (key_bits, r)
-        assert not bool(scratch.any())  # zero again for the next select
+        for sampled in (False, True) if key_bits <= 16 else (False,):
+            idx, count = select_topk(keys.clone(), positions, tokens, forced_from, 48, key_bits, scratch=scratch,
+                                     block=block, sampled=sampled, stride=4, **opts)
+            assert torch.equal(count, ref_count), (key_bits, sampled)
+            for r in range(R):
+                assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), (key_bits, sampled, r)
+            assert not bool(scratch.any())  # zero again for the next select
+
+
+@pytest.mark.parametrize("block", [32, 2048])
+def test_candidate_path_rows_that_fall_back_equal_reference(block):
+    """Rows whose sampled threshold misses (the sampled slots hold the row's only high keys: too few candidates
+    above it) or whose candidates overflow (a flat row: every key ties at the threshold) take the radix path in the
+    same call, beside rows the candidates serve; every row is the reference's selection."""
+    g = torch.Generator().manual_seed(block + 1)
+    B, Hkv, S, k, stride = 2, 3, 1500, 240, 16
+    R = B * Hkv
+    keys = torch.randint(1, 3000, (R, S), generator=g).to(torch.int16)
+    j = torch.arange(-(-S // stride))
+    sampled = (j * stride + (((j * -1640531535) >> 16) & (stride - 1))).clamp_max(S - 1)  # as _jittered
+    keys[0, sampled] = 15000  # the sample sees only these: its threshold keeps ~94 of the 200 wanted
+    keys[1] = 7  # flat: every key a candidate, more than fit
+    keys[4, ::3] = 9000
+    keys = keys.to(DEVICE)
+    positions = torch.tensor([S - 1, S - 200], dtype=torch.int32, device=DEVICE)
+    tokens = torch.tensor([200, 25], dtype=torch.int32, device=DEVICE)
+    ref_idx, ref_count = select_topk_ref(keys, positions, tokens, positions + 1, k, 14, sinks=2, window=3)
+    idx, count = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, stride=stride,
+                             margin=0, block=block, sinks=2, window=3)
+    assert torch.equal(count, ref_count)
+    for r in range(R):
+        assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
+
+
+def test_candidate_path_is_taken_by_shape():
+    from sparsespec.kernels.select import candidate_width, takes_candidates
+
+    assert takes_candidates(128, 131072, 2622, 14) and takes_candidates(32, 131072, 2622, 14)
+    assert not takes_candidates(8, 131072, 2622, 14)  # too few keys for its extra launches
+    assert not takes_candidates(128, 131072, 2622, 32)  # 32-bit keys: the radix path
+    assert not takes_candidates(128, 16384, 4000, 14)  # candidates would fill a quarter of the row
+    assert candidate_width(2622, 131072) == 8192 and candidate_width(5, 100) == 100
 
 
 def test_ordered_keys_keep_the_order_of_scores():

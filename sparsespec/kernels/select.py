@@ -101,14 +101,18 @@ def _key_type(x, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, S, K,
-                      SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
-                      D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, skip_ptr,
+                      S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
+                      D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, SKIP: tl.constexpr):
     """Digit D's histogram over this program's run of BPP blocks, among the keys matching the digits above, added
     atomically to the row's. The last digit's pass also keeps the program's own histogram and how many of its keys
-    lie above the prefix (part_ptr [R, P, 2^LAST + 1]): the write pass takes its offsets from them."""
+    lie above the prefix (part_ptr [R, P, 2^LAST + 1]): the write pass takes its offsets from them. SKIP: rows
+    whose skip_ptr[r] is set are left alone (selected by the candidate path)."""
     r = tl.program_id(0)
     p = tl.program_id(1)
+    if SKIP:
+        if tl.load(skip_ptr + r) != 0:
+            return
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
@@ -146,10 +150,10 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
 
 
 @triton.jit
-def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
-                  count_ptr, attended_ptr, done_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
+def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, skip_ptr,
+                  idx_ptr, count_ptr, attended_ptr, done_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
                   KEY_BITS: tl.constexpr, LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
-                  ATTENDED: tl.constexpr):
+                  ATTENDED: tl.constexpr, SKIP: tl.constexpr):
     """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
     while the row still wants them. Where they start, from the earlier programs' last-digit suffix sums: their keys
     above the threshold, and their keys equal to it as far as the row takes those. One scan a block: the running
@@ -157,6 +161,9 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
     (BLOCK < 2^16)."""
     r = tl.program_id(0)
     p = tl.program_id(1)
+    if SKIP:
+        if tl.load(skip_ptr + r) != 0:
+            return
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
@@ -203,6 +210,144 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
         tl.store(done_ptr + r, 0)
 
 
+@triton.jit
+def _jittered(j, STRIDE: tl.constexpr):
+    """Sampled slot of sample j: one slot in each run of STRIDE, at an offset hashed from j (no fixed phase that a
+    periodic layout of the cache could alias with)."""
+    return j * STRIDE + (((j * -1640531535) >> 16) & (STRIDE - 1))
+
+
+@triton.jit
+def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr, S, K, SINKS, WINDOW, MARGIN,
+                   HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr, STRIDE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """The candidate threshold of row r from one slot in STRIDE: the key at rank 5/4 · (budget share of the
+    sample) + MARGIN from the top of the sample (two histogram levels, keys of up to 16 bits) -> lo_ptr[r] >= 1.
+    Nothing depends on it being right: the count pass checks it and a row whose candidates do not hold its
+    selection takes the radix path."""
+    r = tl.program_id(0)
+    b = r // HKV
+    pos = tl.load(positions_ptr + b).to(tl.int32)
+    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
+    row = keys_ptr + r.to(tl.int64) * S
+    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    LOW: tl.constexpr = LAST if DIGITS == 2 else 0  # bits below the first level's digit
+    n = pos + 1
+    n_s = (n + STRIDE - 1) // STRIDE
+    want = tl.minimum(tl.load(tokens_ptr + b).to(tl.int64), K)
+    target = ((want * 5 * n_s + 4 * n - 1) // (4 * n) + MARGIN).to(tl.int32)  # ceil(5/4 want n_s / n) + margin
+    bins = tl.arange(0, 256)
+    hist = tl.zeros([256], dtype=tl.int32)
+    for j0 in range(0, n_s, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        s = _jittered(j, STRIDE)
+        key = _ranked_keys(s, tl.load(row + s, mask=s <= pos, other=0), pos, forced_from, SINKS, WINDOW, KEY_BITS)
+        hist += tl.histogram((key >> LOW).to(tl.int32), 256) - tl.where(bins == 0, tl.sum((key == 0).to(tl.int32),
+                                                                                           0), 0)
+    lo = tl.full([], 1, tl.int32)
+    if target <= tl.sum(hist, 0):
+        digit, k = _crossing(hist, target)
+        lo = digit.to(tl.int32) << LOW
+        if DIGITS == 2:
+            low = tl.zeros([256], dtype=tl.int32)
+            for j0 in range(0, n_s, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                s = _jittered(j, STRIDE)
+                key = _ranked_keys(s, tl.load(row + s, mask=s <= pos, other=0), pos, forced_from, SINKS, WINDOW,
+                                   KEY_BITS)
+                match = (key > 0) & ((key >> LOW) == digit)
+                low += tl.histogram(tl.where(match, key & ((1 << LOW) - 1), 0).to(tl.int32), 256) - tl.where(
+                    bins == 0, tl.sum((~match).to(tl.int32), 0), 0)
+            lo += _crossing(low, k)[0].to(tl.int32)
+        lo = tl.maximum(lo, 1)
+    tl.store(lo_ptr + r, lo)
+
+
+@triton.jit
+def _count_kernel(keys_ptr, positions_ptr, forced_from_ptr, lo_ptr, counts_ptr, S, SINKS, WINDOW, BPP,
+                  HKV: tl.constexpr, KEY_BITS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's keys at or above the candidate threshold, forced keys and live keys -> counts_ptr[r, p, :3]."""
+    r = tl.program_id(0)
+    p = tl.program_id(1)
+    b = r // HKV
+    pos = tl.load(positions_ptr + b).to(tl.int32)
+    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
+    lo = tl.load(lo_ptr + r)
+    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
+    above = 0
+    n_forced = 0
+    live = 0
+    for i in range(BPP):
+        start = (p * BPP + i) * BLOCK
+        if start <= pos:
+            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
+                                 BLOCK)
+            above += tl.sum((key >= lo).to(tl.int32), 0)
+            n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 0)
+            live += tl.sum((key > 0).to(tl.int32), 0)
+    own = counts_ptr + (r * P + p) * 3
+    tl.store(own, above)
+    tl.store(own + 1, n_forced)
+    tl.store(own + 2, live)
+
+
+@triton.jit
+def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr, counts_ptr, cand_ptr, slots_ptr,
+                    info_ptr, attended_ptr, R, S, C, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
+                    KEY_BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
+                    ATTENDED: tl.constexpr):
+    """The row's candidates (ranked keys at or above the threshold, with their slots) compacted in slot order into
+    cand_ptr / slots_ptr [R, C], if they hold its whole selection: at least as many as it wants and at most C.
+    Program 0 writes the row's info for the candidate select (info_ptr [4, R]: last candidate, wanted, first
+    forced slot = none, ok) — a row that is not ok has no candidates there and takes the radix path."""
+    r = tl.program_id(0)
+    p = tl.program_id(1)
+    b = r // HKV
+    pos = tl.load(positions_ptr + b).to(tl.int32)
+    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
+    lo = tl.load(lo_ptr + r)
+    prog = tl.arange(0, PP)
+    own = counts_ptr + (r * P + prog) * 3
+    above = tl.load(own, mask=prog < P, other=0)
+    total = tl.sum(above, 0)
+    n_forced = tl.sum(tl.load(own + 1, mask=prog < P, other=0), 0)
+    live = tl.sum(tl.load(own + 2, mask=prog < P, other=0), 0)
+    want = tl.minimum(tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), live), K)
+    ok = (total >= want) & (total <= C)
+    if ok:
+        out = tl.sum(tl.where(prog < p, above, 0), 0)
+        for i in range(BPP):
+            start = (p * BPP + i) * BLOCK
+            if start <= pos:
+                s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW,
+                                     KEY_BITS, BLOCK)
+                take = key >= lo
+                run = tl.cumsum(take.to(tl.int32), 0)
+                dst = r.to(tl.int64) * C + out + run - 1
+                tl.store(cand_ptr + dst, key.to(cand_ptr.dtype.element_ty), mask=take)
+                tl.store(slots_ptr + dst, s, mask=take)
+                out += tl.sum(take.to(tl.int32), 0)
+    if p == 0:
+        tl.store(info_ptr + r, tl.where(ok, total - 1, -1))
+        tl.store(info_ptr + R + r, tl.where(ok, want, 0))
+        tl.store(info_ptr + 2 * R + r, tl.where(ok, total, 0))
+        tl.store(info_ptr + 3 * R + r, ok.to(tl.int32))
+        if ATTENDED:
+            if ok:
+                tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
+
+
+@triton.jit
+def _map_kernel(idx_ptr, count_ptr, slots_ptr, ok_ptr, K, C, BLOCK: tl.constexpr):
+    """A candidate row's selection (candidate positions) -> its slots."""
+    r = tl.program_id(0)
+    if tl.load(ok_ptr + r) != 0:
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = j < tl.load(count_ptr + r)
+        at = tl.load(idx_ptr + r.to(tl.int64) * K + j, mask=live, other=0)
+        tl.store(idx_ptr + r.to(tl.int64) * K + j, tl.load(slots_ptr + r.to(tl.int64) * C + at, mask=live), mask=live)
+
+
 def key_digits(key_bits: int) -> tuple[int, int]:
     """Radix digits of `key_bits`-bit keys, top first: (how many, bits of the last); every other digit has 8 bits.
     The last digit has at least 5 bits: 8 bits or 13 and more (scorers round their widths up to those)."""
@@ -235,17 +380,60 @@ def _scratch_views(scratch: torch.Tensor, rows: int, digits: int):
     return scratch[:rows * digits * 256].view(rows, digits, 256), scratch[tail:tail + rows], scratch[tail + rows:]
 
 
+SAMPLE_STRIDE = 16  # the candidate path's threshold is estimated from one slot in 16
+SAMPLED_MIN_KEYS = 1 << 21  # `sampled=None` takes the candidate path from this many keys a select (R x S) up
+
+
+def candidate_width(k: int, capacity: int) -> int:
+    """Room for one row's candidates on the candidate path (at least twice the width: the threshold is estimated
+    for 5/4 of the budget)."""
+    return min(capacity, triton.next_power_of_2(2 * k + 256))
+
+
+def takes_candidates(rows: int, capacity: int, k: int, key_bits: int) -> bool:
+    """Whether `select_topk(sampled=None)` takes the candidate path: keys of up to 16 bits, candidates at most a
+    quarter of the row, and enough keys that its extra launches pay (measured: bench/select_paths.py)."""
+    return key_bits <= 16 and 4 * candidate_width(k, capacity) <= capacity and rows * capacity >= SAMPLED_MIN_KEYS
+
+
+def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
+           block, waves, num_warps, skip=None):
+    """The radix passes and the write pass over keys [R, S] (rows whose skip[r] is set left alone)."""
+    R, S = keys.shape
+    hkv, digits, last = R // positions.shape[0], *key_digits(key_bits)
+    block = min(block, triton.next_power_of_2(S))
+    nb = triton.cdiv(S, block)
+    P = programs_per_row(R, nb, keys.device, waves)
+    bpp = triton.cdiv(nb, P)
+    part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
+    common = (keys, positions, tokens, forced_from, hist, stats, part, keys if skip is None else skip)
+    for d in range(digits):
+        _histogram_kernel[(R, P)](*common, S, k, sinks, window, bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, D=d,
+                                  P=P, BLOCK=block, SKIP=skip is not None, num_warps=num_warps)
+    _write_kernel[(R, P)](*common, idx, count, count if attended is None else attended, done, S, k, sinks, window,
+                          bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P, PP=triton.next_power_of_2(P), BLOCK=block,
+                          ATTENDED=attended is not None, SKIP=skip is not None, num_warps=num_warps)
+
+
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                 k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, block: int = 2048,
-                waves: int = 4, num_warps: int = 8):
+                waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
+                margin: int = 16):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
     `select_scratch` for R rows (default: a fresh one). Tuning: `block` slots per step of a program (a power of
     two), `waves` programs per SM, `num_warps` per program. Shapes alone fix the launches: capturable in a CUDA
-    graph."""
+    graph.
+
+    `sampled` (keys of up to 16 bits; None: `takes_candidates`): the candidate path. A threshold estimated from
+    one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one counting pass
+    and one compaction, no histogram over the whole row — and the radix select runs over the candidates alone
+    (`candidate_width` of them a row), whose selection maps back to slots. A row whose candidates do not hold its
+    whole selection (too few above the threshold, or more than fit) takes the radix path over all its keys in
+    the same launches; the selection is the same either way."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
     B = positions.shape[0]
@@ -257,19 +445,41 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         E = extra.shape[1]
         _force_kernel[(R,)](keys, positions, extra, extra_n, S, E, HKV=hkv,
                             EBLOCK=min(256, triton.next_power_of_2(E)), num_warps=4)
-    block = min(block, triton.next_power_of_2(S))
-    nb = triton.cdiv(S, block)
+    window = max(window, 1)
+    tuning = dict(block=block, waves=waves, num_warps=num_warps)
+    if sampled is None:
+        sampled = takes_candidates(R, S, k, key_bits)
+    if not sampled:
+        _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats,
+               done, **tuning)
+        return idx, count
+    if key_bits > 16 or stride < 1 or stride & (stride - 1):
+        raise ValueError(f"the candidate path takes keys of up to 16 bits and a power-of-two stride, got "
+                         f"{key_bits} bits, stride {stride}")
+    C = candidate_width(k, S)
+    lo = torch.empty(R, dtype=torch.int32, device=keys.device)
+    _sample_kernel[(R,)](keys, positions, tokens, forced_from, lo, S, k, sinks, window, margin, HKV=hkv,
+                         KEY_BITS=key_bits, LAST=last, STRIDE=stride, BLOCK=1024, num_warps=4)
+    blk = min(block, triton.next_power_of_2(S))
+    nb = triton.cdiv(S, blk)
     P = programs_per_row(R, nb, keys.device, waves)
     bpp = triton.cdiv(nb, P)
-    part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
-    common = (keys, positions, tokens, forced_from, hist, stats)
-    for d in range(digits):
-        _histogram_kernel[(R, P)](*common, part, S, k, sinks, max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits,
-                                  LAST=last, D=d, P=P, BLOCK=block, num_warps=num_warps)
-    _write_kernel[(R, P)](*common, part, idx, count, count if attended is None else attended, done, S, k, sinks,
-                          max(window, 1), bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P,
-                          PP=triton.next_power_of_2(P), BLOCK=block, ATTENDED=attended is not None,
-                          num_warps=num_warps)
+    counts = torch.empty(R, P, 3, dtype=torch.int32, device=keys.device)
+    _count_kernel[(R, P)](keys, positions, forced_from, lo, counts, S, sinks, window, bpp, HKV=hkv,
+                          KEY_BITS=key_bits, P=P, BLOCK=blk, num_warps=num_warps)
+    cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
+    slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
+    info = torch.empty(4, R, dtype=torch.int32, device=keys.device)  # last candidate, wanted, none forced, ok
+    _compact_kernel[(R, P)](keys, positions, tokens, forced_from, lo, counts, cand, slots, info,
+                            count if attended is None else attended, R, S, C, k, sinks, window, bpp, HKV=hkv,
+                            KEY_BITS=key_bits, P=P, PP=triton.next_power_of_2(P), BLOCK=blk,
+                            ATTENDED=attended is not None, num_warps=num_warps)
+    # the candidates: each row its own "batch row", nothing forced by position (forced keys are maximal already)
+    _radix(cand, info[0], info[1], info[2], k, key_bits, 0, 0, idx, count, None, hist, stats, done, **tuning)
+    mblock = min(1024, triton.next_power_of_2(k))
+    _map_kernel[(R, triton.cdiv(k, mblock))](idx, count, slots, info[3], k, C, BLOCK=mblock, num_warps=4)
+    _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
+           skip=info[3], **tuning)
     return idx, count
 
 
