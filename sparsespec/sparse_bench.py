@@ -180,10 +180,12 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], m
         lines.append(f"| {r['context']} | {r['batch']} | {r['sdpa_ms']:.3f} ({r['sdpa_floor_ms']:.3f}) | "
                      + " | ".join(cells) + " |")
     for spec in [s for s in specs if s.startswith("binarypc")]:
-        lines += ["", f"{spec} by stage (ms, each replayed alone): probe + score | select | attend", ""]
+        lines += ["", f"{spec} by stage (ms, each replayed alone): probe + score | select (radix path / candidate "
+                  "path; same selection) | attend", ""]
         for r in rows:
             st = r[spec]["stages_ms"]
-            lines.append(f"- {r['context']} x {r['batch']}: {st['score']:.3f} | {st['select']:.3f} | "
+            lines.append(f"- {r['context']} x {r['batch']}: {st['score']:.3f} | {st['select']:.3f} "
+                         f"({st['select_radix']:.3f} / {st['select_candidates']:.3f}; {st['paths_equal']}) | "
                          f"{st['attend']:.3f}")
     return report(out, "bench_attention", bw, rows, lines)
 
@@ -201,7 +203,8 @@ def report(out: Path | None, name: str, bandwidth: float, rows: list[dict], line
 
 def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]:
     """Scoring (probe tables + table-scored keys), selection and attention of BinaryPC's fixed-width step, timed
-    apart."""
+    apart; the selection also on each of its two paths (radix over every key, candidates from a sampled
+    threshold), checked to select the same slots."""
     from .kernels.attend import sparse_decode_attention
     from .kernels.select import select_topk
 
@@ -209,14 +212,23 @@ def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]
     B, Hq, _, D = q.shape
     Hkv = cache.k[0].shape[1]
     sk = policy.fixed_keys(0, q, cache)
-    select = lambda: select_topk(sk.keys, plan.positions, plan.tokens, sk.forced_from, plan.width,  # noqa: E731
-                                 sk.key_bits, sinks=opts.sinks, window=opts.window, extra=sk.extra,
-                                 extra_n=sk.extra_n, out=(plan.idx, plan.count))
+
+    def select(sampled=None, out=(plan.idx, plan.count)):
+        return select_topk(sk.keys, plan.positions, plan.tokens, sk.forced_from, plan.width, sk.key_bits,
+                           sinks=opts.sinks, window=opts.window, extra=sk.extra, extra_n=sk.extra_n, out=out,
+                           sampled=sampled)
+
+    radix = [t.clone() for t in select(False)]
+    candidates = select(True, out=tuple(torch.empty_like(t) for t in radix))
+    same = torch.equal(radix[1], candidates[1]) and bool(
+        (torch.arange(plan.width, device=q.device) >= radix[1][:, None]).logical_or(radix[0] == candidates[0]).all())
     select()
     attend = lambda: sparse_decode_attention(q.view(B, Hq, D), cache.k[0], cache.v[0],  # noqa: E731
                                              plan.idx.view(B, Hkv, -1), plan.count.view(B, Hkv))
     return {"score": time_ms(graphed(lambda: policy.fixed_keys(0, q, cache))),
-            "select": time_ms(graphed(select)), "attend": time_ms(graphed(attend))}
+            "select": time_ms(graphed(select)), "select_radix": time_ms(graphed(lambda: select(False))),
+            "select_candidates": time_ms(graphed(lambda: select(True))), "paths_equal": same,
+            "attend": time_ms(graphed(attend))}
 
 
 # (row key, column name, block_queries (0: SDPA), torch.compile) of the dense steps timed beside the sparse ones

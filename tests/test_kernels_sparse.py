@@ -13,7 +13,7 @@ from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, top
 from sparsespec.kernels.select import (expand_pages, expand_pages_ref, ordered_keys, select_scratch,  # noqa: E402
                                        select_topk, select_topk_ref)
 
-from .conftest import DEVICE  # noqa: E402
+from .conftest import DEVICE, cuda_only  # noqa: E402
 
 
 def dyadic(g: torch.Generator, *shape, scale=8) -> torch.Tensor:
@@ -220,6 +220,31 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
     assert torch.equal(count, ref_count)
     for r in range(R):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
+
+
+@cuda_only
+@pytest.mark.parametrize("B,S,budget", [(4, 131072, 2622), (16, 32768, 656), (3, 100003, 2000)])
+def test_candidate_path_at_full_size_equals_reference(B, S, budget):
+    """BinaryPC's own keys (table-scored 64-bit codes of correlated keys, 7-bit probes) at full size, rows of
+    different lengths: the candidate path selects what the reference does."""
+    g = torch.Generator().manual_seed(S + B)
+    Hkv, G, D, bits, m = 8, 4, 128, 64, 7
+    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(DEVICE) + torch.randn(B, Hkv, 1, D, generator=g).to(DEVICE)
+    codes = torch.zeros(B, Hkv, S, 1, dtype=torch.int64, device=DEVICE)
+    lengths = torch.tensor([S - 1 - 977 * i for i in range(B)], dtype=torch.int32, device=DEVICE)
+    encode_slots(k, basis, codes, torch.zeros(B, Hkv, S, device=DEVICE), torch.zeros_like(lengths), lengths + 1, S)
+    _, tables = probe_tables(torch.randn(B, Hkv * G, D, generator=g).to(DEVICE), basis, m)
+    keys = score_keys(codes, tables, lengths, m, bits, G)
+    key_bits = key_range(bits, m)[1]
+    tokens = (lengths + 1) * budget // S
+    args = (keys, lengths, tokens, lengths + 1, budget + 68, key_bits)
+    opts = dict(sinks=4, window=64)
+    ref_idx, ref_count = select_topk_ref(*args, **opts)
+    idx, count = select_topk(keys.clone(), *args[1:], sampled=True, **opts)
+    assert torch.equal(count, ref_count)
+    live = torch.arange(idx.shape[1], device=DEVICE) < count[:, None]
+    assert torch.equal(torch.where(live, idx, -1), torch.where(live, ref_idx, -1))
 
 
 def test_candidate_path_is_taken_by_shape():
