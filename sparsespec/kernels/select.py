@@ -218,61 +218,82 @@ def _jittered(j, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr, S, K, SINKS, WINDOW, MARGIN,
-                   HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr, STRIDE: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """The candidate threshold of row r from one slot in STRIDE: the key at rank 5/4 · (budget share of the
-    sample) + MARGIN from the top of the sample (two histogram levels, keys of up to 16 bits) -> lo_ptr[r] >= 1.
-    Nothing depends on it being right: the count pass checks it and a row whose candidates do not hold its
-    selection takes the radix path."""
-    r = tl.program_id(0)
-    b = r // HKV
-    pos = tl.load(positions_ptr + b).to(tl.int32)
-    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
-    row = keys_ptr + r.to(tl.int64) * S
-    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
-    LOW: tl.constexpr = LAST if DIGITS == 2 else 0  # bits below the first level's digit
-    n = pos + 1
+def _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE: tl.constexpr):
+    """(slots of row b, sampled slots, the sample rank the candidate threshold sits at: 5/4 of the budget's share
+    of the sample, plus MARGIN, at least 1)."""
+    n = tl.load(positions_ptr + b).to(tl.int32) + 1
     n_s = (n + STRIDE - 1) // STRIDE
     want = tl.minimum(tl.load(tokens_ptr + b).to(tl.int64), K)
-    target = ((want * 5 * n_s + 4 * n - 1) // (4 * n) + MARGIN).to(tl.int32)  # ceil(5/4 want n_s / n) + margin
-    bins = tl.arange(0, 256)
-    hist = tl.zeros([256], dtype=tl.int32)
-    for j0 in range(0, n_s, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        s = _jittered(j, STRIDE)
-        key = _ranked_keys(s, tl.load(row + s, mask=s <= pos, other=0), pos, forced_from, SINKS, WINDOW, KEY_BITS)
-        hist += tl.histogram((key >> LOW).to(tl.int32), 256) - tl.where(bins == 0, tl.sum((key == 0).to(tl.int32),
-                                                                                           0), 0)
-    lo = tl.full([], 1, tl.int32)
-    if target <= tl.sum(hist, 0):
-        digit, k = _crossing(hist, target)
-        lo = digit.to(tl.int32) << LOW
-        if DIGITS == 2:
-            low = tl.zeros([256], dtype=tl.int32)
-            for j0 in range(0, n_s, BLOCK):
-                j = j0 + tl.arange(0, BLOCK)
-                s = _jittered(j, STRIDE)
-                key = _ranked_keys(s, tl.load(row + s, mask=s <= pos, other=0), pos, forced_from, SINKS, WINDOW,
-                                   KEY_BITS)
-                match = (key > 0) & ((key >> LOW) == digit)
-                low += tl.histogram(tl.where(match, key & ((1 << LOW) - 1), 0).to(tl.int32), 256) - tl.where(
-                    bins == 0, tl.sum((~match).to(tl.int32), 0), 0)
-            lo += _crossing(low, k)[0].to(tl.int32)
-        lo = tl.maximum(lo, 1)
-    tl.store(lo_ptr + r, lo)
+    return n, n_s, tl.maximum((want * 5 * n_s + 4 * n - 1) // (4 * n) + MARGIN, 1).to(tl.int32)
 
 
 @triton.jit
-def _count_kernel(keys_ptr, positions_ptr, forced_from_ptr, lo_ptr, counts_ptr, S, SINKS, WINDOW, BPP,
-                  HKV: tl.constexpr, KEY_BITS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's keys at or above the candidate threshold, forced keys and live keys -> counts_ptr[r, p, :3]."""
+def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, S, K, SINKS, WINDOW, MARGIN,
+                   SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr, STRIDE: tl.constexpr,
+                   LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+    """The sample's histograms, one slot in STRIDE, this program's SPP samples (added atomically to shist_ptr
+    [R, 2, 256]): LEVEL 0 of the keys' top digit; LEVEL 1 (keys of two digits) of the low digit among the keys
+    whose top digit holds the sample's target rank."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
-    lo = tl.load(lo_ptr + r)
+    row = keys_ptr + r.to(tl.int64) * S
+    LOW: tl.constexpr = LAST if (KEY_BITS - LAST) // 8 + 1 == 2 else 0  # bits below the top digit
+    n, n_s, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
+    bins = tl.arange(0, 256)
+    hist = tl.zeros([256], dtype=tl.int32)
+    if LEVEL == 1:
+        top = tl.load(shist_ptr + r * 512 + bins)
+        if target > tl.sum(top, 0):
+            return  # every live key is a candidate: no second level
+        digit, _ = _crossing(top, target)
+    for j0 in range(p * SPP, tl.minimum((p + 1) * SPP, n_s), BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        s = _jittered(j, STRIDE)
+        key = _ranked_keys(s, tl.load(row + s, mask=s <= pos, other=0), pos, forced_from, SINKS, WINDOW, KEY_BITS)
+        if LEVEL == 0:
+            match = key > 0
+            value = key >> LOW
+        else:
+            match = (key > 0) & ((key >> LOW) == digit)
+            value = key & ((1 << LOW) - 1)
+        hist += tl.histogram(tl.where(match, value, 0).to(tl.int32), 256) - tl.where(
+            bins == 0, tl.sum((~match).to(tl.int32), 0), 0)
+    tl.atomic_add(shist_ptr + r * 512 + LEVEL * 256 + bins, hist)
+
+
+@triton.jit
+def _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, KEY_BITS: tl.constexpr,
+                      LAST: tl.constexpr, STRIDE: tl.constexpr):
+    """The candidate threshold of row r (>= 1) from its sample's histograms: the key at the target rank of the
+    sample, or 1 (every live key) where the sample holds fewer keys."""
+    LOW: tl.constexpr = LAST if (KEY_BITS - LAST) // 8 + 1 == 2 else 0
+    bins = tl.arange(0, 256)
+    top = tl.load(shist_ptr + r * 512 + bins)
+    _, _, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
+    digit, k = _crossing(top, target)
+    lo = digit.to(tl.int32) << LOW
+    if LOW > 0:
+        lo += _crossing(tl.load(shist_ptr + r * 512 + 256 + bins), k)[0].to(tl.int32)
+    return tl.where(target > tl.sum(top, 0), 1, tl.maximum(lo, 1))
+
+
+@triton.jit
+def _count_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, lo_ptr, counts_ptr, S, K, SINKS,
+                  WINDOW, MARGIN, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
+                  STRIDE: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    """The candidate threshold from the sample (program 0 keeps it in lo_ptr[r]); this program's keys at or above
+    it, forced keys and live keys -> counts_ptr[r, p, :3]."""
+    r = tl.program_id(0)
+    p = tl.program_id(1)
+    b = r // HKV
+    pos = tl.load(positions_ptr + b).to(tl.int32)
+    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
+    lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, KEY_BITS, LAST, STRIDE)
+    if p == 0:
+        tl.store(lo_ptr + r, lo)
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     above = 0
     n_forced = 0
@@ -293,13 +314,14 @@ def _count_kernel(keys_ptr, positions_ptr, forced_from_ptr, lo_ptr, counts_ptr, 
 
 @triton.jit
 def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr, counts_ptr, cand_ptr, slots_ptr,
-                    info_ptr, attended_ptr, R, S, C, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
+                    info_ptr, attended_ptr, shist_ptr, R, S, C, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
                     KEY_BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
                     ATTENDED: tl.constexpr):
     """The row's candidates (ranked keys at or above the threshold, with their slots) compacted in slot order into
     cand_ptr / slots_ptr [R, C], if they hold its whole selection: at least as many as it wants and at most C.
     Program 0 writes the row's info for the candidate select (info_ptr [4, R]: last candidate, wanted, first
-    forced slot = none, ok) — a row that is not ok has no candidates there and takes the radix path."""
+    forced slot = none, ok) — a row that is not ok has no candidates there and takes the radix path — and zeroes
+    the row's sample histograms (read by the count pass alone) for the next select."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
@@ -328,6 +350,7 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr
                 tl.store(slots_ptr + dst, s, mask=take)
                 out += tl.sum(take.to(tl.int32), 0)
     if p == 0:
+        tl.store(shist_ptr + r * 512 + tl.arange(0, 512), tl.zeros([512], tl.int32))
         tl.store(info_ptr + r, tl.where(ok, total - 1, -1))
         tl.store(info_ptr + R + r, tl.where(ok, want, 0))
         tl.store(info_ptr + 2 * R + r, tl.where(ok, total, 0))
@@ -369,7 +392,8 @@ def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -
 
 def select_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
     """The counting buffers of `select_topk` over `rows` rows, zeroed: int32 [rows * (4 * 256 + 2)] (the radix
-    histograms, the forced counts, the programs done). Every select leaves them zeroed again, so one scratch serves
+    histograms — keys of up to 16 bits leave half of them to the candidate path's sample histograms —, the forced
+    counts, the programs done). Every select leaves them zeroed again, so one scratch serves
     every layer and step of a plan (no memset launch a select)."""
     return torch.zeros(rows * (4 * 256 + 2), dtype=torch.int32, device=device)
 
@@ -381,7 +405,7 @@ def _scratch_views(scratch: torch.Tensor, rows: int, digits: int):
 
 
 SAMPLE_STRIDE = 16  # the candidate path's threshold is estimated from one slot in 16
-SAMPLED_MIN_KEYS = 1 << 21  # `sampled=None` takes the candidate path from this many keys a select (R x S) up
+SAMPLED_MIN_KEYS = 1 << 22  # `sampled=None` takes the candidate path from this many keys a select (R x S) up
 
 
 def candidate_width(k: int, capacity: int) -> int:
@@ -440,7 +464,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     hkv, digits, last = R // B, *key_digits(key_bits)
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
                                               torch.empty(R, dtype=torch.int32, device=keys.device))
-    hist, stats, done = _scratch_views(select_scratch(R, keys.device) if scratch is None else scratch, R, digits)
+    scratch_all = select_scratch(R, keys.device) if scratch is None else scratch
+    hist, stats, done = _scratch_views(scratch_all, R, digits)
     if extra is not None and extra.shape[1] > 0:
         E = extra.shape[1]
         _force_kernel[(R,)](keys, positions, extra, extra_n, S, E, HKV=hkv,
@@ -457,21 +482,29 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         raise ValueError(f"the candidate path takes keys of up to 16 bits and a power-of-two stride, got "
                          f"{key_bits} bits, stride {stride}")
     C = candidate_width(k, S)
-    lo = torch.empty(R, dtype=torch.int32, device=keys.device)
-    _sample_kernel[(R,)](keys, positions, tokens, forced_from, lo, S, k, sinks, window, margin, HKV=hkv,
-                         KEY_BITS=key_bits, LAST=last, STRIDE=stride, BLOCK=1024, num_warps=4)
+    sample_hist = scratch_all[R * 2 * 256:R * 4 * 256]  # [R, 2, 256]: the radix digits of <= 16-bit keys leave it
+    n_s, sblock = triton.cdiv(S, stride), 1024
+    ps = programs_per_row(R, triton.cdiv(n_s, sblock), keys.device, waves)
+    spp = triton.cdiv(triton.cdiv(n_s, sblock), ps) * sblock
+    for level in range(digits):
+        _sample_kernel[(R, ps)](keys, positions, tokens, forced_from, sample_hist, S, k, sinks, window, margin, spp,
+                                HKV=hkv, KEY_BITS=key_bits, LAST=last, STRIDE=stride, LEVEL=level, BLOCK=sblock,
+                                num_warps=4)
     blk = min(block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, blk)
     P = programs_per_row(R, nb, keys.device, waves)
     bpp = triton.cdiv(nb, P)
+    lo = torch.empty(R, dtype=torch.int32, device=keys.device)
     counts = torch.empty(R, P, 3, dtype=torch.int32, device=keys.device)
-    _count_kernel[(R, P)](keys, positions, forced_from, lo, counts, S, sinks, window, bpp, HKV=hkv,
-                          KEY_BITS=key_bits, P=P, BLOCK=blk, num_warps=num_warps)
+    _count_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, lo, counts, S, k, sinks, window, margin,
+                          bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, STRIDE=stride, P=P, BLOCK=blk,
+                          num_warps=num_warps)
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
     info = torch.empty(4, R, dtype=torch.int32, device=keys.device)  # last candidate, wanted, none forced, ok
     _compact_kernel[(R, P)](keys, positions, tokens, forced_from, lo, counts, cand, slots, info,
-                            count if attended is None else attended, R, S, C, k, sinks, window, bpp, HKV=hkv,
+                            count if attended is None else attended, sample_hist, R, S, C, k, sinks, window, bpp,
+                            HKV=hkv,
                             KEY_BITS=key_bits, P=P, PP=triton.next_power_of_2(P), BLOCK=blk,
                             ATTENDED=attended is not None, num_warps=num_warps)
     # the candidates: each row its own "batch row", nothing forced by position (forced keys are maximal already)

@@ -1,0 +1,96 @@
+"""The two paths of `select_topk` on BinaryPC's own keys (H200): kernel by kernel (torch.profiler, device time per
+select) and whole (a CUDA graph replayed), checked to select the same slots as each other.
+
+    python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--out DIR]
+
+Keys: 64-bit codes of random correlated keys (8 KV heads, head_dim 128) against a fresh basis, scored by the table
+kernel for 4 query heads a KV head with 7-bit probes (Llama-3.1-8B's heads); budget 2%, 4 sinks, window 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from sparsespec.kernels.binarypc import encode_slots, key_range, probe_tables, score_keys
+from sparsespec.kernels.select import select_topk, takes_candidates
+from sparsespec.sparse_bench import graphed, time_ms
+
+
+def binarypc_keys(B: int, S: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Hkv, G, D, bits, m = 8, 4, 128, 64, 7
+    basis = torch.randn(B, Hkv, bits, D, generator=g, device="cuda")
+    codes = torch.zeros(B, Hkv, S, 1, dtype=torch.int64, device="cuda")
+    for b in range(B):  # a row at a time: the fp32 keys of one row at 128k are 0.5 GB
+        k = torch.randn(1, Hkv, S, D, generator=g, device="cuda") + torch.randn(1, Hkv, 1, D, generator=g,
+                                                                                 device="cuda")
+        start, end = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.full((1,), S, dtype=torch.int32,
+                                                                                    device="cuda")
+        encode_slots(k, basis[b:b + 1], codes[b:b + 1], torch.zeros(1, Hkv, S, device="cuda"), start, end, S)
+    positions = torch.full((B,), S - 1, dtype=torch.int32, device="cuda")
+    _, tables = probe_tables(torch.randn(B, Hkv * G, D, generator=g, device="cuda"), basis, m)
+    return score_keys(codes, tables, positions, m, bits, G), positions, key_range(bits, m)[1]
+
+
+def kernel_times(fn, steps: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel fn launches (us), over `steps` calls."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    times = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            times[e.key] += e.device_time_total / steps
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="1x131072,4x131072,16x32768,16x131072")
+    ap.add_argument("--budget", type=float, default=0.02)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        B, S = map(int, shape.split("x"))
+        keys, positions, key_bits = binarypc_keys(B, S)
+        tokens = torch.full((B,), int(S * args.budget), dtype=torch.int32, device="cuda")
+        width = int(S * args.budget) + 68
+        opts = dict(sinks=4, window=64)
+        outs = {}
+        row = {"batch": B, "context": S, "auto": "candidates" if takes_candidates(keys.shape[0], S, width, key_bits)
+               else "radix"}
+        for name, sampled in (("radix", False), ("candidates", True)):
+            out = (torch.empty(keys.shape[0], width, dtype=torch.int32, device="cuda"),
+                   torch.empty(keys.shape[0], dtype=torch.int32, device="cuda"))
+            call = lambda: select_topk(keys, positions, tokens, positions + 1, width, key_bits,  # noqa: E731
+                                       out=out, sampled=sampled, **opts)
+            row[f"{name}_kernels_us"] = kernel_times(call)
+            row[f"{name}_ms"] = time_ms(graphed(call))
+            outs[name] = [t.clone() for t in out]
+        (ri, rc), (ci, cc) = outs["radix"], outs["candidates"]
+        live = torch.arange(width, device="cuda") < rc[:, None]
+        row["same"] = torch.equal(rc, cc) and torch.equal(torch.where(live, ri, -1), torch.where(live, ci, -1))
+        rows.append(row)
+        print(f"{B} x {S}: radix {row['radix_ms'] * 1e3:.1f} us, candidates {row['candidates_ms'] * 1e3:.1f} us "
+              f"(auto: {row['auto']}; same selection: {row['same']})")
+        for name in ("radix", "candidates"):
+            print("   " + name + ": " + ", ".join(f"{k.split('_kernel')[0].lstrip('_')} {v:.1f}"
+                                                 for k, v in row[f"{name}_kernels_us"].items()))
+        del keys
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "select_paths.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
