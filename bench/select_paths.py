@@ -1,7 +1,7 @@
 """The two paths of `select_topk` on BinaryPC's own keys (H200): kernel by kernel (torch.profiler, device time per
 select) and whole (a CUDA graph replayed), checked to select the same slots as each other.
 
-    python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--out DIR]
+    python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024] [--out DIR]
 
 Keys: 64-bit codes of random correlated keys (8 KV heads, head_dim 128) against a fresh basis, scored by the table
 kernel for 4 query heads a KV head with 7-bit probes (Llama-3.1-8B's heads); budget 2%, 4 sinks, window 64.
@@ -56,6 +56,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="1x131072,4x131072,16x32768,16x131072")
     ap.add_argument("--budget", type=float, default=0.02)
+    ap.add_argument("--scan", default="4x2048",
+                    help="the candidate path's counting/compaction tilings to time, WAVESxBLOCK comma-separated")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
@@ -68,23 +70,29 @@ def main():
         outs = {}
         row = {"batch": B, "context": S, "auto": "candidates" if takes_candidates(keys.shape[0], S, width, key_bits)
                else "radix"}
-        for name, sampled in (("radix", False), ("candidates", True)):
+        paths = [("radix", dict(sampled=False))]
+        for i, tiling in enumerate(args.scan.split(",")):
+            w, blk = map(int, tiling.split("x"))
+            paths.append(("candidates" + (f" {tiling}" if i else ""), dict(sampled=True, scan_waves=w,
+                                                                            scan_block=blk)))
+        for name, kw in paths:
             out = (torch.empty(keys.shape[0], width, dtype=torch.int32, device="cuda"),
                    torch.empty(keys.shape[0], dtype=torch.int32, device="cuda"))
             call = lambda: select_topk(keys, positions, tokens, positions + 1, width, key_bits,  # noqa: E731
-                                       out=out, sampled=sampled, **opts)
+                                       out=out, **kw, **opts)
             row[f"{name}_kernels_us"] = kernel_times(call)
             row[f"{name}_ms"] = time_ms(graphed(call))
             outs[name] = [t.clone() for t in out]
-        (ri, rc), (ci, cc) = outs["radix"], outs["candidates"]
+        ri, rc = outs["radix"]
         live = torch.arange(width, device="cuda") < rc[:, None]
-        row["same"] = torch.equal(rc, cc) and torch.equal(torch.where(live, ri, -1), torch.where(live, ci, -1))
+        row["same"] = all(torch.equal(rc, cc) and torch.equal(torch.where(live, ri, -1), torch.where(live, ci, -1))
+                          for ci, cc in outs.values())
         rows.append(row)
-        print(f"{B} x {S}: radix {row['radix_ms'] * 1e3:.1f} us, candidates {row['candidates_ms'] * 1e3:.1f} us "
-              f"(auto: {row['auto']}; same selection: {row['same']})")
-        for name in ("radix", "candidates"):
-            print("   " + name + ": " + ", ".join(f"{k.split('_kernel')[0].lstrip('_')} {v:.1f}"
-                                                 for k, v in row[f"{name}_kernels_us"].items()))
+        print(f"{B} x {S} (auto: {row['auto']}; same selection on every path: {row['same']})")
+        for name, _ in paths:
+            print(f"   {name} {row[f'{name}_ms'] * 1e3:.1f} us: " + ", ".join(
+                f"{k.split('_kernel')[0].lstrip('_')} {v:.1f}" for k, v in row[f"{name}_kernels_us"].items()
+                if "elementwise" not in k))
         del keys
         torch.cuda.empty_cache()
     if args.out:

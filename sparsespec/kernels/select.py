@@ -20,6 +20,13 @@ the earlier programs' (their keys above the threshold, and their keys equal to i
 row has its count) and writes the selection compacted in slot order. Every pass reads the keys once (2 or 4 bytes
 a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then the write.
 
+The candidate path (keys of up to 16 bits, large selects: `takes_candidates`): histograms of one slot in 16 give a
+threshold a little below the row's budget; a counting pass checks that the keys at or above it hold the row's
+selection and fit a candidate buffer, a compaction writes them in slot order, and the radix select above runs over
+the candidates alone (its selection mapped back to slots) — two scanning passes over the row instead of two
+histogram passes and the write. Rows whose candidates fall short or overflow take the radix path in the same
+launches: the selection is the same on both paths.
+
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
 of each row zeroes them again, so a plan keeps one scratch for every layer and step (no memset launch a select).
 (Running the first radix pass inside BinaryPC's scorer instead, over the keys it has just computed, was measured on
@@ -444,7 +451,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, block: int = 2048,
                 waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
-                margin: int = 16):
+                margin: int = 16, scan_waves: int = 4, scan_block: int = 2048):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
@@ -457,7 +464,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     and one compaction, no histogram over the whole row — and the radix select runs over the candidates alone
     (`candidate_width` of them a row), whose selection maps back to slots. A row whose candidates do not hold its
     whole selection (too few above the threshold, or more than fit) takes the radix path over all its keys in
-    the same launches; the selection is the same either way."""
+    the same launches; the selection is the same either way. Its counting and compaction passes take
+    `scan_block` slots a step and `scan_waves` programs per SM."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
     B = positions.shape[0]
@@ -490,9 +498,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         _sample_kernel[(R, ps)](keys, positions, tokens, forced_from, sample_hist, S, k, sinks, window, margin, spp,
                                 HKV=hkv, KEY_BITS=key_bits, LAST=last, STRIDE=stride, LEVEL=level, BLOCK=sblock,
                                 num_warps=4)
-    blk = min(block, triton.next_power_of_2(S))
+    blk = min(scan_block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, blk)
-    P = programs_per_row(R, nb, keys.device, waves)
+    P = programs_per_row(R, nb, keys.device, scan_waves)
     bpp = triton.cdiv(nb, P)
     lo = torch.empty(R, dtype=torch.int32, device=keys.device)
     counts = torch.empty(R, P, 3, dtype=torch.int32, device=keys.device)
