@@ -184,9 +184,9 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], m
                   "path; same selection) | attend", ""]
         for r in rows:
             st = r[spec]["stages_ms"]
+            cand = "-" if st["select_candidates"] is None else f"{st['select_candidates']:.3f}"
             lines.append(f"- {r['context']} x {r['batch']}: {st['score']:.3f} | {st['select']:.3f} "
-                         f"({st['select_radix']:.3f} / {st['select_candidates']:.3f}; {st['paths_equal']}) | "
-                         f"{st['attend']:.3f}")
+                         f"({st['select_radix']:.3f} / {cand}; {st['paths_equal']}) | {st['attend']:.3f}")
     return report(out, "bench_attention", bw, rows, lines)
 
 
@@ -218,17 +218,20 @@ def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]
                            sinks=opts.sinks, window=opts.window, extra=sk.extra, extra_n=sk.extra_n, out=out,
                            sampled=sampled)
 
-    radix = [t.clone() for t in select(False)]
-    candidates = select(True, out=tuple(torch.empty_like(t) for t in radix))
-    same = torch.equal(radix[1], candidates[1]) and bool(
-        (torch.arange(plan.width, device=q.device) >= radix[1][:, None]).logical_or(radix[0] == candidates[0]).all())
+    stages = {"score": time_ms(graphed(lambda: policy.fixed_keys(0, q, cache))), "select": time_ms(graphed(select)),
+              "select_radix": time_ms(graphed(lambda: select(False))), "select_candidates": None,
+              "paths_equal": None}
+    if sk.key_bits <= 16:  # the candidate path takes keys of up to 16 bits (wider probes make 32-bit keys)
+        radix = [t.clone() for t in select(False)]
+        candidates = select(True, out=tuple(torch.empty_like(t) for t in radix))
+        live = torch.arange(plan.width, device=q.device) < radix[1][:, None]
+        stages["paths_equal"] = torch.equal(radix[1], candidates[1]) and torch.equal(
+            torch.where(live, radix[0], -1), torch.where(live, candidates[0], -1))
+        stages["select_candidates"] = time_ms(graphed(lambda: select(True)))
     select()
     attend = lambda: sparse_decode_attention(q.view(B, Hq, D), cache.k[0], cache.v[0],  # noqa: E731
                                              plan.idx.view(B, Hkv, -1), plan.count.view(B, Hkv))
-    return {"score": time_ms(graphed(lambda: policy.fixed_keys(0, q, cache))),
-            "select": time_ms(graphed(select)), "select_radix": time_ms(graphed(lambda: select(False))),
-            "select_candidates": time_ms(graphed(lambda: select(True))), "paths_equal": same,
-            "attend": time_ms(graphed(attend))}
+    return stages | {"attend": time_ms(graphed(attend))}
 
 
 # (row key, column name, block_queries (0: SDPA), torch.compile) of the dense steps timed beside the sparse ones

@@ -400,8 +400,8 @@ def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -
 def select_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
     """The counting buffers of `select_topk` over `rows` rows, zeroed: int32 [rows * (4 * 256 + 2)] (the radix
     histograms — keys of up to 16 bits leave half of them to the candidate path's sample histograms —, the forced
-    counts, the programs done). Every select leaves them zeroed again, so one scratch serves
-    every layer and step of a plan (no memset launch a select)."""
+    counts, the programs done). Every select leaves them zeroed again, so one scratch serves every layer and step
+    of a plan (no memset launch a select)."""
     return torch.zeros(rows * (4 * 256 + 2), dtype=torch.int32, device=device)
 
 
@@ -512,8 +512,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     info = torch.empty(4, R, dtype=torch.int32, device=keys.device)  # last candidate, wanted, none forced, ok
     _compact_kernel[(R, P)](keys, positions, tokens, forced_from, lo, counts, cand, slots, info,
                             count if attended is None else attended, sample_hist, R, S, C, k, sinks, window, bpp,
-                            HKV=hkv,
-                            KEY_BITS=key_bits, P=P, PP=triton.next_power_of_2(P), BLOCK=blk,
+                            HKV=hkv, KEY_BITS=key_bits, P=P, PP=triton.next_power_of_2(P), BLOCK=blk,
                             ATTENDED=attended is not None, num_warps=num_warps)
     # the candidates: each row its own "batch row", nothing forced by position (forced keys are maximal already)
     _radix(cand, info[0], info[1], info[2], k, key_bits, 0, 0, idx, count, None, hist, stats, done, **tuning)
