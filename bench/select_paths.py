@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from sparsespec.kernels.binarypc import encode_slots, key_range, probe_tables, score_keys
-from sparsespec.kernels.select import select_topk, takes_candidates
+from sparsespec.kernels.select import same_selection, select_topk, takes_candidates
 from sparsespec.sparse_bench import graphed, time_ms
 
 
@@ -83,10 +83,7 @@ def main():
             row[f"{name}_kernels_us"] = kernel_times(call)
             row[f"{name}_ms"] = time_ms(graphed(call))
             outs[name] = [t.clone() for t in out]
-        ri, rc = outs["radix"]
-        live = torch.arange(width, device="cuda") < rc[:, None]
-        row["same"] = all(torch.equal(rc, cc) and torch.equal(torch.where(live, ri, -1), torch.where(live, ci, -1))
-                          for ci, cc in outs.values())
+        row["same"] = all(same_selection(outs["radix"], out) for out in outs.values())
         rows.append(row)
         print(f"{B} x {S} (auto: {row['auto']}; same selection on every path: {row['same']})")
         for name, _ in paths:

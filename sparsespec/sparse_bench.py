@@ -206,7 +206,7 @@ def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]
     apart; the selection also on each of its two paths (radix over every key, candidates from a sampled
     threshold), checked to select the same slots."""
     from .kernels.attend import sparse_decode_attention
-    from .kernels.select import select_topk
+    from .kernels.select import same_selection, select_topk
 
     plan, opts = policy.fixed, policy.options
     B, Hq, _, D = q.shape
@@ -222,11 +222,8 @@ def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]
               "select_radix": time_ms(graphed(lambda: select(False))), "select_candidates": None,
               "paths_equal": None}
     if sk.key_bits <= 16:  # the candidate path takes keys of up to 16 bits (wider probes make 32-bit keys)
-        radix = [t.clone() for t in select(False)]
-        candidates = select(True, out=tuple(torch.empty_like(t) for t in radix))
-        live = torch.arange(plan.width, device=q.device) < radix[1][:, None]
-        stages["paths_equal"] = torch.equal(radix[1], candidates[1]) and torch.equal(
-            torch.where(live, radix[0], -1), torch.where(live, candidates[0], -1))
+        radix = tuple(t.clone() for t in select(False))
+        stages["paths_equal"] = same_selection(radix, select(True, out=tuple(torch.empty_like(t) for t in radix)))
         stages["select_candidates"] = time_ms(graphed(lambda: select(True)))
     select()
     attend = lambda: sparse_decode_attention(q.view(B, Hq, D), cache.k[0], cache.v[0],  # noqa: E731

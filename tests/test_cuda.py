@@ -481,10 +481,10 @@ def test_row_invariant_verify_columns_equal_plain_decode_steps_of_their_tokens(c
     more, four successive blocks (the cache written by verify steps, as a loop's is), and blocks that straddle the
     block attention's fixed splits (512 slots). (A bench of the fine-tuned 1.5B at batch 1, block 16, compiled,
     left plain greedy on 8 of 16 prompts at near-ties with `--row-invariant` on; the earlier test checks column 0
-    of an 8-wide block only. On the H200, 2026-12-02, this
-    test failed at batch 3 uncompiled while batch 1 passed, and the bench's exact replay put the first logit
-    difference at column 0 of an early verify: the block attention tiled a decode step's 6 rows a head in 16 and a
-    verify block's 96 in 128, which sums a row's scores in another order; fixed-chunk steps now tile both in 16.)"""
+    of an 8-wide block only. On the H200, 2026-12-02, this test failed at batch 3 uncompiled while batch 1
+    passed, and the bench's exact replay put the first logit difference at column 0 of an early verify: the block
+    attention tiled a decode step's 6 rows a head in 16 and a verify block's 96 in 128, which sums a row's scores
+    in another order; fixed-chunk steps now tile both in 16.)"""
     from sparsespec.config import ModelConfig
     from sparsespec.models.transformer import Transformer
 

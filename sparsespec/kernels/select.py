@@ -523,6 +523,14 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     return idx, count
 
 
+def same_selection(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether two selections (idx [R, W], count [R]) hold the same slots in every row (columns past a row's count
+    are garbage and not compared)."""
+    (ia, ca), (ib, cb) = a, b
+    live = torch.arange(ia.shape[1], device=ia.device) < ca[:, None]
+    return torch.equal(ca, cb) and torch.equal(torch.where(live, ia, -1), torch.where(live, ib, -1))
+
+
 def select_topk_ref(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                     k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
                     extra_n: torch.Tensor | None = None):
