@@ -128,8 +128,8 @@ def test_all_slots_equal_sdpa(G, D, dtype):
 @pytest.mark.parametrize("K,groups,D", [(1, 1, 64), (4096, 1, 128), (32768, 8, 128), (65536, 512, 128),
                                        (1000, 3, 256), (37, 4, 64)])
 def test_split_heuristic(K, groups, D):
-    """A plain int from shapes: enough programs to fill the SMs when K allows, each split at least two index
-    blocks, and no split left without columns."""
+    """A plain int from shapes: enough programs to fill the SMs when K allows, each split at least
+    MIN_BLOCKS_PER_SPLIT index blocks, and no split left without columns."""
     splits = num_splits(K, groups, D, torch.device("cpu"))
     blocks = -(-K // _block_n(D))
     chunk = -(-blocks // splits)

@@ -1,4 +1,5 @@
-"""Triton kernels of the graph-captured sparse decode step, each beside the torch reference it is tested against.
+"""Triton kernels of the graph-captured decode and verify steps (dense and sparse), each beside the torch reference
+it is tested against.
 
     binarypc.py  probe (quantised, tabulated per code byte), table scoring with the group max fused in, residual
                  encoding
@@ -6,7 +7,11 @@
     kmeans.py    the k-means assignment step (nearest centroid, argmax epilogue) of Double-P's build
     clusters.py  Double-P's cluster scoring (q·centroid and the spread term, a KV head's query group in one pass)
     select.py    fixed-width top-k by radix select over integer keys, forced slots first
-    attend.py    split-K flash-decoding over the selected slots (GQA: each K/V row read once per KV head)
+    attend.py    split-K flash-decoding over the selected slots (GQA: each K/V row read once per KV head), and
+                 the block attention of a step's few queries a row over the whole cache
+    rotary.py    a step's rotary embedding fused with its KV-cache write
+    matmul.py    row-invariant matrix products (a row's result independent of the step's row count)
+    norm.py      row-invariant RMSNorm
 
 The kernels run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (the tests, at small sizes). The
 torch references are the CPU path of the engine.

@@ -16,7 +16,10 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MIN_BLOCKS_PER_SPLIT = 2  # a split streams at least this many BLOCK_N index blocks
+# a split streams at least this many BLOCK_N index blocks. One: at short contexts a step's attention is bound by
+# latency, not bytes (H200, 1.5B shape, 2k slots: the compiled decode step 1.868 -> 1.790 ms against 2; 0.5B
+# 1.098 -> 1.035; BinaryPC's sparse attention at 32k x 1 8.8 -> 6.8 us; longer ones unchanged)
+MIN_BLOCKS_PER_SPLIT = 1
 PROGRAMS_PER_SM = 3  # aim for 2-4 partial programs per multiprocessor
 MERGE_BLOCK_S = 64  # splits merged per step
 INVARIANT_TILE = 16  # (head, query) rows a program of the fixed-chunk block attention (one MMA tile's rows)

@@ -156,10 +156,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, layer: int, plan: StepPlan, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.project(x, plan.cos, plan.sin)
-        if plan.observer is not None:
-            plan.observer(layer, q, k)
-        cache.write(layer, plan.positions, k, v)
+        D = self.cfg.head_dim
+        if (T <= BLOCK_QUERIES and plan.observer is None and not self.cfg.qk_norm and D & (D - 1) == 0
+                and cache.k[layer].dtype == x.dtype and triton_ready(x.device)):
+            # a step's rotary and cache write in one kernel (what `project` and `cache.write` compute)
+            q = rope_write(self.qkv_proj(x), plan.cos, plan.sin, plan.positions, cache.k[layer], cache.v[layer],
+                           self.cfg.num_heads)  # [B, Hq, T, D]
+        else:
+            q, k, v = self.project(x, plan.cos, plan.sin)
+            if plan.observer is not None:
+                plan.observer(layer, q, k)
+            cache.write(layer, plan.positions, k, v)
         if plan.policy is not None and T == 1 and plan.policy.is_sparse(layer):
             out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
         elif plan.block:
@@ -199,6 +206,21 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 @block_attention.register_fake
 def _(q, k, v, positions, chunk=0):
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("sparsespec::rope_write", mutates_args=("k_cache", "v_cache"))
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+    """`kernels.rotary.rope_write` (a custom op: torch.compile keeps it whole inside its graph, the caches written
+    in place)."""
+    from ..kernels.rotary import rope_write as kernel
+
+    return kernel(qkv, cos, sin, positions, k_cache, v_cache, heads)
+
+
+@rope_write.register_fake
+def _(qkv, cos, sin, positions, k_cache, v_cache, heads):
+    return qkv.new_empty(qkv.shape[0], heads, qkv.shape[1], k_cache.shape[-1])
 
 
 @torch.compiler.disable
