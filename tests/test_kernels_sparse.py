@@ -8,7 +8,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
-                                         key_range, probe_tables, probe_tables_ref, score_keys, score_keys_ref)
+                                         key_range, probe_bytes, probe_tables, probe_tables_ref, score_keys,
+                                         score_keys_ref)
 from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, topk_keys_ref  # noqa: E402
 from sparsespec.kernels.select import (expand_pages, expand_pages_ref, ordered_keys, select_scratch,  # noqa: E402
                                        select_topk, select_topk_ref)
@@ -20,14 +21,14 @@ def dyadic(g: torch.Generator, *shape, scale=8) -> torch.Tensor:
     return (torch.randint(-scale, scale + 1, shape, generator=g) / scale).to(DEVICE)
 
 
-@pytest.mark.parametrize("G,D,bits,m", [(1, 64, 64, 7), (4, 128, 64, 7), (7, 64, 100, 3), (3, 16, 7, 5),
-                                        (6, 128, 256, 7), (5, 32, 64, 12)])
-def test_probe_tables_equal_reference(G, D, bits, m):
+@pytest.mark.parametrize("G,D,bits,m,per", [(1, 64, 64, 7, None), (4, 128, 64, 7, 8), (7, 64, 100, 3, 2),
+                                            (3, 16, 7, 5, None), (6, 128, 256, 7, 3), (5, 32, 64, 12, 1)])
+def test_probe_tables_equal_reference(G, D, bits, m, per):
     g = torch.Generator().manual_seed(G * 1000 + bits)
     B, Hkv = 2, 3
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
-    probe, tables = probe_tables(q, basis, m)
+    probe, tables = probe_tables(q, basis, m, per)  # per: code bytes a program (a last program may have fewer)
     ref_probe, _ = probe_tables_ref(q, basis, m)
     # the probe: equal, except one level where the unquantised value lies on a rounding boundary (a float dot
     # product summed in another order may land on either side of it)
@@ -38,6 +39,15 @@ def test_probe_tables_equal_reference(G, D, bits, m):
     assert bool(((level[differ] - level[differ].floor() - 0.5).abs() < 1e-4).all())
     assert torch.equal(tables, byte_tables(probe, m))  # the tables: exactly those of the kernel's probe
     assert tables.shape[-2:] == (-(-bits // 8), 256)
+
+
+@pytest.mark.parametrize("rows,nb", [(8, 8), (64, 8), (128, 8), (256, 8), (4096, 8), (3, 1), (300, 32), (100, 13)])
+def test_probe_bytes_rule(rows, nb):
+    """A power of two of at most half the row's bytes (one where that is below one), leaving ~512 programs or
+    more: short programs while the device is not full."""
+    per = probe_bytes(rows, nb)
+    assert per >= 1 and per & (per - 1) == 0 and (per == 1 or per <= nb // 2)
+    assert per == 1 or rows * -(-nb // per) >= 512
 
 
 def test_byte_tables_sum_to_the_probe_dot_the_signs():

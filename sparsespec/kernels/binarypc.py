@@ -91,9 +91,8 @@ def _round_half_even(x):
 @triton.jit
 def _probe_kernel(q_ptr, basis_ptr, probe_ptr, tables_ptr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                   W: tl.constexpr, M: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
-                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr):
+                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BYTES: tl.constexpr):
     r = tl.program_id(0)  # (row, KV head); its query heads are r * G .. r * G + G - 1
-    j = tl.program_id(1)  # the code byte whose bits 8j .. 8j + 7 this program quantises and tabulates
     i = tl.arange(0, 64)
     d = tl.arange(0, D)
     top = (1 << M) - 1
@@ -106,36 +105,53 @@ def _probe_kernel(q_ptr, basis_ptr, probe_ptr, tables_ptr, G: tl.constexpr, D: t
             scale = tl.maximum(scale, tl.max(tl.abs(tl.sum(basis * qg[None, :], 1)), 0))
     scale = tl.maximum(scale, 1e-30)
     t = tl.arange(0, 8)
-    bit = j * 8 + t
-    live = bit < BITS
-    basis = tl.load(basis_ptr + (r * BITS + bit)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)  # [8, D]
     c = tl.arange(0, 256)
     sign = tl.where(((c[:, None] >> t[None, :]) & 1) == 1, 1, -1)  # [256, 8]: h of each bit of byte value c
-    for tb in tl.static_range(T):
-        entry = tl.zeros([256], dtype=tl.int64)
-        for lane in tl.static_range(LANES):
-            if tb * LANES + lane < G:
-                g = tb * LANES + lane
-                qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
-                p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top).to(tl.int32)
-                tl.store(probe_ptr + (r * G + g) * BITS + bit, p, mask=live)
-                part = tl.sum(sign * tl.where(live, p, 0)[None, :], 1) + BIAS  # [256]
-                entry += part.to(tl.int64) << (lane * LANE_BITS)
-        tl.store(tables_ptr + ((r * T + tb) * NB + j) * 256 + c, entry)
+    for jj in tl.static_range(BYTES):  # the code bytes j whose bits 8j .. 8j + 7 this program quantises, tabulates
+        j = tl.program_id(1) * BYTES + jj
+        bit = j * 8 + t
+        live = bit < BITS
+        basis = tl.load(basis_ptr + (r * BITS + bit)[:, None] * D + d[None, :], mask=live[:, None],
+                        other=0.0)  # [8, D]
+        for tb in tl.static_range(T):
+            entry = tl.zeros([256], dtype=tl.int64)
+            for lane in tl.static_range(LANES):
+                if tb * LANES + lane < G:
+                    g = tb * LANES + lane
+                    qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
+                    p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top).to(tl.int32)
+                    tl.store(probe_ptr + (r * G + g) * BITS + bit, p, mask=live)
+                    part = tl.sum(sign * tl.where(live, p, 0)[None, :], 1) + BIAS  # [256]
+                    entry += part.to(tl.int64) << (lane * LANE_BITS)
+            tl.store(tables_ptr + ((r * T + tb) * NB + j) * 256 + c, entry, mask=j * 256 + c < NB * 256)
 
 
-def probe_tables(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
+def probe_bytes(rows: int, nb: int) -> int:
+    """Code bytes a program of the probe tabulates, for `rows` (row, KV head) pairs of NB bytes each: every program
+    first computes its row's scale (all b projections of the group), so once there are programs enough to fill the
+    device, longer ones pay it fewer times; a whole row in one program is too long. The largest power of two that
+    leaves ~512 programs, at most NB / 2 (H200, 8 KV heads, 64-bit codes, us: 1 x 8 rows 5.9 at one byte a
+    program, 22.2 at eight; 16 x 8 rows 18.8 at one, 14.7 at two; 32 x 8 rows 34.8 / 26.6 / 22.5 at one / two /
+    four, `sparse-gpu/nineteenth/probe_sweep.json`)."""
+    per = 1
+    while per * 2 <= min(nb // 2, rows * nb // 512):
+        per *= 2
+    return per
+
+
+def probe_tables(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int, bytes_per_program: int | None = None):
     """q [B, Hq, D] (any float dtype), basis [B, Hkv, b, D] fp32 -> (probe [B*Hkv, G, b] int32,
-    tables [B*Hkv, T, NB, 256] int64)."""
+    tables [B*Hkv, T, NB, 256] int64). `bytes_per_program`: default `probe_bytes`."""
     B, Hq, D = q.shape
     _, Hkv, bits, _ = basis.shape
     G, W, R = Hq // Hkv, -(-bits // 64), B * Hkv
     lay = TableLayout.of(G, bits, magnitude_bits)
+    per = bytes_per_program or probe_bytes(R, lay.nb)
     probe = torch.empty(R, G, bits, dtype=torch.int32, device=q.device)
     tables = torch.empty(R, lay.tables, lay.nb, 256, dtype=torch.int64, device=q.device)
-    _probe_kernel[(R, lay.nb)](q.contiguous(), basis.contiguous(), probe, tables, G=G, D=D, BITS=bits, W=W,
-                        M=magnitude_bits, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
-                        BIAS=lay.bias, num_warps=4)
+    _probe_kernel[(R, triton.cdiv(lay.nb, per))](
+        q.contiguous(), basis.contiguous(), probe, tables, G=G, D=D, BITS=bits, W=W, M=magnitude_bits, NB=lay.nb,
+        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BYTES=per, num_warps=4)
     return probe, tables
 
 
