@@ -154,19 +154,25 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def project_write(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      cache: KVCache, layer: int, observer: Callable | None = None) -> torch.Tensor:
+        """x [B, T, hidden] -> q [B, Hq, T, D] as `project`; k and v written into the cache's `layer` at slots
+        positions [B, T]. CUDA steps of up to BLOCK_QUERIES tokens a row rotate and write in one kernel
+        (`kernels.rotary`), unless `observer(layer, q, k)` needs k or the model q/k-norms."""
+        T, D = x.shape[1], self.cfg.head_dim
+        if (T <= BLOCK_QUERIES and observer is None and not self.cfg.qk_norm and D & (D - 1) == 0
+                and cache.k[layer].dtype == x.dtype and triton_ready(x.device)):
+            return rope_write(self.qkv_proj(x), cos, sin, positions, cache.k[layer], cache.v[layer],
+                              self.cfg.num_heads)
+        q, k, v = self.project(x, cos, sin)
+        if observer is not None:
+            observer(layer, q, k)
+        cache.write(layer, positions, k, v)
+        return q
+
     def forward(self, x: torch.Tensor, layer: int, plan: StepPlan, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
-        D = self.cfg.head_dim
-        if (T <= BLOCK_QUERIES and plan.observer is None and not self.cfg.qk_norm and D & (D - 1) == 0
-                and cache.k[layer].dtype == x.dtype and triton_ready(x.device)):
-            # a step's rotary and cache write in one kernel (what `project` and `cache.write` compute)
-            q = rope_write(self.qkv_proj(x), plan.cos, plan.sin, plan.positions, cache.k[layer], cache.v[layer],
-                           self.cfg.num_heads)  # [B, Hq, T, D]
-        else:
-            q, k, v = self.project(x, plan.cos, plan.sin)
-            if plan.observer is not None:
-                plan.observer(layer, q, k)
-            cache.write(layer, plan.positions, k, v)
+        q = self.project_write(x, plan.cos, plan.sin, plan.positions, cache, layer, plan.observer)  # [B, Hq, T, D]
         if plan.policy is not None and T == 1 and plan.policy.is_sparse(layer):
             out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
         elif plan.block:

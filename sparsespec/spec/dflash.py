@@ -132,8 +132,7 @@ class DFlash(nn.Module):
         c = self.context(features)
         cos, sin = rope_cos_sin(positions, self.inv_freq, c.dtype)
         for i, layer in enumerate(self.layers):
-            _, k, v = layer.self_attn.project(c, cos, sin)
-            cache.write(i, positions, k, v)
+            layer.self_attn.project_write(c, cos, sin, positions, cache, i)  # (its q unused)
 
     def draft_hidden(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
                      kv_len: int) -> torch.Tensor:
