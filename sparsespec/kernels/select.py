@@ -236,18 +236,17 @@ def _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE: tl.constexpr
 
 @triton.jit
 def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, S, K, SINKS, WINDOW, MARGIN,
-                   SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr, STRIDE: tl.constexpr,
+                   SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr, STRIDE: tl.constexpr,
                    LEVEL: tl.constexpr, BLOCK: tl.constexpr):
     """The sample's histograms, one slot in STRIDE, this program's SPP samples (added atomically to shist_ptr
     [R, 2, 256]): LEVEL 0 of the keys' top digit; LEVEL 1 (keys of two digits) of the low digit among the keys
-    whose top digit holds the sample's target rank."""
+    whose top digit holds the sample's target rank. LOW: the bits below the top digit (0 for one digit)."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     row = keys_ptr + r.to(tl.int64) * S
-    LOW: tl.constexpr = LAST if (KEY_BITS - LAST) // 8 + 1 == 2 else 0  # bits below the top digit
     n, n_s, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
     bins = tl.arange(0, 256)
     hist = tl.zeros([256], dtype=tl.int32)
@@ -272,11 +271,10 @@ def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_p
 
 
 @triton.jit
-def _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, KEY_BITS: tl.constexpr,
-                      LAST: tl.constexpr, STRIDE: tl.constexpr):
+def _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW: tl.constexpr,
+                      STRIDE: tl.constexpr):
     """The candidate threshold of row r (>= 1) from its sample's histograms: the key at the target rank of the
     sample, or 1 (every live key) where the sample holds fewer keys."""
-    LOW: tl.constexpr = LAST if (KEY_BITS - LAST) // 8 + 1 == 2 else 0
     bins = tl.arange(0, 256)
     top = tl.load(shist_ptr + r * 512 + bins)
     _, _, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
@@ -289,7 +287,7 @@ def _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, KEY
 
 @triton.jit
 def _count_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, lo_ptr, counts_ptr, S, K, SINKS,
-                  WINDOW, MARGIN, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
+                  WINDOW, MARGIN, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
                   STRIDE: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
     """The candidate threshold from the sample (program 0 keeps it in lo_ptr[r]); this program's keys at or above
     it, forced keys and live keys -> counts_ptr[r, p, :3]."""
@@ -298,7 +296,7 @@ def _count_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_pt
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
-    lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, KEY_BITS, LAST, STRIDE)
+    lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW, STRIDE)
     if p == 0:
         tl.store(lo_ptr + r, lo)
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
@@ -492,11 +490,12 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     C = candidate_width(k, S)
     sample_hist = scratch_all[R * 2 * 256:R * 4 * 256]  # [R, 2, 256]: the radix digits of <= 16-bit keys leave it
     n_s, sblock = triton.cdiv(S, stride), 1024
+    low = last if digits == 2 else 0  # the bits below the top digit (keys of up to 16 bits: one or two digits)
     ps = programs_per_row(R, triton.cdiv(n_s, sblock), keys.device, waves)
     spp = triton.cdiv(triton.cdiv(n_s, sblock), ps) * sblock
     for level in range(digits):
         _sample_kernel[(R, ps)](keys, positions, tokens, forced_from, sample_hist, S, k, sinks, window, margin, spp,
-                                HKV=hkv, KEY_BITS=key_bits, LAST=last, STRIDE=stride, LEVEL=level, BLOCK=sblock,
+                                HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, LEVEL=level, BLOCK=sblock,
                                 num_warps=4)
     blk = min(scan_block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, blk)
@@ -505,7 +504,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     lo = torch.empty(R, dtype=torch.int32, device=keys.device)
     counts = torch.empty(R, P, 3, dtype=torch.int32, device=keys.device)
     _count_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, lo, counts, S, k, sinks, window, margin,
-                          bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, STRIDE=stride, P=P, BLOCK=blk,
+                          bpp, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, P=P, BLOCK=blk,
                           num_warps=num_warps)
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
