@@ -522,7 +522,7 @@ def test_window_mode_never_clusters_decoded_tokens():
 @pytest.mark.parametrize("bad", [
     {"p1": 0.0}, {"p1": 1.2}, {"p2": 0.0}, {"p1": 0.6, "p2": 0.7}, {"p2_of": "all"}, {"tail": "keep"},
     {"decoded": "never"}, {"recluster_every": 0}, {"cluster_size": 0}, {"kmeans_iters": 0}, {"window": -1},
-    {"sinks": -2}])
+    {"sinks": -2}, {"index_dtype": "float16"}])
 def test_invalid_options_are_rejected(bad):
     with pytest.raises(SparseSpecError):
         DoublePOptions(**bad)
@@ -673,13 +673,15 @@ def step_both(eager, fixed, caches, lengths, steps, gen, Hq):
     return lengths
 
 
-@pytest.mark.parametrize("decoded,sinks,window,p", [("assign", 3, 5, (0.9, 0.6)), ("window", 2, 4, (0.95, 0.7)),
-                                                    ("assign", 0, 0, (1.0, 1.0)), ("assign", 4, 9, (0.8, 0.8))])
-def test_fixed_width_steps_equal_eager_steps(decoded, sinks, window, p):
+@pytest.mark.parametrize("decoded,sinks,window,p,index", [
+    ("assign", 3, 5, (0.9, 0.6), "auto"), ("window", 2, 4, (0.95, 0.7), "auto"), ("assign", 0, 0, (1.0, 1.0), "auto"),
+    ("assign", 4, 9, (0.8, 0.8), "auto"), ("assign", 3, 5, (0.9, 0.6), "bfloat16")])
+def test_fixed_width_steps_equal_eager_steps(decoded, sinks, window, p, index):
     """Static widths, device-side clustering of the token leaving the window, no host reads: the same outputs
-    and the same clusters as eager steps over two rows of different lengths, then after a rollback."""
+    and the same clusters as eager steps over two rows of different lengths, then after a rollback (bf16
+    centroids and variances too)."""
     opts = DoublePOptions(sinks=sinks, window=window, cluster_size=4, p1=p[0], p2=p[1], decoded=decoded,
-                          dense_layers=0, exact_cap=1.0)
+                          dense_layers=0, exact_cap=1.0, index_dtype=index)
     caches = [make_cache(2, 2, 90, 16, seed=5, offset=1.0) for _ in range(2)]
     eager, fixed = DoubleP(opts), DoubleP(opts)
     lengths = [50, 37]

@@ -54,7 +54,7 @@ from .policy import Policy, PolicyOptions, device_ints, option
 
 _CHUNK = 1 << 19  # elements of one [G, n, k] distance block in `nearest` (a few MB: the CPU's caches)
 _CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster"),
-            "estimate": ("spread", "centroid")}
+            "estimate": ("spread", "centroid"), "index_dtype": ("auto", "float32", "bfloat16")}
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,9 @@ class DoublePOptions(PolicyOptions):
                                      "centroid")
     kmeans_bf16: bool = option(False, "CUDA: k-means distances from bf16 dot products (tensor cores; a point nearly "
                                       "equidistant from two centroids may join either)")
+    index_dtype: str = option("auto", "dtype of the centroids and variances a step reads: auto (bfloat16 on CUDA, "
+                                      "float32 elsewhere), float32 or bfloat16; the sums they are computed from, "
+                                      "which appends and rollbacks update, stay float32")
     exact_cap: float = option(0.1, "fixed-width (graph-captured) steps: at most this share of the cache capacity "
                                    "(a count if > 1; at least min_tokens) of prefill tokens attended token by token; "
                                    "exact clusters past it, in rank order, enter as centroid terms (p2 = 1: no cap)")
@@ -380,7 +383,7 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class DoublePState:
-    centroids: torch.Tensor  # [B, Hkv, C, D] fp32: each cluster's mean key (the last one when it empties)
+    centroids: torch.Tensor  # [B, Hkv, C, D] (index_dtype): each cluster's mean key (the last one when it empties)
     key_sum: torch.Tensor  # [B, Hkv, C, D] fp32
     key_sq_sum: torch.Tensor  # [B, Hkv, C, D] fp32: Σ k² per dimension (the spread estimate's variances)
     value_sum: torch.Tensor  # [B, Hkv, C, D] fp32
@@ -395,7 +398,7 @@ class DoublePState:
     # the same on the device [B] int64, which fixed-width steps read and advance (the lists follow on any eager call)
     clustered_end_dev: torch.Tensor | None = None
     csr_end_dev: torch.Tensor | None = None
-    # estimate="spread": each cluster's per-dimension key variance [B, Hkv, C, D] fp32 (`cluster_variance`), kept
+    # estimate="spread": each cluster's per-dimension key variance [B, Hkv, C, D] (index_dtype), kept
     # current wherever the sums change, so a step reads it instead of recomputing it from three tensors
     spread: torch.Tensor | None = None
 
@@ -453,6 +456,13 @@ class DoubleP(Policy):
     def target_mass(self) -> float:
         return self.options.p1
 
+    def index_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the centroids and variances (`index_dtype`; auto: bf16 where the Triton kernels run)."""
+        name = self.options.index_dtype
+        if name == "auto":
+            return torch.bfloat16 if triton_ready(device) else torch.float32
+        return getattr(torch, name)
+
     def build(self, layer, cache, lengths):
         if not self.is_sparse(layer):
             return
@@ -464,7 +474,8 @@ class DoubleP(Policy):
         ks = [-(-n // o.cluster_size) for n in counts]
         C, N = max(1, *ks), max(1, *counts)
         dev, long = k.device, torch.long
-        st = DoublePState(centroids=torch.zeros(B, Hkv, C, D, device=dev),
+        idt = self.index_dtype(dev)
+        st = DoublePState(centroids=torch.zeros(B, Hkv, C, D, device=dev, dtype=idt),
                           key_sum=torch.zeros(B, Hkv, C, D, device=dev),
                           key_sq_sum=torch.zeros(B, Hkv, C, D, device=dev),
                           value_sum=torch.zeros(B, Hkv, C, D, device=dev),
@@ -476,7 +487,7 @@ class DoubleP(Policy):
         cache.policy_state[layer] = st
         st.sync_ends(from_device=False)
         if o.estimate == "spread":
-            st.spread = torch.zeros(B, Hkv, C, D, device=dev)
+            st.spread = torch.zeros(B, Hkv, C, D, device=dev, dtype=idt)
         if max(counts) == 0:
             return
         # every row and KV head in one batched k-means: G = B * Hkv entries, row b's first counts[b] slots valid
@@ -494,13 +505,13 @@ class DoubleP(Policy):
         key_sum, size = cluster_sums(keys, assign, C, valid)
         mean = key_sum / size.clamp_min(1)[..., None]
         shape = (B, Hkv, C)
-        st.centroids = torch.where(size[..., None] > 0, mean, centroids).view(*shape, D)
+        st.centroids = torch.where(size[..., None] > 0, mean, centroids).view(*shape, D).to(idt)
         st.key_sum, st.size = key_sum.view(*shape, D), size.view(shape)
         st.value_sum = cluster_sums(v[:, :, o.sinks:o.sinks + N].reshape(B * Hkv, N, D), assign, C, valid)[0] \
             .view(*shape, D)
         st.key_sq_sum = cluster_sums(keys.float().square(), assign, C, valid)[0].view(*shape, D)
         if o.estimate == "spread":
-            st.spread = cluster_variance(st.key_sum, st.key_sq_sum, st.size)
+            st.spread = cluster_variance(st.key_sum, st.key_sq_sum, st.size).to(idt)
         member = torch.where(valid, assign, C)  # [G, N]: the row's candidates by cluster, padding last
         st.perm[..., :N] = (member.argsort(dim=-1, stable=True) + o.sinks).view(B, Hkv, N)
         st.offsets[..., 1:] = st.size.cumsum(-1)
@@ -548,9 +559,10 @@ class DoubleP(Policy):
         st.size[row].scatter_add_(1, idx, torch.full_like(idx, sign))
         size = st.size[row].gather(1, idx)[..., None]  # [Hkv, n, 1]
         mean = st.key_sum[row].gather(1, at) / size.clamp_min(1)
-        st.centroids[row].scatter_(1, at, torch.where(size > 0, mean, st.centroids[row].gather(1, at)))
+        st.centroids[row].scatter_(1, at, torch.where(size > 0, mean, st.centroids[row].gather(1, at).float())
+                                   .to(st.centroids.dtype))
         if st.spread is not None:
-            st.spread[row] = cluster_variance(st.key_sum[row], st.key_sq_sum[row], st.size[row])
+            st.spread[row] = cluster_variance(st.key_sum[row], st.key_sq_sum[row], st.size[row]).to(st.spread.dtype)
 
     def plan(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> DoublePPlan:
         """q [B, Hq, 1, D] at `positions` [B] -> this step's cluster sets and exactly attended slots (widths from
@@ -677,35 +689,14 @@ class DoubleP(Policy):
 
     def _cluster_leaving(self, st: DoublePState, cache: KVCache, layer: int, positions: torch.Tensor) -> None:
         """Before a step at positions [B]: the slot that left the window since the last step joins its nearest
-        non-empty cluster (what `append` does after a step, for one token a row), on the device."""
-        o = self.options
-        k, v = cache.k[layer], cache.v[layer]
-        B, Hkv, _, D = k.shape
-        C = st.size.shape[-1]
-        target = (positions - o.window).clamp_min(o.sinks)  # [B]: clustered slots end here at this step
-        # [B]: one slot a row, where the window moved on by one (a jump — a graph's warm-up step at the last slot —
-        # clusters nothing: multi-token commits and rollbacks go through `append`)
-        move = (target == st.clustered_end_dev + 1) & self.fixed.candidates
-        slot = (target - 1).clamp_min(0).view(B, 1, 1, 1)
-        keys = k.gather(2, slot.expand(B, Hkv, 1, D)).float()  # [B, Hkv, 1, D]
-        values = v.gather(2, slot.expand(B, Hkv, 1, D)).float()
-        idx = nearest(keys.view(B * Hkv, 1, D), st.centroids.view(B * Hkv, C, D),
-                      (st.size > 0).view(B * Hkv, C)).view(B, Hkv, 1)
-        w = move.view(B, 1, 1, 1).float()
-        at = idx[..., None].expand(B, Hkv, 1, D)
-        st.key_sum.scatter_add_(2, at, keys * w)
-        st.key_sq_sum.scatter_add_(2, at, keys.square() * w)
-        st.value_sum.scatter_add_(2, at, values * w)
-        st.size.scatter_add_(2, idx, move.long().view(B, 1, 1).expand(B, Hkv, 1))
-        size = st.size.gather(2, idx)[..., None]  # [B, Hkv, 1, 1]
-        mean = st.key_sum.gather(2, at) / size.clamp_min(1)
-        st.centroids.scatter_(2, at, torch.where(size > 0, mean, st.centroids.gather(2, at)))
-        if st.spread is not None:  # the changed cluster's variance, as `cluster_variance` computes every one
-            st.spread.scatter_(2, at, cluster_variance(st.key_sum.gather(2, at), st.key_sq_sum.gather(2, at),
-                                                       st.size.gather(2, idx)))
-        at_slot = slot.view(B, 1, 1).expand(B, Hkv, 1)
-        st.assign.scatter_(2, at_slot, torch.where(move.view(B, 1, 1), idx, st.assign.gather(2, at_slot)))
-        st.clustered_end_dev.copy_(torch.where(move, target, st.clustered_end_dev))
+        non-empty cluster (what `append` does after a step, for one token a row), on the device. A jump (a graph's
+        warm-up step at the last slot) clusters nothing: multi-token commits and rollbacks go through `append`."""
+        from ..kernels.clusters import join_leaving, join_leaving_ref
+
+        join = join_leaving if triton_ready(positions.device) else join_leaving_ref
+        join(cache.k[layer], cache.v[layer], positions, st.clustered_end_dev, self.fixed.candidates, st.centroids,
+             st.key_sum, st.key_sq_sum, st.value_sum, st.size, st.spread, st.assign, self.options.window,
+             self.options.sinks)
 
     def _cluster_logits(self, st: DoublePState, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """qg [B, Hkv, G, D] fp32 -> (x_i [B, Hkv, G, C], the log-mass the selection ranks by: x_i, plus the

@@ -160,7 +160,7 @@ def centroid_log_bias(state, q: torch.Tensor, keys: torch.Tensor, pos: int) -> f
     shifted = torch.where(member[:, None], logits - true.gather(-1, idx), float("-inf"))  # no inf - inf
     lse = torch.zeros_like(true).scatter_add(-1, idx, shifted.exp())
     true = true + lse.log()  # [Hkv, G, C]
-    est = (qg @ state.centroids[0].transpose(-1, -2)) * D**-0.5  # [Hkv, G, C]
+    est = (qg @ state.centroids[0].float().transpose(-1, -2)) * D**-0.5  # [Hkv, G, C]
     est = est + state.size[0].float().log()[:, None]
     valid = (state.size[0] > 0)[:, None].expand_as(true)
     weight = (true - torch.logsumexp(logits, -1, keepdim=True)).exp() * valid

@@ -1,7 +1,7 @@
 """Double-P's cluster scoring in Triton: every query head of a KV head against its clusters' statistics, one pass.
 
     q        [B * Hkv * G, D]   the query heads, grouped by KV head (any float dtype)
-    centroids, spread  [B, Hkv, C, D] fp32: each cluster's mean key and per-dimension key variance
+    centroids, spread  [B, Hkv, C, D] fp32 or bf16: each cluster's mean key and per-dimension key variance
     -> logits [B, Hkv, G, C] fp32   x_i = q·c_i / √D
        ranked [B, Hkv, G, C] fp32   x_i + ½ Σ_d q_d² var_{i,d} / D (the spread estimate's log-mass term; with no
                                     spread, ranked is logits)
@@ -10,6 +10,14 @@ A program reads a block of clusters' centroids (and variances) once for all G he
 the statistics once, where the torch reference runs a batched product per statistic (a 4-row product, for which
 cuBLAS picked a kernel that took 262 us for 34 MB at 128k, batch 1 on the H200). The reference,
 `cluster_scores_ref`, is the CPU path.
+
+The cluster index's upkeep in a fixed-width step, `join_leaving` (reference `join_leaving_ref`): the key that left
+the recent window joins its nearest non-empty centroid, and that cluster's sums, size, centroid and variance
+follow. Two launches: each program measures one block of a (row, KV head)'s centroids against the key and keeps
+its nearest (squared distance and index packed in one int64, so the minimum is the nearest with ties to the lowest
+index); one program a (row, KV head) then takes the minimum of its blocks and updates that one cluster. The torch
+path computed a [B * Hkv, C] distance matrix from centred copies of every centroid (five passes over the index:
+~2.3 ms of a 5.3 ms layer at 128k x 16 on the H200); this reads the centroids once.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .rotary import _rounded
 
 
 @triton.jit
@@ -27,9 +37,9 @@ def _cluster_scores_kernel(q_ptr, c_ptr, var_ptr, logit_ptr, ranked_ptr, C, scal
     live = offs_c < C
     d = tl.arange(0, D)
     rows = (r * C + offs_c)[:, None] * D + d[None, :]
-    cen = tl.load(c_ptr + rows, mask=live[:, None], other=0.0)  # [BLOCK, D] fp32
+    cen = tl.load(c_ptr + rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCK, D]
     if SPREAD:
-        var = tl.load(var_ptr + rows, mask=live[:, None], other=0.0)
+        var = tl.load(var_ptr + rows, mask=live[:, None], other=0.0).to(tl.float32)
     for g in tl.static_range(G):
         qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)  # [D]
         x = tl.sum(cen * qg[None, :], 1) * scale  # [BLOCK]
@@ -41,12 +51,11 @@ def _cluster_scores_kernel(q_ptr, c_ptr, var_ptr, logit_ptr, ranked_ptr, C, scal
 
 def cluster_scores(qg: torch.Tensor, centroids: torch.Tensor, spread: torch.Tensor | None, block: int = 32,
                    num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """qg [B, Hkv, G, D], centroids / spread [B, Hkv, C, D] fp32 (spread None: the centroid estimate) ->
+    """qg [B, Hkv, G, D], centroids / spread [B, Hkv, C, D] fp32 or bf16 (spread None: the centroid estimate) ->
     (logits, ranked) [B, Hkv, G, C] fp32 (see the module). Tuning: `block` clusters and `num_warps` a program."""
     B, Hkv, G, D = qg.shape
     C = centroids.shape[2]
-    assert centroids.dtype == torch.float32 and centroids.is_contiguous()
-    assert spread is None or (spread.dtype == torch.float32 and spread.is_contiguous())
+    assert centroids.is_contiguous() and (spread is None or spread.is_contiguous())
     logits = torch.empty(B, Hkv, G, C, dtype=torch.float32, device=qg.device)
     ranked = torch.empty_like(logits) if spread is not None else logits
     block = min(block, triton.next_power_of_2(C))
@@ -61,7 +70,142 @@ def cluster_scores_ref(qg: torch.Tensor, centroids: torch.Tensor, spread: torch.
     """The torch reference of `cluster_scores` (batched products), the CPU path."""
     qg = qg.float()
     D = qg.shape[-1]
-    logits = (qg @ centroids.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, C]
+    logits = (qg @ centroids.float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, C]
     if spread is None:
         return logits, logits
-    return logits, logits + 0.5 * (qg.square() @ spread.transpose(-1, -2)) / D
+    return logits, logits + 0.5 * (qg.square() @ spread.float().transpose(-1, -2)) / D
+
+
+# ---------------------------------------------------------------------------------------------- index upkeep
+
+@triton.jit
+def _leaving(pos_ptr, end_ptr, cand_ptr, b, window, sinks):
+    """Row b's leaving slot this step and whether it joins a cluster: the clustered slots end at
+    max(pos - window, sinks); exactly one slot left the window when that is one past the current end."""
+    pos = tl.load(pos_ptr + b)
+    target = tl.maximum(pos - window, sinks)
+    move = (target == tl.load(end_ptr + b) + 1) & (tl.load(cand_ptr + b) != 0)
+    return target, tl.maximum(target - 1, 0), move
+
+
+@triton.jit
+def _nearest_block_kernel(k_ptr, c_ptr, size_ptr, pos_ptr, end_ptr, cand_ptr, part_ptr, flag_ptr, C, S, NBLK,
+                          window, sinks, HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # b * Hkv + h
+    blk = tl.program_id(1)
+    _, slot, move = _leaving(pos_ptr, end_ptr, cand_ptr, r // HKV, window, sinks)
+    d = tl.arange(0, D)
+    key = tl.load(k_ptr + (r * S + slot) * D + d).to(tl.float32)  # [D]
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    live = offs < C
+    cen = tl.load(c_ptr + (r * C + offs)[:, None] * D + d[None, :], mask=live[:, None],
+                  other=0.0).to(tl.float32)  # [BLOCK, D]
+    diff = cen - key[None, :]
+    dist = tl.sum(diff * diff, 1)  # [BLOCK] >= 0: its fp32 bits order as integers
+    ok = live & (tl.load(size_ptr + r * C + offs, mask=live, other=0) > 0)
+    bits = tl.where(ok, dist.to(tl.int32, bitcast=True), 0x7F800000)  # not a candidate: +inf
+    tl.store(part_ptr + r * NBLK + blk, tl.min((bits.to(tl.int64) << 32) | offs.to(tl.int64), 0))
+    if blk == 0:
+        tl.store(flag_ptr + r, move.to(tl.int8))
+
+
+@triton.jit
+def _join_kernel(k_ptr, v_ptr, pos_ptr, end_ptr, cand_ptr, part_ptr, flag_ptr, cen_ptr, ksum_ptr, ksq_ptr,
+                 vsum_ptr, size_ptr, var_ptr, assign_ptr, C, S, NBLK, window, sinks, HKV: tl.constexpr,
+                 D: tl.constexpr, CHUNK: tl.constexpr, SPREAD: tl.constexpr, INDEX: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    b = r // HKV
+    target, slot, _ = _leaving(pos_ptr, end_ptr, cand_ptr, b, window, sinks)
+    move = tl.load(flag_ptr + r) != 0  # decided before any program of the row moved its end
+    best = tl.full([CHUNK], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    for s in range(0, NBLK, CHUNK):
+        i = s + tl.arange(0, CHUNK)
+        best = tl.minimum(best, tl.load(part_ptr + r * NBLK + i, mask=i < NBLK, other=0x7FFFFFFFFFFFFFFF))
+    idx = tl.min(best, 0) & 0xFFFFFFFF
+    if move:
+        d = tl.arange(0, D)
+        row = (r * C + idx) * D + d
+        key = tl.load(k_ptr + (r * S + slot) * D + d).to(tl.float32)
+        ks = tl.load(ksum_ptr + row) + key
+        sq = tl.load(ksq_ptr + row) + key * key
+        tl.store(ksum_ptr + row, ks)
+        tl.store(ksq_ptr + row, sq)
+        tl.store(vsum_ptr + row, tl.load(vsum_ptr + row) + tl.load(v_ptr + (r * S + slot) * D + d).to(tl.float32))
+        n = tl.load(size_ptr + r * C + idx) + 1
+        tl.store(size_ptr + r * C + idx, n)
+        nf = n.to(tl.float32)
+        mean = tl.math.div_rn(ks, nf)
+        tl.store(cen_ptr + row, _rounded(mean, INDEX))
+        if SPREAD:  # cluster_variance, rounded as torch rounds it
+            tl.store(var_ptr + row, _rounded(tl.maximum(tl.math.div_rn(sq, nf) - mean * mean, 0.0), INDEX))
+        tl.store(assign_ptr + r * S + slot, idx)
+        if r % HKV == 0:
+            tl.store(end_ptr + b, target)
+
+
+def join_leaving(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, clustered_end: torch.Tensor,
+                 candidates: torch.Tensor, centroids: torch.Tensor, key_sum: torch.Tensor, key_sq_sum: torch.Tensor,
+                 value_sum: torch.Tensor, size: torch.Tensor, spread: torch.Tensor | None, assign: torch.Tensor,
+                 window: int, sinks: int, block: int = 64) -> None:
+    """Before a step at `positions`, in place: in each row whose window moved on by one slot, the key that left it
+    joins its nearest non-empty centroid (squared distance, ties to the lowest index; none non-empty: cluster 0).
+
+    k, v              [B, Hkv, S, D] the cache (any float dtype)
+    positions         [B] int64  each row's query position; the clustered slots end at max(pos - window, sinks)
+    clustered_end     [B] int64  advanced by one where a slot joins
+    candidates        [B] bool   rows with clusters (the others keep their decoded tokens exact)
+    key_sum, key_sq_sum, value_sum  [B, Hkv, C, D] fp32;  centroids, spread (or None)  [B, Hkv, C, D] fp32 or bf16
+    size              [B, Hkv, C] int64
+    assign            [B, Hkv, S] int64  the joining slot's cluster
+    A row moves only when its clustered slots end exactly one before the new end (`DoubleP._cluster_leaving`)."""
+    B, Hkv, S, D = k.shape
+    C = size.shape[-1]
+    assert centroids.dtype in (torch.float32, torch.bfloat16) and (spread is None or spread.dtype == centroids.dtype)
+    for t in (centroids, key_sum, key_sq_sum, value_sum, spread, size, assign, k, v):
+        assert t is None or t.is_contiguous()
+    nblk = triton.cdiv(C, block)
+    part = torch.empty(B * Hkv, nblk, dtype=torch.int64, device=k.device)
+    flag = torch.empty(B * Hkv, dtype=torch.int8, device=k.device)
+    cand = candidates.to(torch.int8)
+    _nearest_block_kernel[(B * Hkv, nblk)](k, centroids, size, positions, clustered_end, cand, part, flag, C, S,
+                                           nblk, window, sinks, HKV=Hkv, D=D, BLOCK=block, num_warps=4)
+    _join_kernel[(B * Hkv,)](k, v, positions, clustered_end, cand, part, flag, centroids, key_sum, key_sq_sum,
+                             value_sum, size, centroids if spread is None else spread, assign, C, S, nblk, window,
+                             sinks, HKV=Hkv, D=D, CHUNK=min(1024, triton.next_power_of_2(nblk)),
+                             SPREAD=spread is not None, INDEX=tl.bfloat16 if centroids.dtype == torch.bfloat16
+                             else tl.float32, num_warps=4, enable_fp_fusion=False)
+
+
+def join_leaving_ref(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, clustered_end: torch.Tensor,
+                     candidates: torch.Tensor, centroids: torch.Tensor, key_sum: torch.Tensor,
+                     key_sq_sum: torch.Tensor, value_sum: torch.Tensor, size: torch.Tensor,
+                     spread: torch.Tensor | None, assign: torch.Tensor, window: int, sinks: int) -> None:
+    """The torch reference of `join_leaving` (same arguments), the CPU path: the nearest centroid by Double-P's
+    tie-tolerant `nearest` (centroids within rounding of the nearest count as tied), the updates as masked
+    scatters over every row."""
+    from ..attention.doublep import cluster_variance, nearest
+
+    B, Hkv, _, D = k.shape
+    C = size.shape[-1]
+    target = (positions - window).clamp_min(sinks)  # [B]: clustered slots end here at this step
+    move = (target == clustered_end + 1) & candidates  # [B]: one slot a row, where the window moved on by one
+    slot = (target - 1).clamp_min(0).view(B, 1, 1, 1)
+    keys = k.gather(2, slot.expand(B, Hkv, 1, D)).float()  # [B, Hkv, 1, D]
+    values = v.gather(2, slot.expand(B, Hkv, 1, D)).float()
+    idx = nearest(keys.view(B * Hkv, 1, D), centroids.view(B * Hkv, C, D),
+                  (size > 0).view(B * Hkv, C)).view(B, Hkv, 1)
+    w = move.view(B, 1, 1, 1).float()
+    at = idx[..., None].expand(B, Hkv, 1, D)
+    key_sum.scatter_add_(2, at, keys * w)
+    key_sq_sum.scatter_add_(2, at, keys.square() * w)
+    value_sum.scatter_add_(2, at, values * w)
+    size.scatter_add_(2, idx, move.long().view(B, 1, 1).expand(B, Hkv, 1))
+    n = size.gather(2, idx)[..., None]  # [B, Hkv, 1, 1]
+    mean = key_sum.gather(2, at) / n.clamp_min(1)
+    centroids.scatter_(2, at, torch.where(n > 0, mean, centroids.gather(2, at).float()).to(centroids.dtype))
+    if spread is not None:  # the changed cluster's variance, as `cluster_variance` computes every one
+        spread.scatter_(2, at, cluster_variance(key_sum.gather(2, at), key_sq_sum.gather(2, at), size.gather(2, idx))
+                        .to(spread.dtype))
+    at_slot = slot.view(B, 1, 1).expand(B, Hkv, 1)
+    assign.scatter_(2, at_slot, torch.where(move.view(B, 1, 1), idx, assign.gather(2, at_slot)))
+    clustered_end.copy_(torch.where(move, target, clustered_end))
