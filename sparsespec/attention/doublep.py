@@ -390,6 +390,7 @@ class DoublePState:
     size: torch.Tensor  # [B, Hkv, C] int64; 0: empty, or padding past the row's cluster count
     perm: torch.Tensor  # [B, Hkv, N] int64: the prefill members' slots grouped by cluster
     offsets: torch.Tensor  # [B, Hkv, C + 1] int64: cluster i's prefill members are perm[offsets[i]:offsets[i+1]]
+    member_cluster: torch.Tensor  # [B, Hkv, N] int32: the cluster of each perm entry (C: padding past the row's)
     assign: torch.Tensor  # [B, Hkv, capacity] int64: each clustered slot's cluster, -1 elsewhere
     prefill_end: list[int]  # row b's prefill members are slots [sinks, prefill_end[b])
     clustered_end: list[int]  # row b's clustered slots are [sinks, clustered_end[b]); later slots are kept exact
@@ -481,6 +482,7 @@ class DoubleP(Policy):
                           value_sum=torch.zeros(B, Hkv, C, D, device=dev),
                           size=torch.zeros(B, Hkv, C, dtype=long, device=dev),
                           perm=torch.zeros(B, Hkv, N, dtype=long, device=dev),
+                          member_cluster=torch.full((B, Hkv, N), C, dtype=torch.int32, device=dev),
                           offsets=torch.zeros(B, Hkv, C + 1, dtype=long, device=dev),
                           assign=torch.full((B, Hkv, capacity), -1, dtype=long, device=dev),
                           prefill_end=ends, clustered_end=list(ends), csr_end=list(ends))
@@ -513,7 +515,9 @@ class DoubleP(Policy):
         if o.estimate == "spread":
             st.spread = cluster_variance(st.key_sum, st.key_sq_sum, st.size).to(idt)
         member = torch.where(valid, assign, C)  # [G, N]: the row's candidates by cluster, padding last
-        st.perm[..., :N] = (member.argsort(dim=-1, stable=True) + o.sinks).view(B, Hkv, N)
+        grouped = member.sort(dim=-1, stable=True)
+        st.perm[..., :N] = (grouped.indices + o.sinks).view(B, Hkv, N)
+        st.member_cluster[..., :N] = grouped.values.view(B, Hkv, N).int()
         st.offsets[..., 1:] = st.size.cumsum(-1)
         st.assign[..., o.sinks:o.sinks + N] = torch.where(valid, assign, -1).view(B, Hkv, N)
 
@@ -670,11 +674,60 @@ class DoubleP(Policy):
         fx = self.fixed
         if self.options.decoded == "assign":
             self._cluster_leaving(st, cache, layer, fx.positions)
+        if triton_ready(q.device) and self.options.p2_of == "total":
+            return self._decode_kernels(st, q, cache, layer)
         plan = self.select(st, q, cache.k[layer], fx.positions, st.clustered_end_dev, st.csr_end_dev,
                            fx.kept_width, fx.decoded_width, fx.exact_cap)
         out = self.attend(st, q, cache, layer, plan)
         fx.attended.add_((plan.valid.sum(-1) + plan.approx.sum(-1)).float().mean(-1))
         return out
+
+    def _decode_kernels(self, st: DoublePState, q: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """`decode_fixed`'s selection and merged softmax through the sort-free kernels (`kernels/cluster_select.py`:
+        equal masses are taken together, else the sets of `select`), for p2_of="total" on CUDA."""
+        from ..kernels.attend import sparse_decode_attention
+        from ..kernels.cluster_select import APPROX, EXACT, append_exact_members, cluster_masses, mark_clusters
+
+        o, fx = self.options, self.fixed
+        k, v = cache.k[layer], cache.v[layer]
+        B, Hq, _, D = q.shape
+        Hkv, C = k.shape[1], st.size.shape[-1]
+        G, R, dev = Hq // Hkv, B * Hkv, q.device
+        qg = q.reshape(B, Hkv, G, D).float()
+        pos, ends, pre = fx.positions[:, None], st.clustered_end_dev[:, None], st.csr_end_dev[:, None]  # [B, 1]
+        # always kept: sinks [0, min(sinks, pos + 1)) and [clustered_end, pos]
+        n_sink = (pos + 1).clamp_max(o.sinks)
+        m = torch.arange(fx.kept_width, device=dev)
+        kept_valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
+        kept = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, Hkv, -1).masked_fill(~kept_valid, 0)
+        kept_logits = ((qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5) \
+            .masked_fill(~kept_valid[:, :, None], float("-inf"))  # [B, Hkv, G, W]
+        logits, ranked = self._cluster_logits(st, qg)  # [B, Hkv, G, C]
+        members = st.offsets[..., 1:] - st.offsets[..., :-1]
+        mass, _, thr = cluster_masses(ranked.view(R, G, C), st.size.view(R, C), members.view(R, C),
+                                      kept_logits.view(R, G, -1), o.p1, o.p2, fx.exact_cap)
+        flags, (cm, cl, cacc) = mark_clusters(mass, thr, st.size.view(R, C), logits.view(R, G, C),
+                                              st.value_sum.view(R, C, D), o.tail == "approx")
+        # decoded tokens that joined an exact cluster: [csr_end, clustered_end) through their recorded cluster
+        d = torch.arange(fx.decoded_width, device=dev)
+        dec_valid = (d < (ends - pre).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
+        dec = (pre + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
+        cluster = st.assign.gather(-1, dec)
+        exact_of = (flags.view(B, Hkv, C).gather(-1, cluster.clamp_min(0)) & EXACT) != 0
+        dec_valid = dec_valid & (cluster >= 0) & exact_of
+        # the slot list: kept and decoded slots compacted to the front, then the exact clusters' members
+        slots, valid = torch.cat([kept, dec], -1), torch.cat([kept_valid, dec_valid], -1)
+        width = slots.shape[-1] + fx.exact_cap
+        at = torch.where(valid, valid.cumsum(-1) - 1, width)  # the invalid spill into the last column
+        idx = torch.zeros(B, Hkv, width + 1, dtype=torch.int32, device=dev).scatter_(-1, at, slots.int())
+        count = valid.sum(-1).int().view(R)
+        append_exact_members(st.perm.view(R, -1), st.member_cluster.view(R, -1), flags, st.csr_end_dev,
+                             idx.view(R, width + 1), count)
+        out = sparse_decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, idx[..., :width], count.view(B, Hkv),
+                                      extra=(cm.reshape(B, Hq), cl.reshape(B, Hq), cacc.reshape(B, Hq, D)))
+        approx = ((flags & APPROX) != 0).sum(-1).view(B, Hkv)
+        fx.attended.add_((count.view(B, Hkv) + approx).float().mean(-1))
+        return out.view(B, Hq, 1, D)
 
     @staticmethod
     def attend(st: DoublePState, q: torch.Tensor, cache: KVCache, layer: int, plan: DoublePPlan) -> torch.Tensor:

@@ -1,0 +1,308 @@
+"""Double-P's two top-p stages over clusters on the GPU, without a sort: masses, thresholds, flags, exact members.
+
+The torch path (`attention/doublep.py: select_clusters`) sorts every (row, KV head)'s clusters by estimated mass
+and takes prefixes. Here each top-p set is a threshold on the mass instead: clusters are ranked by their mass's
+fp32 bit pattern u (masses are >= 0, so the bits order as integers), and a set takes whole classes of equal u, so
+no sort and no ranking of ties is needed. Sums of masses are int64 counts of 2^-31 (`FX`), exact in any order.
+
+    p-set:  T = the least t with K + Σ_{u_i > t} m_i < target, over valid clusters (K: the always-kept tokens' mass;
+            target = p, or every cluster at p >= 1); the set is {u_i >= T} (empty when K reaches the target alone).
+            It equals the sorted prefix of the reference, except that clusters of equal mass are taken together.
+    cap:    Tc = the least t with Σ_{u_i >= t} members_i <= cap; the exact set is {u_i >= max(T2, Tc)} (at most
+            `cap` CSR members).
+
+Three launches a step, plus the attention:
+
+    masses      grid (B * Hkv,): the joint softmax of stage 1 (kept logits and cluster log-masses, each query head
+                normalised alone, the group's mean), then the three thresholds by bisection over u (32 passes over
+                the masses, which stay in the cache)
+    mark        grid (B * Hkv, C / BLOCK): each cluster's flags (in p1, exact, centroid term) and, over the
+                centroid terms of the block, the merged softmax's partial (max, sum, Σ e^{x_i} VΣ_i) per query head
+    members     grid (B * Hkv,): the exact clusters' prefill members, in cluster order, appended to the slot list
+                after the kept tokens (stream compaction over the CSR member list)
+
+Each has its torch reference (`*_ref`), which the tests compare it against; the thresholds' reference sorts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FX = 1 << 31  # masses in fixed point: m -> floor(m * FX)
+NONE = 1 << 31  # a threshold above every u: the set is empty
+IN_P1, EXACT, APPROX = 1, 2, 4  # flag bits
+
+
+def fixed_target(p: float) -> int:
+    """A top-p target in fixed point; p >= 1 takes every valid cluster whatever the rounding."""
+    return 1 << 62 if p >= 1 else int(p * FX)
+
+
+# ---------------------------------------------------------------------------------------------- masses, thresholds
+
+@triton.jit
+def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_ptr, thr_ptr, C, W, t1, t2, cap,
+                   G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GP)
+    gl = g < G
+    w = tl.arange(0, WP)
+    kl = tl.load(kept_ptr + (r * G + g)[:, None] * W + w[None, :], mask=gl[:, None] & (w < W)[None, :],
+                 other=float("-inf"))  # [GP, WP] exact logits of the kept tokens
+    m = tl.max(kl, 1)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(kl - m_ref[:, None]), 1)
+    for c0 in range(0, C, BLOCK):  # pass 1: each head's log-sum-exp over kept tokens and cluster log-masses
+        offs = c0 + tl.arange(0, BLOCK)
+        size = tl.load(size_ptr + r * C + offs, mask=offs < C, other=0)
+        ok = size > 0
+        x = tl.load(ranked_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & ok[None, :],
+                    other=float("-inf")) + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_new_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_new_ref) + tl.sum(tl.exp(x - m_new_ref[:, None]), 1)  # (m = -inf: s was 0)
+        m, m_ref = m_new, m_new_ref
+    lse = tl.where(s > 0, m_ref + tl.log(tl.where(s > 0, s, 1.0)), float("inf"))  # [GP]; +inf: a head with nothing (mass 0)
+    kept = tl.sum(tl.sum(tl.exp(kl - lse[:, None]), 1), 0) / G
+    tl.store(kmass_ptr + r, kept)
+    for c0 in range(0, C, BLOCK):  # pass 2: the group's mean mass of each cluster
+        offs = c0 + tl.arange(0, BLOCK)
+        size = tl.load(size_ptr + r * C + offs, mask=offs < C, other=0)
+        ok = size > 0
+        x = tl.load(ranked_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & ok[None, :],
+                    other=float("-inf")) + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
+        tl.store(mass_ptr + r * C + offs, tl.sum(tl.exp(x - lse[:, None]), 0) / G, mask=offs < C)
+    # pass 3: the thresholds, bisected together over u in [0, 2^31]
+    base = (kept * 2147483648.0).to(tl.int64)
+    lo1 = base * 0
+    lo2 = lo1
+    loc = lo1
+    hi1 = lo1 + 2147483648
+    hi2 = hi1
+    hic = hi1
+    for _ in range(32):
+        mid1 = (lo1 + hi1) // 2
+        mid2 = (lo2 + hi2) // 2
+        midc = (loc + hic) // 2
+        a1 = base * 0
+        a2 = a1
+        mc = a1
+        for c0 in range(0, C, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            live = offs < C
+            ok = tl.load(size_ptr + r * C + offs, mask=live, other=0) > 0
+            mass = tl.load(mass_ptr + r * C + offs, mask=live, other=0.0)
+            u = mass.to(tl.int32, bitcast=True).to(tl.int64)
+            fx = tl.where(ok, (mass * 2147483648.0).to(tl.int64), 0)
+            a1 += tl.sum(tl.where(u > mid1, fx, 0), 0)
+            a2 += tl.sum(tl.where(u > mid2, fx, 0), 0)
+            members = tl.load(members_ptr + r * C + offs, mask=live, other=0).to(tl.int64)
+            mc += tl.sum(tl.where(ok & (u >= midc), members, 0), 0)
+        take1 = base + a1 < t1
+        take2 = base + a2 < t2
+        takec = mc <= cap
+        hi1 = tl.where(take1, mid1, hi1)
+        lo1 = tl.where(take1, lo1, mid1 + 1)
+        hi2 = tl.where(take2, mid2, hi2)
+        lo2 = tl.where(take2, lo2, mid2 + 1)
+        hic = tl.where(takec, midc, hic)
+        loc = tl.where(takec, loc, midc + 1)
+    tl.store(thr_ptr + r * 3, lo1)
+    tl.store(thr_ptr + r * 3 + 1, lo2)
+    tl.store(thr_ptr + r * 3 + 2, tl.maximum(lo2, loc))
+
+
+def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tensor, kept_logits: torch.Tensor,
+                   p1: float, p2: float, cap: int, block: int = 512,
+                   num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's masses and the thresholds of both stages and the cap, one program a (row, KV head).
+
+    ranked       [R, G, C] fp32   each query head's log-mass term of each cluster (x_i, + the spread term)
+    size         [R, C] int64     cluster sizes (0: empty, never selected; log s_i is added to ranked)
+    members      [R, C] int       each cluster's CSR (prefill) member count, what the cap counts
+    kept_logits  [R, G, W] fp32   the kept tokens' exact logits, -inf where a row has fewer
+    -> mass [R, C] fp32 (the group's mean of each head's softmax), kept [R] fp32 (the kept tokens' mass),
+       thresholds [R, 3] int64 (T1, T2, T_exact: the in-p1, wanted and exact sets are u >= T; `NONE`: empty)."""
+    R, G, C = ranked.shape
+    W = kept_logits.shape[-1]
+    assert ranked.dtype == kept_logits.dtype == torch.float32 and size.shape == members.shape == (R, C)
+    mass = torch.empty(R, C, dtype=torch.float32, device=ranked.device)
+    kept = torch.empty(R, dtype=torch.float32, device=ranked.device)
+    thr = torch.empty(R, 3, dtype=torch.int64, device=ranked.device)
+    _masses_kernel[(R,)](ranked.contiguous(), size.contiguous(), members.contiguous(), kept_logits.contiguous(),
+                         mass, kept, thr, C, W, fixed_target(p1), fixed_target(p2), cap, G=G,
+                         GP=triton.next_power_of_2(G), WP=triton.next_power_of_2(max(W, 1)),
+                         BLOCK=min(block, triton.next_power_of_2(C)), num_warps=num_warps)
+    return mass, kept, thr
+
+
+def cluster_masses_ref(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tensor, kept_logits: torch.Tensor,
+                       p1: float, p2: float, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference of `cluster_masses`: the masses by softmax, the thresholds by `thresholds_ref`."""
+    R, G, C = ranked.shape
+    ok = size > 0
+    lc = (ranked + size.clamp_min(1).float().log()[:, None]).masked_fill(~ok[:, None], float("-inf"))
+    p = torch.cat([kept_logits, lc], -1).softmax(-1).nan_to_num(0.0).mean(1)  # [R, W + C]
+    kept, mass = p[:, :kept_logits.shape[-1]].sum(-1), p[:, kept_logits.shape[-1]:].contiguous()
+    return mass, kept, thresholds_ref(mass, kept, ok, members, p1, p2, cap)
+
+
+def thresholds_ref(mass: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor, members: torch.Tensor, p1: float,
+                   p2: float, cap: int) -> torch.Tensor:
+    """(T1, T2, T_exact) [R, 3] int64 from masses [R, C] fp32, kept [R], valid [R, C], members [R, C], by sorting
+    the classes of equal u (see the module)."""
+    R, C = mass.shape
+    u = mass.view(torch.int32).long().masked_fill(~valid, -1)  # invalid last
+    fx = torch.where(valid, (mass.double() * FX).long(), 0)
+    base = (kept.double() * FX).long()
+    order = u.argsort(dim=-1, descending=True, stable=True)
+    us, fs, ms = u.gather(-1, order), fx.gather(-1, order), (members.long() * valid).gather(-1, order)
+    # the mass strictly above each cluster's class: the sum over earlier entries of a larger u
+    first = torch.ones_like(us, dtype=torch.bool)
+    first[:, 1:] = us[:, 1:] != us[:, :-1]
+    before = fs.cumsum(-1) - fs
+    above = torch.where(first, before, 0).cummax(-1).values  # the class's first entry's `before`, carried on
+    out = torch.empty(R, 3, dtype=torch.long, device=mass.device)
+    for j, p in enumerate((p1, p2)):
+        take = (base[:, None] + above < fixed_target(p)) & (us >= 0)
+        out[:, j] = torch.where(take, us, NONE).amin(-1)
+    # cap: the least u whose class and all above it hold <= cap members; the class's total is at its first entry
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    mem_through = ms.cumsum(-1)  # members up to and including this entry; at a class's last entry: through it
+    fits = last & (mem_through <= cap) & (us >= 0)
+    out[:, 2] = torch.maximum(out[:, 1], torch.where(fits, us, NONE).amin(-1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- flags, centroid terms
+
+@triton.jit
+def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vsum_ptr, flag_ptr, m_ptr, l_ptr, acc_ptr, C, NBLK,
+                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    live = offs < C
+    size = tl.load(size_ptr + r * C + offs, mask=live, other=0)
+    ok = size > 0
+    u = tl.load(mass_ptr + r * C + offs, mask=live, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+    in_p1 = ok & (u >= tl.load(thr_ptr + r * 3))
+    wanted = ok & (u >= tl.load(thr_ptr + r * 3 + 1))
+    exact = ok & (u >= tl.load(thr_ptr + r * 3 + 2))
+    if TAIL:  # the p1 set's clusters that are not exact enter as centroid terms
+        approx = in_p1 & ~exact
+    else:  # only the p2 set's (those the cap left out)
+        approx = wanted & ~exact
+    tl.store(flag_ptr + r * C + offs, (in_p1.to(tl.int8) * 1 + exact.to(tl.int8) * 2 + approx.to(tl.int8) * 4),
+             mask=live)
+    # the centroid terms' part of the merged softmax: e^{x_i} VΣ_i in the numerator, s_i e^{x_i} in the denominator
+    g = tl.arange(0, GP)
+    gl = g < G
+    lc = tl.load(logit_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & approx[None, :],
+                 other=float("-inf"))  # [GP, BLOCK]
+    lw = lc + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
+    m = tl.max(lw, 1)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    d = tl.arange(0, D)
+    vs = tl.load(vsum_ptr + (r * C + offs)[:, None] * D + d[None, :], mask=approx[:, None], other=0.0)
+    acc = tl.dot(tl.exp(lc - m_ref[:, None]), vs, input_precision="ieee")  # [GP, D]
+    part = (r * NBLK + blk) * G + g
+    tl.store(m_ptr + part, m, mask=gl)
+    tl.store(l_ptr + part, tl.sum(tl.exp(lw - m_ref[:, None]), 1), mask=gl)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gl[:, None])
+
+
+def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, logits: torch.Tensor,
+                  value_sum: torch.Tensor, tail_approx: bool, block: int = 64
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each cluster's flags and the centroid terms' softmax part.
+
+    mass [R, C] fp32, thr [R, 3] int64 (from `cluster_masses`), size [R, C] int64, logits [R, G, C] fp32 (x_i),
+    value_sum [R, C, D] fp32 (VΣ_i), tail_approx: the p1 set's clusters outside the exact set are centroid terms
+    (else only the p2 set's)
+    -> flags [R, C] int8 (IN_P1 | EXACT | APPROX bits),
+       (m [R, G], l [R, G], acc [R, G, D]) fp32: the centroid terms add e^m·acc to the numerator and e^m·l to the
+       denominator (`sparse_decode_attention`'s extra; m = -inf, l = acc = 0: none)."""
+    R, G, C = logits.shape
+    D = value_sum.shape[-1]
+    nblk = triton.cdiv(C, block)
+    dev = mass.device
+    flags = torch.empty(R, C, dtype=torch.int8, device=dev)
+    pm = torch.empty(R, nblk, G, dtype=torch.float32, device=dev)
+    pl, pacc = torch.empty_like(pm), torch.empty(R, nblk, G, D, dtype=torch.float32, device=dev)
+    _mark_kernel[(R, nblk)](mass, size.contiguous(), thr, logits.contiguous(), value_sum.contiguous(), flags, pm, pl,
+                            pacc, C, nblk, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block,
+                            TAIL=tail_approx, num_warps=4)
+    m = pm.amax(1)  # [R, G]
+    w = (pm - m.masked_fill(torch.isinf(m), 0.0)[:, None]).exp()  # each block's weight; -inf blocks: 0
+    return flags, (m, (w * pl).sum(1), (w[..., None] * pacc).sum(1))
+
+
+def mark_clusters_ref(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, logits: torch.Tensor,
+                      value_sum: torch.Tensor, tail_approx: bool
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The torch reference of `mark_clusters`."""
+    ok = size > 0
+    u = mass.view(torch.int32).long()
+    in_p1, wanted, exact = (ok & (u >= thr[:, j:j + 1]) for j in range(3))
+    approx = (in_p1 if tail_approx else wanted) & ~exact
+    flags = (in_p1.to(torch.int8) * IN_P1 + exact.to(torch.int8) * EXACT + approx.to(torch.int8) * APPROX)
+    lc = logits.masked_fill(~approx[:, None], float("-inf"))  # [R, G, C]
+    lw = lc + size.clamp_min(1).float().log()[:, None]
+    m = lw.amax(-1)
+    top = m.masked_fill(torch.isinf(m), 0.0)[..., None]
+    return flags, (m, (lw - top).exp().sum(-1), (lc - top).exp() @ value_sum)
+
+
+# ---------------------------------------------------------------------------------------------- exact members
+
+@triton.jit
+def _members_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, idx_ptr, count_ptr, C, N, stride_idx,
+                    HKV: tl.constexpr, CHUNK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    pre = tl.load(pre_ptr + r // HKV)
+    base = tl.load(count_ptr + r)
+    for n0 in range(0, N, CHUNK):
+        offs = n0 + tl.arange(0, CHUNK)
+        c = tl.load(mcl_ptr + r * N + offs, mask=offs < N, other=C)
+        ok = c < C
+        slot = tl.load(perm_ptr + r * N + offs, mask=ok, other=0)
+        f = tl.load(flag_ptr + r * C + c, mask=ok, other=0)
+        keep = ok & ((f & 2) != 0) & (slot < pre)  # EXACT, and not rolled back past the CSR lists' end
+        k32 = keep.to(tl.int32)
+        at = base + tl.cumsum(k32, 0) - k32
+        tl.store(idx_ptr + r * stride_idx + at, slot.to(tl.int32), mask=keep)
+        base += tl.sum(k32, 0)
+    tl.store(count_ptr + r, base)
+
+
+def append_exact_members(perm: torch.Tensor, member_cluster: torch.Tensor, flags: torch.Tensor,
+                         csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, chunk: int = 1024) -> None:
+    """In place: after the count[r] slots already in idx[r], the prefill members of each exact cluster, cluster by
+    cluster in CSR order, that lie below their row's csr_end; count[r] grows by as many.
+
+    perm [R, N] int64 (CSR member slots), member_cluster [R, N] int32 (each entry's cluster; C: padding),
+    flags [R, C] int8 (`mark_clusters`), csr_end [B] int64 (R = B * Hkv), idx [R, M] int32 (stride(-1) = 1; M must
+    hold every exact member: the cap), count [R] int32."""
+    R, N = perm.shape
+    C = flags.shape[-1]
+    assert idx.stride(-1) == 1 and count.is_contiguous() and count.dtype == idx.dtype == torch.int32
+    _members_kernel[(R,)](perm.contiguous(), member_cluster.contiguous(), flags, csr_end, idx, count, C, N,
+                          idx.stride(0), HKV=R // csr_end.shape[0],
+                          CHUNK=min(chunk, triton.next_power_of_2(max(N, 1))), num_warps=4)
+
+
+def append_exact_members_ref(perm: torch.Tensor, member_cluster: torch.Tensor, flags: torch.Tensor,
+                             csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor) -> None:
+    """The torch reference of `append_exact_members`."""
+    R, C = flags.shape
+    ok = member_cluster < C
+    exact = (flags.gather(-1, member_cluster.long().clamp_max(C - 1)) & EXACT) != 0
+    keep = ok & exact & (perm < csr_end.repeat_interleave(R // csr_end.shape[0])[:, None])
+    at = torch.where(keep, count[:, None].long() + keep.long().cumsum(-1) - 1, idx.shape[-1])
+    grown = torch.cat([idx, idx.new_zeros(R, 1)], -1).scatter_(-1, at, perm.int())
+    idx.copy_(grown[:, :-1])
+    count += keep.sum(-1).int()
