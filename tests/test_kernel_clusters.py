@@ -62,11 +62,16 @@ def test_join_leaving_equals_reference(B, Hkv, C, D, S, spread, dtype, index_dty
     state = _index_state(B, Hkv, C, D, S, g, index_dtype)
     if not spread:
         state["spread"] = None
-    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(B, Hkv, S, D, generator=g)
     v = torch.randn(B, Hkv, S, D, generator=g).to(dtype).to(DEVICE)
     window, sinks = 3, 2
     positions = torch.randint(sinks + window, S, (B,), generator=g)
     target = (positions - window).clamp_min(sinks)
+    # each leaving key near one centroid: no two centroids within the references' rounding tolerance of it
+    largest = state["size"].cpu().argmax(-1)  # [B, Hkv]: a non-empty cluster where there is one
+    near = state["centroids"].cpu().float().gather(2, largest[..., None, None].expand(-1, -1, 1, D))
+    k[torch.arange(B), :, (target - 1).clamp_min(0)] = (near + 0.01 * torch.randn(B, Hkv, 1, D, generator=g))[:, :, 0]
+    k = k.to(dtype).to(DEVICE)
     # most rows move by one; one is a jump (nothing joins), one has no clusters
     ends = torch.where(torch.arange(B) % 3 == 2, target - 4, target - 1)
     candidates = torch.arange(B) % 4 != 3

@@ -44,7 +44,8 @@ def fixed_target(p: float) -> int:
 
 @triton.jit
 def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_ptr, thr_ptr, C, W, t1, t2, cap,
-                   G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr):
+                   G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCK_T: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)
     gl = g < G
@@ -73,8 +74,11 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
         ok = size > 0
         x = tl.load(ranked_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & ok[None, :],
                     other=float("-inf")) + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
-        tl.store(mass_ptr + r * C + offs, tl.sum(tl.exp(x - lse[:, None]), 0) / G, mask=offs < C)
-    # pass 3: the thresholds, bisected together over u in [0, 2^31]
+        # an empty cluster's mass is -0.0: 0, but its bits are negative, below every threshold
+        tl.store(mass_ptr + r * C + offs, tl.where(ok, tl.sum(tl.exp(x - lse[:, None]), 0) / G, -0.0),
+                 mask=offs < C)
+    # pass 3: the thresholds, bisected together over u in [0, 2^31]. Each pass reads the masses again (from the
+    # cache: BLOCK_T is as large as registers allow, so that a pass is a few long loads, not many dependent ones)
     base = (kept * 2147483648.0).to(tl.int64)
     lo1 = base * 0
     lo2 = lo1
@@ -89,12 +93,12 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
         a1 = base * 0
         a2 = a1
         mc = a1
-        for c0 in range(0, C, BLOCK):
-            offs = c0 + tl.arange(0, BLOCK)
+        for c0 in range(0, C, BLOCK_T):
+            offs = c0 + tl.arange(0, BLOCK_T)
             live = offs < C
-            ok = tl.load(size_ptr + r * C + offs, mask=live, other=0) > 0
-            mass = tl.load(mass_ptr + r * C + offs, mask=live, other=0.0)
+            mass = tl.load(mass_ptr + r * C + offs, mask=live, other=-0.0)
             u = mass.to(tl.int32, bitcast=True).to(tl.int64)
+            ok = u >= 0
             fx = tl.where(ok, (mass * 2147483648.0).to(tl.int64), 0)
             a1 += tl.sum(tl.where(u > mid1, fx, 0), 0)
             a2 += tl.sum(tl.where(u > mid2, fx, 0), 0)
@@ -115,15 +119,15 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
 
 
 def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tensor, kept_logits: torch.Tensor,
-                   p1: float, p2: float, cap: int, block: int = 512,
-                   num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   p1: float, p2: float, cap: int, block: int = 2048, block_t: int = 8192,
+                   num_warps: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1's masses and the thresholds of both stages and the cap, one program a (row, KV head).
 
     ranked       [R, G, C] fp32   each query head's log-mass term of each cluster (x_i, + the spread term)
     size         [R, C] int64     cluster sizes (0: empty, never selected; log s_i is added to ranked)
     members      [R, C] int       each cluster's CSR (prefill) member count, what the cap counts
     kept_logits  [R, G, W] fp32   the kept tokens' exact logits, -inf where a row has fewer
-    -> mass [R, C] fp32 (the group's mean of each head's softmax), kept [R] fp32 (the kept tokens' mass),
+    -> mass [R, C] fp32 (the group's mean of each head's softmax; -0.0 for an empty cluster), kept [R] fp32 (the kept tokens' mass),
        thresholds [R, 3] int64 (T1, T2, T_exact: the in-p1, wanted and exact sets are u >= T; `NONE`: empty)."""
     R, G, C = ranked.shape
     W = kept_logits.shape[-1]
@@ -134,7 +138,8 @@ def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tens
     _masses_kernel[(R,)](ranked.contiguous(), size.contiguous(), members.contiguous(), kept_logits.contiguous(),
                          mass, kept, thr, C, W, fixed_target(p1), fixed_target(p2), cap, G=G,
                          GP=triton.next_power_of_2(G), WP=triton.next_power_of_2(max(W, 1)),
-                         BLOCK=min(block, triton.next_power_of_2(C)), num_warps=num_warps)
+                         BLOCK=min(block, triton.next_power_of_2(C)), BLOCK_T=min(block_t, triton.next_power_of_2(C)),
+                         num_warps=num_warps)
     return mass, kept, thr
 
 
@@ -145,7 +150,8 @@ def cluster_masses_ref(ranked: torch.Tensor, size: torch.Tensor, members: torch.
     ok = size > 0
     lc = (ranked + size.clamp_min(1).float().log()[:, None]).masked_fill(~ok[:, None], float("-inf"))
     p = torch.cat([kept_logits, lc], -1).softmax(-1).nan_to_num(0.0).mean(1)  # [R, W + C]
-    kept, mass = p[:, :kept_logits.shape[-1]].sum(-1), p[:, kept_logits.shape[-1]:].contiguous()
+    kept, mass = p[:, :kept_logits.shape[-1]].sum(-1), p[:, kept_logits.shape[-1]:]
+    mass = torch.where(ok, mass, -0.0)
     return mass, kept, thresholds_ref(mass, kept, ok, members, p1, p2, cap)
 
 
@@ -208,11 +214,13 @@ def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vsum_ptr, flag_ptr, m_p
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, D)
     vs = tl.load(vsum_ptr + (r * C + offs)[:, None] * D + d[None, :], mask=approx[:, None], other=0.0)
-    acc = tl.dot(tl.exp(lc - m_ref[:, None]), vs, input_precision="ieee")  # [GP, D]
+    p = tl.exp(lc - m_ref[:, None])  # [GP, BLOCK]
     part = (r * NBLK + blk) * G + g
     tl.store(m_ptr + part, m, mask=gl)
     tl.store(l_ptr + part, tl.sum(tl.exp(lw - m_ref[:, None]), 1), mask=gl)
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gl[:, None])
+    for h in tl.static_range(G):  # a few heads: a broadcast product, not a (padded, fp32) dot
+        ph = tl.sum(tl.where(g[:, None] == h, p, 0.0), 0)  # [BLOCK]
+        tl.store(acc_ptr + ((r * NBLK + blk) * G + h) * D + d, tl.sum(ph[:, None] * vs, 0))
 
 
 def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, logits: torch.Tensor,
@@ -234,7 +242,7 @@ def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, log
     pm = torch.empty(R, nblk, G, dtype=torch.float32, device=dev)
     pl, pacc = torch.empty_like(pm), torch.empty(R, nblk, G, D, dtype=torch.float32, device=dev)
     _mark_kernel[(R, nblk)](mass, size.contiguous(), thr, logits.contiguous(), value_sum.contiguous(), flags, pm, pl,
-                            pacc, C, nblk, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block,
+                            pacc, C, nblk, G=G, GP=triton.next_power_of_2(G), D=D, BLOCK=block,
                             TAIL=tail_approx, num_warps=4)
     m = pm.amax(1)  # [R, G]
     w = (pm - m.masked_fill(torch.isinf(m), 0.0)[:, None]).exp()  # each block's weight; -inf blocks: 0
@@ -280,7 +288,7 @@ def _members_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, idx_ptr, count_ptr, C,
 
 
 def append_exact_members(perm: torch.Tensor, member_cluster: torch.Tensor, flags: torch.Tensor,
-                         csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, chunk: int = 1024) -> None:
+                         csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, chunk: int = 4096) -> None:
     """In place: after the count[r] slots already in idx[r], the prefill members of each exact cluster, cluster by
     cluster in CSR order, that lie below their row's csr_end; count[r] grows by as many.
 
@@ -292,7 +300,7 @@ def append_exact_members(perm: torch.Tensor, member_cluster: torch.Tensor, flags
     assert idx.stride(-1) == 1 and count.is_contiguous() and count.dtype == idx.dtype == torch.int32
     _members_kernel[(R,)](perm.contiguous(), member_cluster.contiguous(), flags, csr_end, idx, count, C, N,
                           idx.stride(0), HKV=R // csr_end.shape[0],
-                          CHUNK=min(chunk, triton.next_power_of_2(max(N, 1))), num_warps=4)
+                          CHUNK=min(chunk, triton.next_power_of_2(max(N, 1))), num_warps=8)
 
 
 def append_exact_members_ref(perm: torch.Tensor, member_cluster: torch.Tensor, flags: torch.Tensor,
