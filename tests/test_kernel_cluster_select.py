@@ -115,16 +115,18 @@ def test_exact_members_equal_reference_and_csr_order(R, C, N, chunk):
     dev = [t.to(DEVICE) for t in (perm, cluster, flags, idx, count)]
     for csr_end in (torch.full((B,), N + 50), torch.randint(0, N + 50, (B,), generator=g)):
         got_idx, got_count = dev[3].clone(), dev[4].clone()
-        append_exact_members(dev[0], dev[1], dev[2], csr_end.to(DEVICE), got_idx, got_count, chunk=chunk)
+        got_count = append_exact_members(dev[0], dev[1], dev[2], csr_end.to(DEVICE), got_idx, got_count,
+                                         chunk=chunk)
         ref_idx, ref_count = dev[3].clone(), dev[4].clone()
-        append_exact_members_ref(dev[0], dev[1], dev[2], csr_end.to(DEVICE), ref_idx, ref_count)
+        ref_count = append_exact_members_ref(dev[0], dev[1], dev[2], csr_end.to(DEVICE), ref_idx, ref_count)
         assert torch.equal(got_count, ref_count)
         for r in range(R):
             assert torch.equal(got_idx[r, :got_count[r]], ref_idx[r, :ref_count[r]])
     slots, valid = csr_members(perm[:, None], offsets[:, None], (flags[:, None] & EXACT) != 0)
     want = [slots[r, 0][valid[r, 0]] for r in range(R)]
     idx, count = dev[3].clone(), torch.zeros(R, dtype=torch.int32, device=DEVICE)
-    append_exact_members(dev[0], dev[1], dev[2], torch.full((B,), N + 50, device=DEVICE), idx, count, chunk=chunk)
+    count = append_exact_members(dev[0], dev[1], dev[2], torch.full((B,), N + 50, device=DEVICE), idx, count,
+                                 chunk=chunk)
     for r in range(R):
         assert torch.equal(idx[r, :count[r]].long().cpu(), want[r])
 

@@ -721,8 +721,8 @@ class DoubleP(Policy):
         at = torch.where(valid, valid.cumsum(-1) - 1, width)  # the invalid spill into the last column
         idx = torch.zeros(B, Hkv, width + 1, dtype=torch.int32, device=dev).scatter_(-1, at, slots.int())
         count = valid.sum(-1).int().view(R)
-        append_exact_members(st.perm.view(R, -1), st.member_cluster.view(R, -1), flags, st.csr_end_dev,
-                             idx.view(R, width + 1), count)
+        count = append_exact_members(st.perm.view(R, -1), st.member_cluster.view(R, -1), flags, st.csr_end_dev,
+                                     idx.view(R, width + 1), count)
         out = sparse_decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, idx[..., :width], count.view(B, Hkv),
                                       extra=(cm.reshape(B, Hq), cl.reshape(B, Hq), cacc.reshape(B, Hq, D)))
         approx = ((flags & APPROX) != 0).sum(-1).view(B, Hkv)

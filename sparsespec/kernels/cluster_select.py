@@ -11,15 +11,15 @@ no sort and no ranking of ties is needed. Sums of masses are int64 counts of 2^-
     cap:    Tc = the least t with Σ_{u_i >= t} members_i <= cap; the exact set is {u_i >= max(T2, Tc)} (at most
             `cap` CSR members).
 
-Three launches a step, plus the attention:
+Four launches a step, plus the attention:
 
     masses      grid (B * Hkv,): the joint softmax of stage 1 (kept logits and cluster log-masses, each query head
                 normalised alone, the group's mean), then the three thresholds by bisection over u (32 passes over
                 the masses, which stay in the cache)
     mark        grid (B * Hkv, C / BLOCK): each cluster's flags (in p1, exact, centroid term) and, over the
                 centroid terms of the block, the merged softmax's partial (max, sum, Σ e^{x_i} VΣ_i) per query head
-    members     grid (B * Hkv,): the exact clusters' prefill members, in cluster order, appended to the slot list
-                after the kept tokens (stream compaction over the CSR member list)
+    members     grid (B * Hkv, N / CHUNK), twice: the exact clusters' prefill members, in cluster order, appended
+                to the slot list after the kept tokens (stream compaction over the CSR member list)
 
 Each has its torch reference (`*_ref`), which the tests compare it against; the thresholds' reference sorts.
 """
@@ -268,29 +268,46 @@ def mark_clusters_ref(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor,
 # ---------------------------------------------------------------------------------------------- exact members
 
 @triton.jit
-def _members_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, idx_ptr, count_ptr, C, N, stride_idx,
-                    HKV: tl.constexpr, CHUNK: tl.constexpr):
+def _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, r, chunk, C, N, HKV: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk `chunk` of row r's CSR list -> (slots, keep) [CHUNK]: the members of exact clusters below csr_end."""
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    c = tl.load(mcl_ptr + r * N + offs, mask=offs < N, other=C)
+    ok = c < C
+    f = tl.load(flag_ptr + r * C + c, mask=ok, other=0)
+    slot = tl.load(perm_ptr + r * N + offs, mask=ok & ((f & 2) != 0), other=0)
+    return slot, ok & ((f & 2) != 0) & (slot < tl.load(pre_ptr + r // HKV))  # EXACT, not rolled back
+
+
+@triton.jit
+def _members_count_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, part_ptr, C, N, NCH,
+                          HKV: tl.constexpr, CHUNK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    pre = tl.load(pre_ptr + r // HKV)
-    base = tl.load(count_ptr + r)
-    for n0 in range(0, N, CHUNK):
-        offs = n0 + tl.arange(0, CHUNK)
-        c = tl.load(mcl_ptr + r * N + offs, mask=offs < N, other=C)
-        ok = c < C
-        slot = tl.load(perm_ptr + r * N + offs, mask=ok, other=0)
-        f = tl.load(flag_ptr + r * C + c, mask=ok, other=0)
-        keep = ok & ((f & 2) != 0) & (slot < pre)  # EXACT, and not rolled back past the CSR lists' end
-        k32 = keep.to(tl.int32)
-        at = base + tl.cumsum(k32, 0) - k32
-        tl.store(idx_ptr + r * stride_idx + at, slot.to(tl.int32), mask=keep)
-        base += tl.sum(k32, 0)
-    tl.store(count_ptr + r, base)
+    chunk = tl.program_id(1)
+    _, keep = _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, r, chunk, C, N, HKV, CHUNK)
+    tl.store(part_ptr + r * NCH + chunk, tl.sum(keep.to(tl.int32), 0))
+
+
+@triton.jit
+def _members_write_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, part_ptr, idx_ptr, count_ptr, out_ptr, C, N, NCH,
+                          stride_idx, HKV: tl.constexpr, CHUNK: tl.constexpr, NCH_P: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    slot, keep = _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, r, chunk, C, N, HKV, CHUNK)
+    j = tl.arange(0, NCH_P)
+    counts = tl.load(part_ptr + r * NCH + j, mask=j < NCH, other=0)
+    base = tl.load(count_ptr + r) + tl.sum(tl.where(j < chunk, counts, 0), 0)
+    k32 = keep.to(tl.int32)
+    tl.store(idx_ptr + r * stride_idx + base + tl.cumsum(k32, 0) - k32, slot.to(tl.int32), mask=keep)
+    if chunk == 0:
+        tl.store(out_ptr + r, tl.load(count_ptr + r) + tl.sum(counts, 0))
 
 
 def append_exact_members(perm: torch.Tensor, member_cluster: torch.Tensor, flags: torch.Tensor,
-                         csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, chunk: int = 4096) -> None:
-    """In place: after the count[r] slots already in idx[r], the prefill members of each exact cluster, cluster by
-    cluster in CSR order, that lie below their row's csr_end; count[r] grows by as many.
+                         csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
+                         chunk: int = 1024) -> torch.Tensor:
+    """After the count[r] slots already in idx[r] (in place), the prefill members of each exact cluster, cluster by
+    cluster in CSR order, that lie below their row's csr_end -> the new counts [R] int32. Two launches over chunks
+    of the CSR list: the kept members of each chunk counted, then written after the chunks before them.
 
     perm [R, N] int64 (CSR member slots), member_cluster [R, N] int32 (each entry's cluster; C: padding),
     flags [R, C] int8 (`mark_clusters`), csr_end [B] int64 (R = B * Hkv), idx [R, M] int32 (stride(-1) = 1; M must
@@ -298,13 +315,19 @@ def append_exact_members(perm: torch.Tensor, member_cluster: torch.Tensor, flags
     R, N = perm.shape
     C = flags.shape[-1]
     assert idx.stride(-1) == 1 and count.is_contiguous() and count.dtype == idx.dtype == torch.int32
-    _members_kernel[(R,)](perm.contiguous(), member_cluster.contiguous(), flags, csr_end, idx, count, C, N,
-                          idx.stride(0), HKV=R // csr_end.shape[0],
-                          CHUNK=min(chunk, triton.next_power_of_2(max(N, 1))), num_warps=8)
+    chunk = min(chunk, triton.next_power_of_2(max(N, 1)))
+    nch = triton.cdiv(max(N, 1), chunk)
+    part = torch.empty(R, nch, dtype=torch.int32, device=perm.device)
+    out = torch.empty_like(count)
+    args = (perm.contiguous(), member_cluster.contiguous(), flags, csr_end)
+    _members_count_kernel[(R, nch)](*args, part, C, N, nch, HKV=R // csr_end.shape[0], CHUNK=chunk, num_warps=4)
+    _members_write_kernel[(R, nch)](*args, part, idx, count, out, C, N, nch, idx.stride(0), HKV=R // csr_end.shape[0],
+                                    CHUNK=chunk, NCH_P=triton.next_power_of_2(nch), num_warps=4)
+    return out
 
 
 def append_exact_members_ref(perm: torch.Tensor, member_cluster: torch.Tensor, flags: torch.Tensor,
-                             csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor) -> None:
+                             csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """The torch reference of `append_exact_members`."""
     R, C = flags.shape
     ok = member_cluster < C
@@ -313,4 +336,4 @@ def append_exact_members_ref(perm: torch.Tensor, member_cluster: torch.Tensor, f
     at = torch.where(keep, count[:, None].long() + keep.long().cumsum(-1) - 1, idx.shape[-1])
     grown = torch.cat([idx, idx.new_zeros(R, 1)], -1).scatter_(-1, at, perm.int())
     idx.copy_(grown[:, :-1])
-    count += keep.sum(-1).int()
+    return count + keep.sum(-1).int()
