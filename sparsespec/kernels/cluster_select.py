@@ -1,21 +1,23 @@
 """Double-P's two top-p stages over clusters on the GPU, without a sort: masses, thresholds, flags, exact members.
 
 The torch path (`attention/doublep.py: select_clusters`) sorts every (row, KV head)'s clusters by estimated mass
-and takes prefixes. Here each top-p set is a threshold on the mass instead: clusters are ranked by their mass's
-fp32 bit pattern u (masses are >= 0, so the bits order as integers), and a set takes whole classes of equal u, so
-no sort and no ranking of ties is needed. Sums of masses are int64 counts of 2^-31 (`FX`), exact in any order.
+and takes prefixes. Here each top-p set is a threshold on the mass instead: clusters are ranked by the class key
+k = (fp32 bits of the mass) >> 16 (the mass truncated to bf16: masses are >= 0, so the bits order as integers; one
+class spans 2^-7 of relative mass), and a set takes whole classes, so no sort and no ranking of ties is needed.
+Sums of masses are int64 counts of 2^-30 (`FX`), exact in any order.
 
-    p-set:  T = the least t with K + Σ_{u_i > t} m_i < target, over valid clusters (K: the always-kept tokens' mass;
-            target = p, or every cluster at p >= 1); the set is {u_i >= T} (empty when K reaches the target alone).
-            It equals the sorted prefix of the reference, except that clusters of equal mass are taken together.
-    cap:    Tc = the least t with Σ_{u_i >= t} members_i <= cap; the exact set is {u_i >= max(T2, Tc)} (at most
-            `cap` CSR members).
+    p-set:  T = the least t with K + Σ_{k_i > t} m_i < target, over valid clusters (K: the always-kept tokens' mass;
+            target = p, or every cluster at p >= 1); the set is {k_i >= T} (empty when K reaches the target alone).
+            It is the sorted prefix of the reference, completed to whole classes: it reaches p as the prefix does,
+            with at most the rest of the last class's clusters more.
+    cap:    Tc = the least t with Σ_{k_i >= t} members_i <= cap; the exact set is {k_i >= max(T2, Tc)} (at most
+            `cap` CSR members: the cap's last class is left out whole).
 
 Four launches a step, plus the attention:
 
     masses      grid (B * Hkv,): the joint softmax of stage 1 (kept logits and cluster log-masses, each query head
-                normalised alone, the group's mean), then the three thresholds by bisection over u (32 passes over
-                the masses, which stay in the cache)
+                normalised alone, the group's mean), then the three thresholds by bisection over the class keys
+                (17 passes over keys held in registers, up to 16k clusters a row)
     mark        grid (B * Hkv, C / BLOCK): each cluster's flags (in p1, exact, centroid term) and, over the
                 centroid terms of the block, the merged softmax's partial (max, sum, Σ e^{x_i} VΣ_i) per query head
     members     grid (B * Hkv, N / CHUNK), twice: the exact clusters' prefill members, in cluster order, appended
@@ -30,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-FX = 1 << 31  # masses in fixed point: m -> floor(m * FX)
-NONE = 1 << 31  # a threshold above every u: the set is empty
+FX = 1 << 30  # masses in fixed point: m -> floor(m * FX)
+NONE = 1 << 16  # a threshold above every class key: the set is empty
 IN_P1, EXACT, APPROX = 1, 2, 4  # flag bits
 
 
@@ -77,33 +79,33 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
         # an empty cluster's mass is -0.0: 0, but its bits are negative, below every threshold
         tl.store(mass_ptr + r * C + offs, tl.where(ok, tl.sum(tl.exp(x - lse[:, None]), 0) / G, -0.0),
                  mask=offs < C)
-    # pass 3: the thresholds, bisected together over u in [0, 2^31]. Each pass reads the masses again (from the
-    # cache: BLOCK_T is as large as registers allow, so that a pass is a few long loads, not many dependent ones)
-    base = (kept * 2147483648.0).to(tl.int64)
+    # pass 3: the thresholds, bisected together over the class keys k in [0, 2^16]. With every cluster in one
+    # block the keys and weights stay in registers across the passes; else each pass reads them again
+    base = (kept * 1073741824.0).to(tl.int64)
+    if BLOCK_T >= C:
+        k, fx, members = _class_weights(mass_ptr, members_ptr, r, 0, C, BLOCK_T)
     lo1 = base * 0
     lo2 = lo1
     loc = lo1
-    hi1 = lo1 + 2147483648
+    hi1 = lo1 + 65536
     hi2 = hi1
     hic = hi1
-    for _ in range(32):
+    for _ in range(17):
         mid1 = (lo1 + hi1) // 2
         mid2 = (lo2 + hi2) // 2
         midc = (loc + hic) // 2
-        a1 = base * 0
-        a2 = a1
-        mc = a1
-        for c0 in range(0, C, BLOCK_T):
-            offs = c0 + tl.arange(0, BLOCK_T)
-            live = offs < C
-            mass = tl.load(mass_ptr + r * C + offs, mask=live, other=-0.0)
-            u = mass.to(tl.int32, bitcast=True).to(tl.int64)
-            ok = u >= 0
-            fx = tl.where(ok, (mass * 2147483648.0).to(tl.int64), 0)
-            a1 += tl.sum(tl.where(u > mid1, fx, 0), 0)
-            a2 += tl.sum(tl.where(u > mid2, fx, 0), 0)
-            members = tl.load(members_ptr + r * C + offs, mask=live, other=0).to(tl.int64)
-            mc += tl.sum(tl.where(ok & (u >= midc), members, 0), 0)
+        if BLOCK_T >= C:
+            a1, a2, mc = _class_sums(k, fx, members, mid1, mid2, midc)
+        else:
+            a1 = base * 0
+            a2 = a1
+            mc = a1
+            for c0 in range(0, C, BLOCK_T):
+                kc, fxc, mem = _class_weights(mass_ptr, members_ptr, r, c0, C, BLOCK_T)
+                s1, s2, sc = _class_sums(kc, fxc, mem, mid1, mid2, midc)
+                a1 += s1
+                a2 += s2
+                mc += sc
         take1 = base + a1 < t1
         take2 = base + a2 < t2
         takec = mc <= cap
@@ -118,8 +120,31 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
     tl.store(thr_ptr + r * 3 + 2, tl.maximum(lo2, loc))
 
 
+@triton.jit
+def _class_weights(mass_ptr, members_ptr, r, c0, C, BLOCK: tl.constexpr):
+    """A block of row r's clusters -> (class key k [BLOCK] int32, < 0 for an empty cluster; fixed-point mass and
+    member count [BLOCK] int32, 0 for an empty cluster)."""
+    offs = c0 + tl.arange(0, BLOCK)
+    live = offs < C
+    mass = tl.load(mass_ptr + r * C + offs, mask=live, other=-0.0)
+    k = mass.to(tl.int32, bitcast=True) >> 16
+    ok = k >= 0
+    fx = tl.where(ok, (mass * 1073741824.0).to(tl.int32), 0)
+    members = tl.where(ok, tl.load(members_ptr + r * C + offs, mask=live, other=0).to(tl.int32), 0)
+    return k, fx, members
+
+
+@triton.jit
+def _class_sums(k, fx, members, mid1, mid2, midc):
+    """Σ fx over k > mid1, over k > mid2, and Σ members over k >= midc (int64)."""
+    a1 = tl.sum(tl.where(k > mid1, fx, 0).to(tl.int64), 0)
+    a2 = tl.sum(tl.where(k > mid2, fx, 0).to(tl.int64), 0)
+    mc = tl.sum(tl.where(k >= midc, members, 0).to(tl.int64), 0)
+    return a1, a2, mc
+
+
 def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tensor, kept_logits: torch.Tensor,
-                   p1: float, p2: float, cap: int, block: int = 2048, block_t: int = 8192,
+                   p1: float, p2: float, cap: int, block: int = 2048, block_t: int = 16384,
                    num_warps: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1's masses and the thresholds of both stages and the cap, one program a (row, KV head).
 
@@ -128,7 +153,7 @@ def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tens
     members      [R, C] int       each cluster's CSR (prefill) member count, what the cap counts
     kept_logits  [R, G, W] fp32   the kept tokens' exact logits, -inf where a row has fewer
     -> mass [R, C] fp32 (the group's mean of each head's softmax; -0.0 for an empty cluster), kept [R] fp32 (the kept tokens' mass),
-       thresholds [R, 3] int64 (T1, T2, T_exact: the in-p1, wanted and exact sets are u >= T; `NONE`: empty)."""
+       thresholds [R, 3] int64 (T1, T2, T_exact: the in-p1, wanted and exact sets are k >= T; `NONE`: empty)."""
     R, G, C = ranked.shape
     W = kept_logits.shape[-1]
     assert ranked.dtype == kept_logits.dtype == torch.float32 and size.shape == members.shape == (R, C)
@@ -160,7 +185,7 @@ def thresholds_ref(mass: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor, 
     """(T1, T2, T_exact) [R, 3] int64 from masses [R, C] fp32, kept [R], valid [R, C], members [R, C], by sorting
     the classes of equal u (see the module)."""
     R, C = mass.shape
-    u = mass.view(torch.int32).long().masked_fill(~valid, -1)  # invalid last
+    u = (mass.view(torch.int32) >> 16).long().masked_fill(~valid, -1)  # class keys; invalid last
     fx = torch.where(valid, (mass.double() * FX).long(), 0)
     base = (kept.double() * FX).long()
     order = u.argsort(dim=-1, descending=True, stable=True)
@@ -194,7 +219,7 @@ def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vsum_ptr, flag_ptr, m_p
     live = offs < C
     size = tl.load(size_ptr + r * C + offs, mask=live, other=0)
     ok = size > 0
-    u = tl.load(mass_ptr + r * C + offs, mask=live, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+    u = (tl.load(mass_ptr + r * C + offs, mask=live, other=0.0).to(tl.int32, bitcast=True) >> 16).to(tl.int64)
     in_p1 = ok & (u >= tl.load(thr_ptr + r * 3))
     wanted = ok & (u >= tl.load(thr_ptr + r * 3 + 1))
     exact = ok & (u >= tl.load(thr_ptr + r * 3 + 2))
@@ -254,7 +279,7 @@ def mark_clusters_ref(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor,
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The torch reference of `mark_clusters`."""
     ok = size > 0
-    u = mass.view(torch.int32).long()
+    u = (mass.view(torch.int32) >> 16).long()
     in_p1, wanted, exact = (ok & (u >= thr[:, j:j + 1]) for j in range(3))
     approx = (in_p1 if tail_approx else wanted) & ~exact
     flags = (in_p1.to(torch.int8) * IN_P1 + exact.to(torch.int8) * EXACT + approx.to(torch.int8) * APPROX)
