@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 from sparsespec.attention.doublep import DoubleP, DoublePOptions, csr_members, select_clusters  # noqa: E402
 from sparsespec.kernels.cluster_select import (  # noqa: E402
     APPROX, EXACT, IN_P1, append_exact_members, append_exact_members_ref, cluster_masses, cluster_masses_ref,
-    mark_clusters, mark_clusters_ref, thresholds_ref,
+    kept_tokens, kept_tokens_ref, mark_clusters, mark_clusters_ref, thresholds_ref,
 )
 
 from .conftest import DEVICE  # noqa: E402
@@ -31,6 +31,26 @@ def _inputs(R, G, C, W, seed, scale=2.0):
     kept = torch.randn(R, G, W, generator=g) * scale
     kept[0, :, W // 2 + 1:] = float("-inf")  # a row with fewer kept tokens
     return [t.to(DEVICE) for t in (ranked, size, members, kept)]
+
+
+@pytest.mark.parametrize("B,Hkv,G,S,D,sinks,width", [(1, 1, 1, 8, 16, 4, 5), (3, 2, 4, 90, 32, 3, 20),
+                                                      (2, 3, 7, 200, 64, 0, 70)]
+                         + ([(16, 8, 4, 4096, 128, 4, 69)] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_tokens_equal_reference(B, Hkv, G, S, D, sinks, width, dtype):
+    """Sinks and the unclustered tail up to the query: the same slots at the front of the list, counts and logits
+    as the torch path, rows whose tail is longer than the width cut to it."""
+    g = torch.Generator().manual_seed(S + width)
+    q = torch.randn(B, Hkv * G, D, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype).to(DEVICE)
+    positions = torch.randint(0, S, (B,), generator=g)
+    ends = (positions - torch.randint(-2, width + 3, (B,), generator=g)).clamp(sinks, S).to(DEVICE)
+    idx = torch.randint(0, 9, (B * Hkv, width + 5), generator=g).int().to(DEVICE)
+    got_idx, ref_idx = idx.clone(), idx.clone()
+    logits, count = kept_tokens(q, k, positions.to(DEVICE), ends, sinks, width, got_idx)
+    ref_logits, ref_count = kept_tokens_ref(q, k, positions.to(DEVICE), ends, sinks, width, ref_idx)
+    assert torch.equal(count, ref_count) and torch.equal(got_idx, ref_idx)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
 def _sets(mass, thr, valid):
@@ -100,8 +120,9 @@ def test_mark_clusters_equals_reference(R, G, C, W, tail):
 @pytest.mark.parametrize("R,C,N,chunk", [(1, 1, 1, 16), (4, 13, 90, 16), (6, 200, 1000, 64)]
                          + ([(128, 16384, 131072, 1024)] if DEVICE == "cuda" else []))
 def test_exact_members_equal_reference_and_csr_order(R, C, N, chunk):
-    """The exact clusters' members appended after each row's slots, in CSR order, rolled-back ones left out: as
-    the reference, and (nothing rolled back) as `csr_members` lists them."""
+    """The exact clusters' members appended after each row's slots, in CSR order, rolled-back ones left out, then
+    the decoded slots of exact clusters: as the reference, and (nothing rolled back or decoded) as `csr_members`
+    lists them."""
     g = torch.Generator().manual_seed(N)
     sizes = torch.randint(0, 4, (R, C), generator=g)
     sizes = (sizes * N // sizes.sum(-1, keepdim=True).clamp_min(1)).clamp_max(N // C + 3)  # at most N a row
@@ -113,13 +134,18 @@ def test_exact_members_equal_reference_and_csr_order(R, C, N, chunk):
     B = R // 2 if R % 2 == 0 else R
     count = torch.randint(0, 5, (R,), generator=g).int()
     idx = torch.randint(0, 99, (R, 4 + N), generator=g).int()
-    dev = [t.to(DEVICE) for t in (perm, cluster, flags, idx, count)]
+    S, W2 = N + 80, 30  # decoded clustered slots [csr_end, clustered_end), found through `assign`
+    assign = torch.randint(-1, C, (R, S), generator=g)
+    idx = torch.cat([idx, torch.zeros(R, W2, dtype=torch.int32)], -1)
+    dev = [t.to(DEVICE) for t in (perm, cluster, flags, idx, count, assign)]
     for csr_end in (torch.full((B,), N + 50), torch.randint(0, N + 50, (B,), generator=g)):
+        clustered_end = (csr_end + torch.randint(0, W2 + 5, (B,), generator=g)).clamp_max(S).to(DEVICE)
         got_idx, got_count = dev[3].clone(), dev[4].clone()
-        got_count = append_exact_members(dev[0], dev[1], dev[2], csr_end.to(DEVICE), got_idx, got_count,
-                                         chunk=chunk)
+        got_count = append_exact_members(dev[0], dev[1], dev[2], csr_end.to(DEVICE), got_idx, got_count, dev[5],
+                                         clustered_end, W2, chunk=chunk)
         ref_idx, ref_count = dev[3].clone(), dev[4].clone()
-        ref_count = append_exact_members_ref(dev[0], dev[1], dev[2], csr_end.to(DEVICE), ref_idx, ref_count)
+        ref_count = append_exact_members_ref(dev[0], dev[1], dev[2], csr_end.to(DEVICE), ref_idx, ref_count,
+                                             dev[5], clustered_end, W2)
         assert torch.equal(got_count, ref_count)
         for r in range(R):
             assert torch.equal(got_idx[r, :got_count[r]], ref_idx[r, :ref_count[r]])

@@ -391,6 +391,7 @@ class DoublePState:
     perm: torch.Tensor  # [B, Hkv, N] int64: the prefill members' slots grouped by cluster
     offsets: torch.Tensor  # [B, Hkv, C + 1] int64: cluster i's prefill members are perm[offsets[i]:offsets[i+1]]
     member_cluster: torch.Tensor  # [B, Hkv, N] int32: the cluster of each perm entry (C: padding past the row's)
+    members: torch.Tensor  # [B, Hkv, C] int32: each cluster's prefill (CSR) member count, what the exact cap counts
     assign: torch.Tensor  # [B, Hkv, capacity] int64: each clustered slot's cluster, -1 elsewhere
     prefill_end: list[int]  # row b's prefill members are slots [sinks, prefill_end[b])
     clustered_end: list[int]  # row b's clustered slots are [sinks, clustered_end[b]); later slots are kept exact
@@ -483,6 +484,7 @@ class DoubleP(Policy):
                           size=torch.zeros(B, Hkv, C, dtype=long, device=dev),
                           perm=torch.zeros(B, Hkv, N, dtype=long, device=dev),
                           member_cluster=torch.full((B, Hkv, N), C, dtype=torch.int32, device=dev),
+                          members=torch.zeros(B, Hkv, C, dtype=torch.int32, device=dev),
                           offsets=torch.zeros(B, Hkv, C + 1, dtype=long, device=dev),
                           assign=torch.full((B, Hkv, capacity), -1, dtype=long, device=dev),
                           prefill_end=ends, clustered_end=list(ends), csr_end=list(ends))
@@ -519,6 +521,7 @@ class DoubleP(Policy):
         st.perm[..., :N] = (grouped.indices + o.sinks).view(B, Hkv, N)
         st.member_cluster[..., :N] = grouped.values.view(B, Hkv, N).int()
         st.offsets[..., 1:] = st.size.cumsum(-1)
+        st.members = st.size.int()
         st.assign[..., o.sinks:o.sinks + N] = torch.where(valid, assign, -1).view(B, Hkv, N)
 
     def append(self, layer, cache, lengths):
@@ -686,45 +689,27 @@ class DoubleP(Policy):
         """`decode_fixed`'s selection and merged softmax through the sort-free kernels (`kernels/cluster_select.py`:
         equal masses are taken together, else the sets of `select`), for p2_of="total" on CUDA."""
         from ..kernels.attend import sparse_decode_attention
-        from ..kernels.cluster_select import APPROX, EXACT, append_exact_members, cluster_masses, mark_clusters
+        from ..kernels.cluster_select import APPROX, append_exact_members, cluster_masses, kept_tokens, mark_clusters
 
         o, fx = self.options, self.fixed
         k, v = cache.k[layer], cache.v[layer]
         B, Hq, _, D = q.shape
         Hkv, C = k.shape[1], st.size.shape[-1]
-        G, R, dev = Hq // Hkv, B * Hkv, q.device
-        qg = q.reshape(B, Hkv, G, D).float()
-        pos, ends, pre = fx.positions[:, None], st.clustered_end_dev[:, None], st.csr_end_dev[:, None]  # [B, 1]
-        # always kept: sinks [0, min(sinks, pos + 1)) and [clustered_end, pos]
-        n_sink = (pos + 1).clamp_max(o.sinks)
-        m = torch.arange(fx.kept_width, device=dev)
-        kept_valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
-        kept = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, Hkv, -1).masked_fill(~kept_valid, 0)
-        kept_logits = ((qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5) \
-            .masked_fill(~kept_valid[:, :, None], float("-inf"))  # [B, Hkv, G, W]
-        logits, ranked = self._cluster_logits(st, qg)  # [B, Hkv, G, C]
-        members = st.offsets[..., 1:] - st.offsets[..., :-1]
-        mass, _, thr = cluster_masses(ranked.view(R, G, C), st.size.view(R, C), members.view(R, C),
-                                      kept_logits.view(R, G, -1), o.p1, o.p2, fx.exact_cap)
+        G, R = Hq // Hkv, B * Hkv
+        qf = q.reshape(B, Hq, D).contiguous()
+        # the slot list: the kept tokens first, then the exact clusters' members and decoded slots
+        width = fx.kept_width + fx.decoded_width + fx.exact_cap
+        idx = torch.empty(R, width, dtype=torch.int32, device=q.device)
+        kept_logits, count = kept_tokens(qf, k, fx.positions, st.clustered_end_dev, o.sinks, fx.kept_width, idx)
+        logits, ranked = self._cluster_logits(st, qf.view(B, Hkv, G, D))  # [B, Hkv, G, C]
+        mass, _, thr = cluster_masses(ranked.view(R, G, C), st.size.view(R, C), st.members.view(R, C), kept_logits,
+                                      o.p1, o.p2, fx.exact_cap)
         flags, (cm, cl, cacc) = mark_clusters(mass, thr, st.size.view(R, C), logits.view(R, G, C),
                                               st.value_sum.view(R, C, D), o.tail == "approx")
-        # decoded tokens that joined an exact cluster: [csr_end, clustered_end) through their recorded cluster
-        d = torch.arange(fx.decoded_width, device=dev)
-        dec_valid = (d < (ends - pre).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W2]
-        dec = (pre + d)[:, None].expand(-1, Hkv, -1).masked_fill(~dec_valid, 0)
-        cluster = st.assign.gather(-1, dec)
-        exact_of = (flags.view(B, Hkv, C).gather(-1, cluster.clamp_min(0)) & EXACT) != 0
-        dec_valid = dec_valid & (cluster >= 0) & exact_of
-        # the slot list: kept and decoded slots compacted to the front, then the exact clusters' members
-        slots, valid = torch.cat([kept, dec], -1), torch.cat([kept_valid, dec_valid], -1)
-        width = slots.shape[-1] + fx.exact_cap
-        at = torch.where(valid, valid.cumsum(-1) - 1, width)  # the invalid spill into the last column
-        idx = torch.zeros(B, Hkv, width + 1, dtype=torch.int32, device=dev).scatter_(-1, at, slots.int())
-        count = valid.sum(-1).int().view(R)
-        count = append_exact_members(st.perm.view(R, -1), st.member_cluster.view(R, -1), flags, st.csr_end_dev,
-                                     idx.view(R, width + 1), count)
-        out = sparse_decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, idx[..., :width], count.view(B, Hkv),
-                                      extra=(cm.reshape(B, Hq), cl.reshape(B, Hq), cacc.reshape(B, Hq, D)))
+        count = append_exact_members(st.perm.view(R, -1), st.member_cluster.view(R, -1), flags, st.csr_end_dev, idx,
+                                     count, st.assign.view(R, -1), st.clustered_end_dev, fx.decoded_width)
+        out = sparse_decode_attention(qf, k, v, idx.view(B, Hkv, width), count.view(B, Hkv),
+                                      extra=(cm.view(B, Hq), cl.view(B, Hq), cacc.view(B, Hq, D)))
         approx = ((flags & APPROX) != 0).sum(-1).view(B, Hkv)
         fx.attended.add_((count.view(B, Hkv) + approx).float().mean(-1))
         return out.view(B, Hq, 1, D)

@@ -42,6 +42,68 @@ def fixed_target(p: float) -> int:
     return 1 << 62 if p >= 1 else int(p * FX)
 
 
+# ---------------------------------------------------------------------------------------------- kept tokens
+
+@triton.jit
+def _kept_kernel(q_ptr, k_ptr, pos_ptr, end_ptr, logit_ptr, idx_ptr, count_ptr, S, W, sinks, scale, stride_idx,
+                 HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WP: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    b = r // HKV
+    pos = tl.load(pos_ptr + b)
+    end = tl.load(end_ptr + b)
+    n_sink = tl.minimum(pos + 1, sinks)
+    n = tl.minimum(n_sink + tl.maximum(pos - end + 1, 0), W)
+    w = tl.arange(0, WP)
+    ok = w < n
+    slot = tl.where(w < n_sink, w, end + w - n_sink)
+    d = tl.arange(0, D)
+    keys = tl.load(k_ptr + (r * S + slot)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    for h in tl.static_range(G):
+        qh = tl.load(q_ptr + (r * G + h) * D + d).to(tl.float32)
+        logit = tl.sum(keys * qh[None, :], 1) * scale
+        tl.store(logit_ptr + (r * G + h) * W + w, tl.where(ok, logit, float("-inf")), mask=w < W)
+    tl.store(idx_ptr + r * stride_idx + w, slot.to(tl.int32), mask=ok)
+    tl.store(count_ptr + r, n.to(tl.int32))
+
+
+def kept_tokens(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, clustered_end: torch.Tensor, sinks: int,
+                width: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The always-kept tokens of each (row, KV head): the sinks [0, min(sinks, pos + 1)) and [clustered_end, pos],
+    at most `width`. Their slots go to the front of idx (in place) -> (their exact logits [R, G, width] fp32, -inf
+    past each row's count; the counts [R] int32).
+
+    q [B, Hq, D] (any float), k [B, Hkv, S, D] the cache, positions / clustered_end [B] int64, idx [R, M] int32
+    (stride(-1) = 1, M >= width), R = B * Hkv."""
+    B, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    R, G = B * Hkv, Hq // Hkv
+    assert idx.stride(-1) == 1 and q.is_contiguous() and k.is_contiguous()
+    logits = torch.empty(R, G, width, dtype=torch.float32, device=q.device)
+    count = torch.empty(R, dtype=torch.int32, device=q.device)
+    _kept_kernel[(R,)](q, k, positions, clustered_end, logits, idx, count, S, width, sinks, D**-0.5, idx.stride(0),
+                       HKV=Hkv, G=G, D=D, WP=triton.next_power_of_2(max(width, 1)), num_warps=4)
+    return logits, count
+
+
+def kept_tokens_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, clustered_end: torch.Tensor,
+                    sinks: int, width: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `kept_tokens` (Double-P's `select` computes its kept tokens so)."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    pos, ends = positions.long()[:, None], clustered_end[:, None]
+    n_sink = (pos + 1).clamp_max(sinks)
+    m = torch.arange(width, device=q.device)
+    valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
+    slots = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, Hkv, -1).masked_fill(~valid, 0)
+    keys = k.gather(2, slots[..., None].expand(-1, -1, -1, D)).float()  # [B, Hkv, W, D]
+    logits = (q.view(B, Hkv, Hq // Hkv, D).float() @ keys.transpose(-1, -2)) * D**-0.5
+    count = valid.sum(-1).view(-1)
+    at = torch.where(valid, m, idx.shape[-1]).view(B * Hkv, width)
+    grown = torch.cat([idx, idx.new_zeros(B * Hkv, 1)], -1).scatter_(-1, at, slots.reshape(B * Hkv, width).int())
+    idx.copy_(grown[:, :-1])
+    return logits.masked_fill(~valid[:, :, None], float("-inf")).view(B * Hkv, Hq // Hkv, width), count.int()
+
+
 # ---------------------------------------------------------------------------------------------- masses, thresholds
 
 @triton.jit
@@ -269,9 +331,11 @@ def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, log
     _mark_kernel[(R, nblk)](mass, size.contiguous(), thr, logits.contiguous(), value_sum.contiguous(), flags, pm, pl,
                             pacc, C, nblk, G=G, GP=triton.next_power_of_2(G), D=D, BLOCK=block,
                             TAIL=tail_approx, num_warps=4)
-    m = pm.amax(1)  # [R, G]
-    w = (pm - m.masked_fill(torch.isinf(m), 0.0)[:, None]).exp()  # each block's weight; -inf blocks: 0
-    return flags, (m, (w * pl).sum(1), (w[..., None] * pacc).sum(1))
+    m, l, acc = torch.empty(R, G, dtype=torch.float32, device=dev), torch.empty(R, G, dtype=torch.float32,
+                                                                                 device=dev), torch.empty_like(pacc[:, 0])
+    _centroid_merge_kernel[(R * G,)](pm, pl, pacc, m, l, acc, nblk, G=G, D=D, CH=min(64, triton.next_power_of_2(nblk)),
+                                     num_warps=4)
+    return flags, (m, l, acc)
 
 
 def mark_clusters_ref(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, logits: torch.Tensor,
@@ -293,33 +357,49 @@ def mark_clusters_ref(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor,
 # ---------------------------------------------------------------------------------------------- exact members
 
 @triton.jit
-def _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, r, chunk, C, N, HKV: tl.constexpr, CHUNK: tl.constexpr):
-    """Chunk `chunk` of row r's CSR list -> (slots, keep) [CHUNK]: the members of exact clusters below csr_end."""
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    c = tl.load(mcl_ptr + r * N + offs, mask=offs < N, other=C)
-    ok = c < C
-    f = tl.load(flag_ptr + r * C + c, mask=ok, other=0)
-    slot = tl.load(perm_ptr + r * N + offs, mask=ok & ((f & 2) != 0), other=0)
-    return slot, ok & ((f & 2) != 0) & (slot < tl.load(pre_ptr + r // HKV))  # EXACT, not rolled back
+def _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, assign_ptr, end_ptr, r, chunk, C, N, NCH, S, DW,
+                  HKV: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk `chunk` of row r's exact slots -> (slots, keep) [CHUNK]. Chunks below NCH: the CSR list, members of
+    exact clusters below csr_end; the rest: the decoded clustered slots [csr_end, clustered_end) (at most DW) whose
+    recorded cluster is exact."""
+    pre = tl.load(pre_ptr + r // HKV)
+    if chunk < NCH:
+        at = chunk * CHUNK + tl.arange(0, CHUNK)
+        member_of = tl.load(mcl_ptr + r * N + at, mask=at < N, other=C)
+        listed = member_of < C
+        exact = (tl.load(flag_ptr + r * C + member_of, mask=listed, other=0) & 2) != 0
+        slot = tl.load(perm_ptr + r * N + at, mask=listed & exact, other=0)
+        keep = listed & exact & (slot < pre)  # EXACT, not rolled back
+    else:
+        d = (chunk - NCH) * CHUNK + tl.arange(0, CHUNK)
+        live = (d < DW) & (d < tl.load(end_ptr + r // HKV) - pre)
+        slot = pre + d
+        joined = tl.load(assign_ptr + r * S + slot, mask=live, other=-1)
+        live = live & (joined >= 0)
+        keep = live & ((tl.load(flag_ptr + r * C + joined, mask=live, other=0) & 2) != 0)
+    return slot, keep
 
 
 @triton.jit
-def _members_count_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, part_ptr, C, N, NCH,
-                          HKV: tl.constexpr, CHUNK: tl.constexpr):
+def _members_count_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, assign_ptr, end_ptr, part_ptr, C, N, NCH, S, DW,
+                          NALL, HKV: tl.constexpr, CHUNK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    _, keep = _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, r, chunk, C, N, HKV, CHUNK)
-    tl.store(part_ptr + r * NCH + chunk, tl.sum(keep.to(tl.int32), 0))
+    _, keep = _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, assign_ptr, end_ptr, r, chunk, C, N, NCH, S, DW,
+                            HKV, CHUNK)
+    tl.store(part_ptr + r * NALL + chunk, tl.sum(keep.to(tl.int32), 0))
 
 
 @triton.jit
-def _members_write_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, part_ptr, idx_ptr, count_ptr, out_ptr, C, N, NCH,
-                          stride_idx, HKV: tl.constexpr, CHUNK: tl.constexpr, NCH_P: tl.constexpr):
+def _members_write_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, assign_ptr, end_ptr, part_ptr, idx_ptr, count_ptr,
+                          out_ptr, C, N, NCH, S, DW, NALL, stride_idx, HKV: tl.constexpr, CHUNK: tl.constexpr,
+                          NALL_P: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    slot, keep = _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, r, chunk, C, N, HKV, CHUNK)
-    j = tl.arange(0, NCH_P)
-    counts = tl.load(part_ptr + r * NCH + j, mask=j < NCH, other=0)
+    slot, keep = _kept_members(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, assign_ptr, end_ptr, r, chunk, C, N, NCH, S,
+                               DW, HKV, CHUNK)
+    j = tl.arange(0, NALL_P)
+    counts = tl.load(part_ptr + r * NALL + j, mask=j < NALL, other=0)
     base = tl.load(count_ptr + r) + tl.sum(tl.where(j < chunk, counts, 0), 0)
     k32 = keep.to(tl.int32)
     tl.store(idx_ptr + r * stride_idx + base + tl.cumsum(k32, 0) - k32, slot.to(tl.int32), mask=keep)
@@ -329,36 +409,84 @@ def _members_write_kernel(perm_ptr, mcl_ptr, flag_ptr, pre_ptr, part_ptr, idx_pt
 
 def append_exact_members(perm: torch.Tensor, member_cluster: torch.Tensor, flags: torch.Tensor,
                          csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
-                         chunk: int = 1024) -> torch.Tensor:
-    """After the count[r] slots already in idx[r] (in place), the prefill members of each exact cluster, cluster by
-    cluster in CSR order, that lie below their row's csr_end -> the new counts [R] int32. Two launches over chunks
-    of the CSR list: the kept members of each chunk counted, then written after the chunks before them.
+                         assign: torch.Tensor | None = None, clustered_end: torch.Tensor | None = None,
+                         decoded_width: int = 0, chunk: int = 1024) -> torch.Tensor:
+    """After the count[r] slots already in idx[r] (in place), the slots attended exactly for the exact clusters ->
+    the new counts [R] int32: the prefill members of each exact cluster, cluster by cluster in CSR order, that lie
+    below their row's csr_end; then the decoded slots [csr_end, clustered_end) (at most `decoded_width`) whose
+    recorded cluster is exact. Two launches over chunks of both lists: the kept slots of each chunk counted, then
+    written after the chunks before them.
 
     perm [R, N] int64 (CSR member slots), member_cluster [R, N] int32 (each entry's cluster; C: padding),
-    flags [R, C] int8 (`mark_clusters`), csr_end [B] int64 (R = B * Hkv), idx [R, M] int32 (stride(-1) = 1; M must
-    hold every exact member: the cap), count [R] int32."""
+    flags [R, C] int8 (`mark_clusters`), csr_end / clustered_end [B] int64 (R = B * Hkv), assign [R, S] int64
+    (each clustered slot's cluster, -1 elsewhere), idx [R, M] int32 (stride(-1) = 1; M must hold every slot
+    appended), count [R] int32."""
     R, N = perm.shape
     C = flags.shape[-1]
     assert idx.stride(-1) == 1 and count.is_contiguous() and count.dtype == idx.dtype == torch.int32
-    chunk = min(chunk, triton.next_power_of_2(max(N, 1)))
+    if assign is None:
+        assign, clustered_end, decoded_width = perm, csr_end, 0
+    chunk = min(chunk, triton.next_power_of_2(max(N, decoded_width, 1)))
     nch = triton.cdiv(max(N, 1), chunk)
-    part = torch.empty(R, nch, dtype=torch.int32, device=perm.device)
+    nall = nch + triton.cdiv(decoded_width, chunk)
+    part = torch.empty(R, nall, dtype=torch.int32, device=perm.device)
     out = torch.empty_like(count)
-    args = (perm.contiguous(), member_cluster.contiguous(), flags, csr_end)
-    _members_count_kernel[(R, nch)](*args, part, C, N, nch, HKV=R // csr_end.shape[0], CHUNK=chunk, num_warps=4)
-    _members_write_kernel[(R, nch)](*args, part, idx, count, out, C, N, nch, idx.stride(0), HKV=R // csr_end.shape[0],
-                                    CHUNK=chunk, NCH_P=triton.next_power_of_2(nch), num_warps=4)
+    args = (perm.contiguous(), member_cluster.contiguous(), flags, csr_end, assign, clustered_end)
+    sizes = (C, N, nch, assign.shape[-1], decoded_width, nall)
+    _members_count_kernel[(R, nall)](*args, part, *sizes, HKV=R // csr_end.shape[0], CHUNK=chunk, num_warps=4)
+    _members_write_kernel[(R, nall)](*args, part, idx, count, out, *sizes, idx.stride(0), HKV=R // csr_end.shape[0],
+                                     CHUNK=chunk, NALL_P=triton.next_power_of_2(nall), num_warps=4)
     return out
 
 
 def append_exact_members_ref(perm: torch.Tensor, member_cluster: torch.Tensor, flags: torch.Tensor,
-                             csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+                             csr_end: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
+                             assign: torch.Tensor | None = None, clustered_end: torch.Tensor | None = None,
+                             decoded_width: int = 0) -> torch.Tensor:
     """The torch reference of `append_exact_members`."""
     R, C = flags.shape
+    per_row = R // csr_end.shape[0]
+    pre = csr_end.repeat_interleave(per_row)[:, None]  # [R, 1]
     ok = member_cluster < C
     exact = (flags.gather(-1, member_cluster.long().clamp_max(C - 1)) & EXACT) != 0
-    keep = ok & exact & (perm < csr_end.repeat_interleave(R // csr_end.shape[0])[:, None])
+    slots, keep = perm, ok & exact & (perm < pre)
+    if assign is not None and decoded_width > 0:
+        d = torch.arange(decoded_width, device=perm.device)
+        dec = pre + d  # [R, W2]
+        live = d < clustered_end.repeat_interleave(per_row)[:, None] - pre
+        cluster = assign.gather(-1, dec.clamp_max(assign.shape[-1] - 1)).masked_fill(~live, -1)
+        dec_keep = (cluster >= 0) & ((flags.gather(-1, cluster.clamp_min(0)) & EXACT) != 0)
+        slots, keep = torch.cat([perm, dec], -1), torch.cat([keep, dec_keep], -1)
     at = torch.where(keep, count[:, None].long() + keep.long().cumsum(-1) - 1, idx.shape[-1])
-    grown = torch.cat([idx, idx.new_zeros(R, 1)], -1).scatter_(-1, at, perm.int())
+    grown = torch.cat([idx, idx.new_zeros(R, 1)], -1).scatter_(-1, at, slots.int())
     idx.copy_(grown[:, :-1])
     return count + keep.sum(-1).int()
+
+
+# ---------------------------------------------------------------------------------------------- centroid terms
+
+@triton.jit
+def _centroid_merge_kernel(pm_ptr, pl_ptr, pacc_ptr, m_ptr, l_ptr, acc_ptr, NBLK, G: tl.constexpr, D: tl.constexpr,
+                           CH: tl.constexpr):
+    rg = tl.program_id(0).to(tl.int64)  # r * G + g
+    r = rg // G
+    g = rg % G
+    j = tl.arange(0, CH)
+    m = tl.full([CH], float("-inf"), tl.float32)
+    for j0 in range(0, NBLK, CH):
+        m = tl.maximum(m, tl.load(pm_ptr + (r * NBLK + j0 + j) * G + g, mask=j0 + j < NBLK, other=float("-inf")))
+    top = tl.max(m, 0)
+    ref = tl.where(top == float("-inf"), 0.0, top)
+    d = tl.arange(0, D)
+    l = tl.zeros([CH], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for j0 in range(0, NBLK, CH):
+        live = j0 + j < NBLK
+        part = (r * NBLK + j0 + j) * G + g
+        w = tl.exp(tl.load(pm_ptr + part, mask=live, other=float("-inf")) - ref)  # [CH]; no terms: 0
+        l += w * tl.load(pl_ptr + part, mask=live, other=0.0)
+        acc += tl.sum(w[:, None] * tl.load(pacc_ptr + part[:, None] * D + d[None, :], mask=live[:, None],
+                                           other=0.0), 0)
+    tl.store(m_ptr + rg, top)
+    tl.store(l_ptr + rg, tl.sum(l, 0))
+    tl.store(acc_ptr + rg * D + d, acc)
