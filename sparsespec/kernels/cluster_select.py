@@ -109,7 +109,7 @@ def kept_tokens_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, c
 @triton.jit
 def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_ptr, thr_ptr, C, W, t1, t2, cap,
                    G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
+                   BLOCK_T: tl.constexpr, SINGLE: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)
     gl = g < G
@@ -144,7 +144,7 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
     # pass 3: the thresholds, bisected together over the class keys k in [0, 2^16]. With every cluster in one
     # block the keys and weights stay in registers across the passes; else each pass reads them again
     base = (kept * 1073741824.0).to(tl.int64)
-    if BLOCK_T >= C:
+    if SINGLE:  # (BLOCK_T >= C)
         k, fx, members = _class_weights(mass_ptr, members_ptr, r, 0, C, BLOCK_T)
     lo1 = base * 0
     lo2 = lo1
@@ -156,7 +156,7 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
         mid1 = (lo1 + hi1) // 2
         mid2 = (lo2 + hi2) // 2
         midc = (loc + hic) // 2
-        if BLOCK_T >= C:
+        if SINGLE:
             a1, a2, mc = _class_sums(k, fx, members, mid1, mid2, midc)
         else:
             a1 = base * 0
@@ -226,7 +226,7 @@ def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tens
                          mass, kept, thr, C, W, fixed_target(p1), fixed_target(p2), cap, G=G,
                          GP=triton.next_power_of_2(G), WP=triton.next_power_of_2(max(W, 1)),
                          BLOCK=min(block, triton.next_power_of_2(C)), BLOCK_T=min(block_t, triton.next_power_of_2(C)),
-                         num_warps=num_warps)
+                         SINGLE=triton.next_power_of_2(C) <= block_t, num_warps=num_warps)
     return mass, kept, thr
 
 
