@@ -19,11 +19,11 @@ from sparsespec.errors import SparseSpecError
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def make_cache(B, Hkv, S, D, dtype=torch.float32, seed=0, offset=0.0):
+def make_cache(B, Hkv, S, D, dtype=torch.float32, seed=0, offset=0.0, device="cpu"):
     """A one-layer cache with random keys (plus a shared offset, as real keys have) and values in every slot."""
     cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=Hkv * D * 2, intermediate_size=8, num_layers=1,
                       num_heads=Hkv * 2, num_kv_heads=Hkv, head_dim=D, max_position=S)
-    cache = KVCache(cfg, B, S, dtype, "cpu")
+    cache = KVCache(cfg, B, S, dtype, device)
     g = torch.Generator().manual_seed(seed)
     cache.k[0].copy_(torch.randn(B, Hkv, S, D, generator=g) * 1.5 + offset * torch.randn(1, Hkv, 1, D, generator=g))
     cache.v[0].copy_(torch.randn(B, Hkv, S, D, generator=g))

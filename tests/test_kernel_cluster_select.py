@@ -162,8 +162,8 @@ def test_exact_members_equal_reference_and_csr_order(R, C, N, chunk):
 
 @pytest.mark.parametrize("tail,p,cap", [("drop", (0.95, 0.7), 1.0), ("approx", (0.99, 0.9), 12)])
 def test_fixed_steps_through_the_kernels_equal_the_sorted_path(monkeypatch, tail, p, cap):
-    """The fixed-width steps with the CUDA path's kernels (here under the interpreter) give the outputs of the
-    sorted torch path, over two rows of different lengths with tokens joining clusters as the window moves."""
+    """The fixed-width steps through the kernels (the CUDA path; on CPU under the interpreter) give the outputs of
+    the sorted torch path, over two rows of different lengths with tokens joining clusters as the window moves."""
     import sparsespec.attention.doublep as doublep
 
     from .test_doublep import make_cache
@@ -171,21 +171,23 @@ def test_fixed_steps_through_the_kernels_equal_the_sorted_path(monkeypatch, tail
     opts = DoublePOptions(sinks=2, window=4, cluster_size=4, p1=p[0], p2=p[1], tail=tail, dense_layers=0,
                           exact_cap=cap, index_dtype="float32")
     lengths = [50, 37]
-    caches = [make_cache(2, 2, 70, 16, seed=7, offset=1.0) for _ in range(2)]
+    caches = [make_cache(2, 2, 70, 16, seed=7, offset=1.0, device=DEVICE) for _ in range(2)]
     sorted_path, kernels = DoubleP(opts), DoubleP(opts)
-    for policy, cache in zip((sorted_path, kernels), caches):
-        policy.build(0, cache, lengths)
-        policy.plan_fixed(cache, lengths)
     gen = torch.Generator().manual_seed(1)
+    with monkeypatch.context() as patch:  # the same clusters for both (the torch k-means)
+        patch.setattr(doublep, "triton_ready", lambda device: False)
+        for policy, cache in zip((sorted_path, kernels), caches):
+            policy.build(0, cache, lengths)
+            policy.plan_fixed(cache, lengths)
     for _ in range(4):
-        positions = torch.tensor(lengths)
-        q = torch.randn(2, 4, 1, 16, generator=gen)
-        sorted_path.begin_step(positions)
-        want = sorted_path.decode(0, q, caches[0], positions)
-        with monkeypatch.context() as patch:
-            patch.setattr(doublep, "triton_ready", lambda device: True)
-            kernels.begin_step(positions)
-            got = kernels.decode(0, q, caches[1], positions)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        positions = torch.tensor(lengths, device=DEVICE)
+        q = torch.randn(2, 4, 1, 16, generator=gen).to(DEVICE)
+        outs = []
+        for use_kernels, policy, cache in ((False, sorted_path, caches[0]), (True, kernels, caches[1])):
+            with monkeypatch.context() as patch:
+                patch.setattr(doublep, "triton_ready", lambda device, on=use_kernels: on)
+                policy.begin_step(positions)
+                outs.append(policy.decode(0, q, cache, positions))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-4)
         lengths = [n + 1 for n in lengths]
     torch.testing.assert_close(kernels.fixed.attended, sorted_path.fixed.attended)

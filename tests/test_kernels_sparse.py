@@ -144,9 +144,9 @@ def _check_selection(keys, positions, tokens, forced_from, k, key_bits, blocks=(
     return idx, count
 
 
-@pytest.mark.parametrize("S,Hkv,key_bits,spread", [(37, 1, 16, 3), (300, 2, 14, 16000), (129, 3, 32, 0),
-                                                     (1000, 2, 13, 40), (77, 2, 32, 2), (90, 2, 8, 200),
-                                                     (200, 1, 15, 30000), (150, 2, 16, 65000)])
+@pytest.mark.parametrize("S,Hkv,key_bits,spread", [(37, 1, 16, 3), (300, 2, 14, 16000), (129, 2, 32, 0),
+                                                     (250, 2, 13, 40), (90, 2, 8, 200), (200, 1, 15, 30000),
+                                                     (150, 2, 16, 65000)])
 def test_select_topk_equals_reference(S, Hkv, key_bits, spread):
     g = torch.Generator().manual_seed(S + Hkv + key_bits)
     B = 3
