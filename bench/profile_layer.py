@@ -1,5 +1,6 @@
 """Where one sparse attention layer's decode time goes, kernel by kernel (GPU): torch.profiler over eager calls of
-a policy's fixed-width decode, random keys in Llama-3.1-8B heads.
+a policy's fixed-width decode, random keys in Llama-3.1-8B heads; then the policy's kernels at several tilings
+(BinaryPC, top-k, Quest, Double-P).
 
     python bench/profile_layer.py [--policy binarypc] [--shapes 16x131072,1x131072]
 """
@@ -49,6 +50,8 @@ def main() -> None:
         print(f"  {total:9.1f} us  total")
         if name in ("binarypc", "topk", "quest"):
             sweep(name, policy, cache, q, positions, cfg)
+        elif name == "doublep":
+            sweep_doublep(policy, cache, q, cfg)
         policy.end_fixed()
         del cache
         torch.cuda.empty_cache()
@@ -87,6 +90,39 @@ def sweep(name: str, policy, cache, q: torch.Tensor, positions: torch.Tensor, cf
         show(f"select_topk block={block} waves={waves} warps={warps}", lambda: select_topk(
             keys, plan.positions, plan.tokens, forced_from, plan.width, bits, sinks=o.sinks, window=o.window,
             out=(plan.idx, plan.count), block=block, waves=waves, num_warps=warps))
+
+
+def sweep_doublep(policy, cache, q: torch.Tensor, cfg) -> None:
+    """Double-P's selection kernels at several tilings, each captured alone as a CUDA graph and timed (the step's
+    own inputs: its clusters, masses and thresholds)."""
+    from sparsespec.kernels.cluster_select import cluster_masses, kept_tokens, mark_clusters
+    from sparsespec.kernels.clusters import cluster_scores
+    from sparsespec.sparse_bench import graphed, time_ms
+
+    def show(label: str, fn) -> None:
+        print(f"  {label}: {time_ms(graphed(fn)) * 1e3:.1f} us")
+
+    st, o, fx = cache.policy_state[0], policy.options, policy.fixed
+    B, Hq, _, D = q.shape
+    Hkv = cfg.num_kv_heads
+    G, R, C = Hq // Hkv, B * Hkv, st.size.shape[-1]
+    qf = q.reshape(B, Hq, D).contiguous()
+    qg = qf.view(B, Hkv, G, D)
+    idx = torch.empty(R, fx.kept_width + fx.decoded_width + fx.exact_cap, dtype=torch.int32, device=q.device)
+    kept_logits, _ = kept_tokens(qf, cache.k[0], fx.positions, st.clustered_end_dev, o.sinks, fx.kept_width, idx)
+    for block, warps in ((32, 4), (64, 4), (64, 8), (128, 8), (16, 4)):
+        show(f"cluster_scores block={block} warps={warps}", lambda: cluster_scores(
+            qg, st.centroids, st.spread, block=block, num_warps=warps))
+    logits, ranked = cluster_scores(qg, st.centroids, st.spread)
+    args = (ranked.view(R, G, C), st.size.view(R, C), st.members.view(R, C), kept_logits, o.p1, o.p2, fx.exact_cap)
+    for block_t, warps in ((16384, 16), (16384, 8), (8192, 16), (4096, 8)):
+        show(f"cluster_masses block_t={block_t} warps={warps}", lambda: cluster_masses(
+            *args, block_t=block_t, num_warps=warps))
+    mass, _, thr = cluster_masses(*args)
+    for block in (64, 32, 128, 256):
+        show(f"mark_clusters block={block}", lambda: mark_clusters(
+            mass, thr, st.size.view(R, C), logits.view(R, G, C), st.value_sum.view(R, C, D), o.tail == "approx",
+            block=block))
 
 
 if __name__ == "__main__":
