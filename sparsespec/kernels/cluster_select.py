@@ -13,15 +13,18 @@ Sums of masses are int64 counts of 2^-30 (`FX`), exact in any order.
     cap:    Tc = the least t with Σ_{k_i >= t} members_i <= cap; the exact set is {k_i >= max(T2, Tc)} (at most
             `cap` CSR members: the cap's last class is left out whole).
 
-Four launches a step, plus the attention:
+Six launches a step, plus the attention (`DoubleP._decode_kernels`):
 
+    kept        grid (B * Hkv,): the always-kept tokens' slots (to the front of the slot list) and exact logits
     masses      grid (B * Hkv,): the joint softmax of stage 1 (kept logits and cluster log-masses, each query head
                 normalised alone, the group's mean), then the three thresholds by bisection over the class keys
                 (17 passes over keys held in registers, up to 16k clusters a row)
     mark        grid (B * Hkv, C / BLOCK): each cluster's flags (in p1, exact, centroid term) and, over the
-                centroid terms of the block, the merged softmax's partial (max, sum, Σ e^{x_i} VΣ_i) per query head
-    members     grid (B * Hkv, N / CHUNK), twice: the exact clusters' prefill members, in cluster order, appended
-                to the slot list after the kept tokens (stream compaction over the CSR member list)
+                centroid terms of the block, the merged softmax's partial (max, sum, Σ e^{x_i} VΣ_i) per query head;
+                then one program a (row, query head) merges the blocks' partials
+    members     grid (B * Hkv, chunks), twice: the exact clusters' prefill members in cluster order, then the
+                decoded slots that joined exact clusters, appended to the slot list after the kept tokens (stream
+                compaction: each chunk's count, then each chunk written after the chunks before it)
 
 Each has its torch reference (`*_ref`), which the tests compare it against; the thresholds' reference sorts.
 """
@@ -129,7 +132,8 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
         m_new_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_new_ref) + tl.sum(tl.exp(x - m_new_ref[:, None]), 1)  # (m = -inf: s was 0)
         m, m_ref = m_new, m_new_ref
-    lse = tl.where(s > 0, m_ref + tl.log(tl.where(s > 0, s, 1.0)), float("inf"))  # [GP]; +inf: a head with nothing (mass 0)
+    # [GP]; +inf: a head with nothing (mass 0)
+    lse = tl.where(s > 0, m_ref + tl.log(tl.where(s > 0, s, 1.0)), float("inf"))
     kept = tl.sum(tl.sum(tl.exp(kl - lse[:, None]), 1), 0) / G
     tl.store(kmass_ptr + r, kept)
     for c0 in range(0, C, BLOCK):  # pass 2: the group's mean mass of each cluster
@@ -214,7 +218,8 @@ def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tens
     size         [R, C] int64     cluster sizes (0: empty, never selected; log s_i is added to ranked)
     members      [R, C] int       each cluster's CSR (prefill) member count, what the cap counts
     kept_logits  [R, G, W] fp32   the kept tokens' exact logits, -inf where a row has fewer
-    -> mass [R, C] fp32 (the group's mean of each head's softmax; -0.0 for an empty cluster), kept [R] fp32 (the kept tokens' mass),
+    -> mass [R, C] fp32 (the group's mean of each head's softmax; -0.0 for an empty cluster),
+       kept [R] fp32 (the kept tokens' mass),
        thresholds [R, 3] int64 (T1, T2, T_exact: the in-p1, wanted and exact sets are k >= T; `NONE`: empty)."""
     R, G, C = ranked.shape
     W = kept_logits.shape[-1]
@@ -225,8 +230,9 @@ def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tens
     _masses_kernel[(R,)](ranked.contiguous(), size.contiguous(), members.contiguous(), kept_logits.contiguous(),
                          mass, kept, thr, C, W, fixed_target(p1), fixed_target(p2), cap, G=G,
                          GP=triton.next_power_of_2(G), WP=triton.next_power_of_2(max(W, 1)),
-                         BLOCK=min(block, triton.next_power_of_2(C)), BLOCK_T=min(block_t, triton.next_power_of_2(C)),
-                         SINGLE=triton.next_power_of_2(C) <= block_t, num_warps=num_warps)
+                         BLOCK=min(block, triton.next_power_of_2(C)),
+                         BLOCK_T=min(block_t, triton.next_power_of_2(C)), SINGLE=triton.next_power_of_2(C) <= block_t,
+                         num_warps=num_warps)
     return mass, kept, thr
 
 
@@ -245,7 +251,7 @@ def cluster_masses_ref(ranked: torch.Tensor, size: torch.Tensor, members: torch.
 def thresholds_ref(mass: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor, members: torch.Tensor, p1: float,
                    p2: float, cap: int) -> torch.Tensor:
     """(T1, T2, T_exact) [R, 3] int64 from masses [R, C] fp32, kept [R], valid [R, C], members [R, C], by sorting
-    the classes of equal u (see the module)."""
+    the clusters by class key (see the module)."""
     R, C = mass.shape
     u = (mass.view(torch.int32) >> 16).long().masked_fill(~valid, -1)  # class keys; invalid last
     fx = torch.where(valid, (mass.double() * FX).long(), 0)
@@ -331,8 +337,8 @@ def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, log
     _mark_kernel[(R, nblk)](mass, size.contiguous(), thr, logits.contiguous(), value_sum.contiguous(), flags, pm, pl,
                             pacc, C, nblk, G=G, GP=triton.next_power_of_2(G), D=D, BLOCK=block,
                             TAIL=tail_approx, num_warps=4)
-    m, l, acc = torch.empty(R, G, dtype=torch.float32, device=dev), torch.empty(R, G, dtype=torch.float32,
-                                                                                 device=dev), torch.empty_like(pacc[:, 0])
+    m = torch.empty(R, G, dtype=torch.float32, device=dev)
+    l, acc = torch.empty_like(m), torch.empty_like(pacc[:, 0])
     _centroid_merge_kernel[(R * G,)](pm, pl, pacc, m, l, acc, nblk, G=G, D=D, CH=min(64, triton.next_power_of_2(nblk)),
                                      num_warps=4)
     return flags, (m, l, acc)
