@@ -121,7 +121,7 @@ def sweep_doublep(policy, cache, q: torch.Tensor, cfg) -> None:
     mass, _, thr = cluster_masses(*args)
     for block in (64, 32, 128, 256):
         show(f"mark_clusters block={block}", lambda: mark_clusters(
-            mass, thr, st.size.view(R, C), logits.view(R, G, C), st.value_sum.view(R, C, D), o.tail == "approx",
+            mass, thr, st.size.view(R, C), logits.view(R, G, C), st.value_mean.view(R, C, D), o.tail == "approx",
             block=block))
 
 

@@ -695,7 +695,7 @@ def test_fixed_width_steps_equal_eager_steps(decoded, sinks, window, p, index):
     assert b.clustered_end == a.clustered_end
     for name in ("size", "assign"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for name in ("centroids", "key_sum", "value_sum"):
+    for name in ("centroids", "key_sum", "value_sum", "value_mean"):
         assert torch.allclose(getattr(a, name), getattr(b, name), atol=1e-5), name
     back = [n - 4 for n in lengths]  # roll back, then step on
     eager.append(0, caches[0], back)

@@ -40,8 +40,10 @@ def _index_state(B, Hkv, C, D, S, g, index_dtype=torch.float32):
     key_sq_sum = key_sum.square() / size.clamp_min(1)[..., None] + torch.rand(B, Hkv, C, D, generator=g)
     centroids = torch.where(size[..., None] > 0, key_sum / size.clamp_min(1)[..., None], torch.randn(B, Hkv, C, D,
                                                                                                      generator=g))
+    value_sum = torch.randn(B, Hkv, C, D, generator=g) * size[..., None]
     state = {"centroids": centroids.to(index_dtype), "key_sum": key_sum, "key_sq_sum": key_sq_sum,
-             "value_sum": torch.randn(B, Hkv, C, D, generator=g), "size": size,
+             "value_sum": value_sum, "value_mean": (value_sum / size.clamp_min(1)[..., None]).to(index_dtype),
+             "size": size,
              "spread": cluster_variance(key_sum, key_sq_sum, size).to(index_dtype),
              "assign": torch.randint(-1, C, (B, Hkv, S), generator=g)}
     return {name: t.to(DEVICE) for name, t in state.items()}
@@ -80,7 +82,7 @@ def test_join_leaving_equals_reference(B, Hkv, C, D, S, spread, dtype, index_dty
         st = {name: None if t is None else t.clone() for name, t in state.items()}
         end = ends.clone().to(DEVICE)
         fn(k, v, positions.to(DEVICE), end, candidates.to(DEVICE), st["centroids"], st["key_sum"], st["key_sq_sum"],
-           st["value_sum"], st["size"], st["spread"], st["assign"], window, sinks)
+           st["value_sum"], st["value_mean"], st["size"], st["spread"], st["assign"], window, sinks)
         runs.append({**st, "end": end})
     got, want = runs
     for name, t in want.items():

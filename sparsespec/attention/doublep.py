@@ -387,6 +387,7 @@ class DoublePState:
     key_sum: torch.Tensor  # [B, Hkv, C, D] fp32
     key_sq_sum: torch.Tensor  # [B, Hkv, C, D] fp32: Σ k² per dimension (the spread estimate's variances)
     value_sum: torch.Tensor  # [B, Hkv, C, D] fp32
+    value_mean: torch.Tensor  # [B, Hkv, C, D] (index_dtype): value_sum / size (0 when empty), what the CUDA step reads
     size: torch.Tensor  # [B, Hkv, C] int64; 0: empty, or padding past the row's cluster count
     perm: torch.Tensor  # [B, Hkv, N] int64: the prefill members' slots grouped by cluster
     offsets: torch.Tensor  # [B, Hkv, C + 1] int64: cluster i's prefill members are perm[offsets[i]:offsets[i+1]]
@@ -481,6 +482,7 @@ class DoubleP(Policy):
                           key_sum=torch.zeros(B, Hkv, C, D, device=dev),
                           key_sq_sum=torch.zeros(B, Hkv, C, D, device=dev),
                           value_sum=torch.zeros(B, Hkv, C, D, device=dev),
+                          value_mean=torch.zeros(B, Hkv, C, D, device=dev, dtype=idt),
                           size=torch.zeros(B, Hkv, C, dtype=long, device=dev),
                           perm=torch.zeros(B, Hkv, N, dtype=long, device=dev),
                           member_cluster=torch.full((B, Hkv, N), C, dtype=torch.int32, device=dev),
@@ -513,6 +515,7 @@ class DoubleP(Policy):
         st.key_sum, st.size = key_sum.view(*shape, D), size.view(shape)
         st.value_sum = cluster_sums(v[:, :, o.sinks:o.sinks + N].reshape(B * Hkv, N, D), assign, C, valid)[0] \
             .view(*shape, D)
+        st.value_mean = (st.value_sum / st.size.clamp_min(1)[..., None]).to(idt)
         st.key_sq_sum = cluster_sums(keys.float().square(), assign, C, valid)[0].view(*shape, D)
         if o.estimate == "spread":
             st.spread = cluster_variance(st.key_sum, st.key_sq_sum, st.size).to(idt)
@@ -568,6 +571,8 @@ class DoubleP(Policy):
         mean = st.key_sum[row].gather(1, at) / size.clamp_min(1)
         st.centroids[row].scatter_(1, at, torch.where(size > 0, mean, st.centroids[row].gather(1, at).float())
                                    .to(st.centroids.dtype))
+        st.value_mean[row].scatter_(1, at, (st.value_sum[row].gather(1, at) / size.clamp_min(1))
+                                    .to(st.value_mean.dtype))
         if st.spread is not None:
             st.spread[row] = cluster_variance(st.key_sum[row], st.key_sq_sum[row], st.size[row]).to(st.spread.dtype)
 
@@ -705,7 +710,7 @@ class DoubleP(Policy):
         mass, _, thr = cluster_masses(ranked.view(R, G, C), st.size.view(R, C), st.members.view(R, C), kept_logits,
                                       o.p1, o.p2, fx.exact_cap)
         flags, (cm, cl, cacc) = mark_clusters(mass, thr, st.size.view(R, C), logits.view(R, G, C),
-                                              st.value_sum.view(R, C, D), o.tail == "approx")
+                                              st.value_mean.view(R, C, D), o.tail == "approx")
         count = append_exact_members(st.perm.view(R, -1), st.member_cluster.view(R, -1), flags, st.csr_end_dev, idx,
                                      count, st.assign.view(R, -1), st.clustered_end_dev, fx.decoded_width)
         out = sparse_decode_attention(qf, k, v, idx.view(B, Hkv, width), count.view(B, Hkv),
@@ -733,7 +738,8 @@ class DoubleP(Policy):
 
         join = join_leaving if triton_ready(positions.device) else join_leaving_ref
         join(cache.k[layer], cache.v[layer], positions, st.clustered_end_dev, self.fixed.candidates, st.centroids,
-             st.key_sum, st.key_sq_sum, st.value_sum, st.size, st.spread, st.assign, self.options.window,
+             st.key_sum, st.key_sq_sum, st.value_sum, st.value_mean, st.size, st.spread, st.assign,
+             self.options.window,
              self.options.sinks)
 
     def _cluster_logits(self, st: DoublePState, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

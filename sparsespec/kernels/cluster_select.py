@@ -279,7 +279,7 @@ def thresholds_ref(mass: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor, 
 # ---------------------------------------------------------------------------------------------- flags, centroid terms
 
 @triton.jit
-def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vsum_ptr, flag_ptr, m_ptr, l_ptr, acc_ptr, C, NBLK,
+def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vmean_ptr, flag_ptr, m_ptr, l_ptr, acc_ptr, C, NBLK,
                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -306,35 +306,36 @@ def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vsum_ptr, flag_ptr, m_p
     m = tl.max(lw, 1)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, D)
-    vs = tl.load(vsum_ptr + (r * C + offs)[:, None] * D + d[None, :], mask=approx[:, None], other=0.0)
-    p = tl.exp(lc - m_ref[:, None])  # [GP, BLOCK]
+    vm = tl.load(vmean_ptr + (r * C + offs)[:, None] * D + d[None, :], mask=approx[:, None],
+                 other=0.0).to(tl.float32)  # [BLOCK, D]: VΣ_i / s_i
+    p = tl.exp(lw - m_ref[:, None])  # [GP, BLOCK]: s_i e^{x_i} relative to e^m, the weight of the mean value
     part = (r * NBLK + blk) * G + g
     tl.store(m_ptr + part, m, mask=gl)
-    tl.store(l_ptr + part, tl.sum(tl.exp(lw - m_ref[:, None]), 1), mask=gl)
+    tl.store(l_ptr + part, tl.sum(p, 1), mask=gl)
     for h in tl.static_range(G):  # a few heads: a broadcast product, not a (padded, fp32) dot
         ph = tl.sum(tl.where(g[:, None] == h, p, 0.0), 0)  # [BLOCK]
-        tl.store(acc_ptr + ((r * NBLK + blk) * G + h) * D + d, tl.sum(ph[:, None] * vs, 0))
+        tl.store(acc_ptr + ((r * NBLK + blk) * G + h) * D + d, tl.sum(ph[:, None] * vm, 0))
 
 
 def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, logits: torch.Tensor,
-                  value_sum: torch.Tensor, tail_approx: bool, block: int = 64
+                  value_mean: torch.Tensor, tail_approx: bool, block: int = 64
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Each cluster's flags and the centroid terms' softmax part.
 
     mass [R, C] fp32, thr [R, 3] int64 (from `cluster_masses`), size [R, C] int64, logits [R, G, C] fp32 (x_i),
-    value_sum [R, C, D] fp32 (VΣ_i), tail_approx: the p1 set's clusters outside the exact set are centroid terms
+    value_mean [R, C, D] fp32 or bf16 (VΣ_i / s_i: e^{x_i} VΣ_i = s_i e^{x_i} · mean), tail_approx: the p1 set's clusters outside the exact set are centroid terms
     (else only the p2 set's)
     -> flags [R, C] int8 (IN_P1 | EXACT | APPROX bits),
        (m [R, G], l [R, G], acc [R, G, D]) fp32: the centroid terms add e^m·acc to the numerator and e^m·l to the
        denominator (`sparse_decode_attention`'s extra; m = -inf, l = acc = 0: none)."""
     R, G, C = logits.shape
-    D = value_sum.shape[-1]
+    D = value_mean.shape[-1]
     nblk = triton.cdiv(C, block)
     dev = mass.device
     flags = torch.empty(R, C, dtype=torch.int8, device=dev)
     pm = torch.empty(R, nblk, G, dtype=torch.float32, device=dev)
     pl, pacc = torch.empty_like(pm), torch.empty(R, nblk, G, D, dtype=torch.float32, device=dev)
-    _mark_kernel[(R, nblk)](mass, size.contiguous(), thr, logits.contiguous(), value_sum.contiguous(), flags, pm, pl,
+    _mark_kernel[(R, nblk)](mass, size.contiguous(), thr, logits.contiguous(), value_mean.contiguous(), flags, pm, pl,
                             pacc, C, nblk, G=G, GP=triton.next_power_of_2(G), D=D, BLOCK=block,
                             TAIL=tail_approx, num_warps=4)
     m = torch.empty(R, G, dtype=torch.float32, device=dev)
@@ -345,7 +346,7 @@ def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, log
 
 
 def mark_clusters_ref(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, logits: torch.Tensor,
-                      value_sum: torch.Tensor, tail_approx: bool
+                      value_mean: torch.Tensor, tail_approx: bool
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The torch reference of `mark_clusters`."""
     ok = size > 0
@@ -357,7 +358,8 @@ def mark_clusters_ref(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor,
     lw = lc + size.clamp_min(1).float().log()[:, None]
     m = lw.amax(-1)
     top = m.masked_fill(torch.isinf(m), 0.0)[..., None]
-    return flags, (m, (lw - top).exp().sum(-1), (lc - top).exp() @ value_sum)
+    w = (lw - top).exp()  # [R, G, C]: s_i e^{x_i} relative to e^m
+    return flags, (m, w.sum(-1), w @ value_mean.float())
 
 
 # ---------------------------------------------------------------------------------------------- exact members

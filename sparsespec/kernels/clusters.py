@@ -111,7 +111,7 @@ def _nearest_block_kernel(k_ptr, c_ptr, size_ptr, pos_ptr, end_ptr, cand_ptr, pa
 
 @triton.jit
 def _join_kernel(k_ptr, v_ptr, pos_ptr, end_ptr, cand_ptr, part_ptr, flag_ptr, cen_ptr, ksum_ptr, ksq_ptr,
-                 vsum_ptr, size_ptr, var_ptr, assign_ptr, C, S, NBLK, window, sinks, HKV: tl.constexpr,
+                 vsum_ptr, vmean_ptr, size_ptr, var_ptr, assign_ptr, C, S, NBLK, window, sinks, HKV: tl.constexpr,
                  D: tl.constexpr, CHUNK: tl.constexpr, SPREAD: tl.constexpr, INDEX: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     b = r // HKV
@@ -130,12 +130,14 @@ def _join_kernel(k_ptr, v_ptr, pos_ptr, end_ptr, cand_ptr, part_ptr, flag_ptr, c
         sq = tl.load(ksq_ptr + row) + key * key
         tl.store(ksum_ptr + row, ks)
         tl.store(ksq_ptr + row, sq)
-        tl.store(vsum_ptr + row, tl.load(vsum_ptr + row) + tl.load(v_ptr + (r * S + slot) * D + d).to(tl.float32))
+        vs = tl.load(vsum_ptr + row) + tl.load(v_ptr + (r * S + slot) * D + d).to(tl.float32)
+        tl.store(vsum_ptr + row, vs)
         n = tl.load(size_ptr + r * C + idx) + 1
         tl.store(size_ptr + r * C + idx, n)
         nf = n.to(tl.float32)
         mean = tl.math.div_rn(ks, nf)
         tl.store(cen_ptr + row, _rounded(mean, INDEX))
+        tl.store(vmean_ptr + row, _rounded(tl.math.div_rn(vs, nf), INDEX))
         if SPREAD:  # cluster_variance, rounded as torch rounds it
             tl.store(var_ptr + row, _rounded(tl.maximum(tl.math.div_rn(sq, nf) - mean * mean, 0.0), INDEX))
         tl.store(assign_ptr + r * S + slot, idx)
@@ -145,8 +147,8 @@ def _join_kernel(k_ptr, v_ptr, pos_ptr, end_ptr, cand_ptr, part_ptr, flag_ptr, c
 
 def join_leaving(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, clustered_end: torch.Tensor,
                  candidates: torch.Tensor, centroids: torch.Tensor, key_sum: torch.Tensor, key_sq_sum: torch.Tensor,
-                 value_sum: torch.Tensor, size: torch.Tensor, spread: torch.Tensor | None, assign: torch.Tensor,
-                 window: int, sinks: int, block: int = 64) -> None:
+                 value_sum: torch.Tensor, value_mean: torch.Tensor, size: torch.Tensor, spread: torch.Tensor | None,
+                 assign: torch.Tensor, window: int, sinks: int, block: int = 64) -> None:
     """Before a step at `positions`, in place: in each row whose window moved on by one slot, the key that left it
     joins its nearest non-empty centroid (squared distance, ties to the lowest index; none non-empty: cluster 0).
 
@@ -154,14 +156,16 @@ def join_leaving(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, clus
     positions         [B] int64  each row's query position; the clustered slots end at max(pos - window, sinks)
     clustered_end     [B] int64  advanced by one where a slot joins
     candidates        [B] bool   rows with clusters (the others keep their decoded tokens exact)
-    key_sum, key_sq_sum, value_sum  [B, Hkv, C, D] fp32;  centroids, spread (or None)  [B, Hkv, C, D] fp32 or bf16
+    key_sum, key_sq_sum, value_sum  [B, Hkv, C, D] fp32
+    centroids, value_mean, spread (or None)  [B, Hkv, C, D] fp32 or bf16 (one dtype): the means and variances
     size              [B, Hkv, C] int64
     assign            [B, Hkv, S] int64  the joining slot's cluster
     A row moves only when its clustered slots end exactly one before the new end (`DoubleP._cluster_leaving`)."""
     B, Hkv, S, D = k.shape
     C = size.shape[-1]
-    assert centroids.dtype in (torch.float32, torch.bfloat16) and (spread is None or spread.dtype == centroids.dtype)
-    for t in (centroids, key_sum, key_sq_sum, value_sum, spread, size, assign, k, v):
+    assert centroids.dtype in (torch.float32, torch.bfloat16) and value_mean.dtype == centroids.dtype
+    assert spread is None or spread.dtype == centroids.dtype
+    for t in (centroids, key_sum, key_sq_sum, value_sum, value_mean, spread, size, assign, k, v):
         assert t is None or t.is_contiguous()
     nblk = triton.cdiv(C, block)
     part = torch.empty(B * Hkv, nblk, dtype=torch.int64, device=k.device)
@@ -170,7 +174,7 @@ def join_leaving(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, clus
     _nearest_block_kernel[(B * Hkv, nblk)](k, centroids, size, positions, clustered_end, cand, part, flag, C, S,
                                            nblk, window, sinks, HKV=Hkv, D=D, BLOCK=block, num_warps=4)
     _join_kernel[(B * Hkv,)](k, v, positions, clustered_end, cand, part, flag, centroids, key_sum, key_sq_sum,
-                             value_sum, size, centroids if spread is None else spread, assign, C, S, nblk, window,
+                             value_sum, value_mean, size, centroids if spread is None else spread, assign, C, S, nblk, window,
                              sinks, HKV=Hkv, D=D, CHUNK=min(1024, triton.next_power_of_2(nblk)),
                              SPREAD=spread is not None, INDEX=tl.bfloat16 if centroids.dtype == torch.bfloat16
                              else tl.float32, num_warps=4, enable_fp_fusion=False)
@@ -178,7 +182,7 @@ def join_leaving(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, clus
 
 def join_leaving_ref(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, clustered_end: torch.Tensor,
                      candidates: torch.Tensor, centroids: torch.Tensor, key_sum: torch.Tensor,
-                     key_sq_sum: torch.Tensor, value_sum: torch.Tensor, size: torch.Tensor,
+                     key_sq_sum: torch.Tensor, value_sum: torch.Tensor, value_mean: torch.Tensor, size: torch.Tensor,
                      spread: torch.Tensor | None, assign: torch.Tensor, window: int, sinks: int) -> None:
     """The torch reference of `join_leaving` (same arguments), the CPU path: the nearest centroid by Double-P's
     tie-tolerant `nearest` (centroids within rounding of the nearest count as tied), the updates as masked
@@ -203,6 +207,7 @@ def join_leaving_ref(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, 
     n = size.gather(2, idx)[..., None]  # [B, Hkv, 1, 1]
     mean = key_sum.gather(2, at) / n.clamp_min(1)
     centroids.scatter_(2, at, torch.where(n > 0, mean, centroids.gather(2, at).float()).to(centroids.dtype))
+    value_mean.scatter_(2, at, (value_sum.gather(2, at) / n.clamp_min(1)).to(value_mean.dtype))
     if spread is not None:  # the changed cluster's variance, as `cluster_variance` computes every one
         spread.scatter_(2, at, cluster_variance(key_sum.gather(2, at), key_sq_sum.gather(2, at), size.gather(2, idx))
                         .to(spread.dtype))
