@@ -91,3 +91,52 @@ def test_join_leaving_equals_reference(B, Hkv, C, D, S, spread, dtype, index_dty
     moved = (candidates & (ends == target - 1)).to(DEVICE)
     assert torch.equal(want["end"], torch.where(moved, target.to(DEVICE), ends.to(DEVICE)))
     assert torch.equal(want["size"].sum((1, 2)) - state["size"].sum((1, 2)), moved.long() * Hkv)
+
+
+@pytest.mark.parametrize("B,Hkv,G,C,D,S", [(1, 1, 1, 1, 16, 12), (3, 2, 4, 37, 16, 50), (2, 3, 7, 130, 64, 70)]
+                         + ([(16, 8, 4, 2048, 128, 20000)] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("spread,index_dtype", [(True, torch.float32), (False, torch.float32),
+                                                (True, torch.bfloat16)])
+def test_scores_with_the_join_equal_joining_then_scoring(B, Hkv, G, C, D, S, spread, index_dtype):
+    """The scoring pass measures the leaving key's nearest centroids, the join re-scores the one cluster it
+    changed: the index as `join_leaving_ref` leaves it, and the scores of the updated index."""
+    from sparsespec.kernels.clusters import Leaving, cluster_scores_nearest, join_leaving, join_leaving_ref
+
+    g = torch.Generator().manual_seed(B + C + D + spread)
+    state = _index_state(B, Hkv, C, D, S, g, index_dtype)
+    if not spread:
+        state["spread"] = None
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    window, sinks = 3, 2
+    positions = torch.randint(sinks + window, S, (B,), generator=g)
+    target = (positions - window).clamp_min(sinks)
+    largest = state["size"].cpu().argmax(-1)
+    near = state["centroids"].cpu().float().gather(2, largest[..., None, None].expand(-1, -1, 1, D))
+    k[torch.arange(B), :, (target - 1).clamp_min(0)] = (near + 0.01 * torch.randn(B, Hkv, 1, D, generator=g))[:, :, 0]
+    k, v = k.to(DEVICE), torch.randn(B, Hkv, S, D, generator=g).to(DEVICE)
+    qg = (torch.randn(B, Hkv, G, D, generator=g) * 2).to(DEVICE)
+    ends = torch.where(torch.arange(B) % 3 == 2, target - 4, target - 1)
+    candidates = (torch.arange(B) % 4 != 3).to(DEVICE)
+    runs = []
+    for fused in (True, False):
+        st = {name: None if t is None else t.clone() for name, t in state.items()}
+        end = ends.clone().to(DEVICE)
+        index = (st["centroids"], st["key_sum"], st["key_sq_sum"], st["value_sum"], st["value_mean"], st["size"],
+                 st["spread"], st["assign"], window, sinks)
+        if fused:
+            leaving = Leaving(k, positions.to(DEVICE), end, candidates, st["size"], window, sinks)
+            logits, ranked, nearest = cluster_scores_nearest(qg, st["centroids"], st["spread"], leaving)
+            join_leaving(k, v, positions.to(DEVICE), end, candidates, *index, nearest=nearest,
+                         scores=(qg, logits, ranked))
+        else:
+            join_leaving_ref(k, v, positions.to(DEVICE), end, candidates, *index)
+            logits, ranked = cluster_scores_ref(qg, st["centroids"], st["spread"])
+        runs.append({**st, "end": end, "logits": logits, "ranked": ranked})
+    got, want = runs
+    for name, t in want.items():
+        if t is None:
+            continue
+        if name in ("logits", "ranked"):
+            torch.testing.assert_close(got[name], t, atol=1e-4, rtol=1e-4)
+        else:
+            assert torch.equal(got[name], t), name

@@ -680,10 +680,10 @@ class DoubleP(Policy):
         (decoded="assign"), then the plan and the merged attention of `decode`, over static widths."""
         st: DoublePState = cache.policy_state[layer]
         fx = self.fixed
-        if self.options.decoded == "assign":
-            self._cluster_leaving(st, cache, layer, fx.positions)
         if triton_ready(q.device) and self.options.p2_of == "total":
             return self._decode_kernels(st, q, cache, layer)
+        if self.options.decoded == "assign":
+            self._cluster_leaving(st, cache, layer, fx.positions)
         plan = self.select(st, q, cache.k[layer], fx.positions, st.clustered_end_dev, st.csr_end_dev,
                            fx.kept_width, fx.decoded_width, fx.exact_cap)
         out = self.attend(st, q, cache, layer, plan)
@@ -691,10 +691,12 @@ class DoubleP(Policy):
         return out
 
     def _decode_kernels(self, st: DoublePState, q: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """`decode_fixed`'s selection and merged softmax through the sort-free kernels (`kernels/cluster_select.py`:
-        equal masses are taken together, else the sets of `select`), for p2_of="total" on CUDA."""
+        """`decode_fixed` through the kernels, for p2_of="total" on CUDA: the leaving key's join measured in the
+        scoring pass (`kernels/clusters.py`), the sort-free selection (`kernels/cluster_select.py`: masses of one
+        class are taken together, else the sets of `select`) and the merged softmax."""
         from ..kernels.attend import sparse_decode_attention
         from ..kernels.cluster_select import APPROX, append_exact_members, cluster_masses, kept_tokens, mark_clusters
+        from ..kernels.clusters import Leaving, cluster_scores, cluster_scores_nearest, join_leaving
 
         o, fx = self.options, self.fixed
         k, v = cache.k[layer], cache.v[layer]
@@ -702,11 +704,19 @@ class DoubleP(Policy):
         Hkv, C = k.shape[1], st.size.shape[-1]
         G, R = Hq // Hkv, B * Hkv
         qf = q.reshape(B, Hq, D).contiguous()
+        qg, spread = qf.view(B, Hkv, G, D), st.spread if o.estimate == "spread" else None
+        if o.decoded == "assign":  # scores [B, Hkv, G, C] of the index after the leaving key joined its cluster
+            leaving = Leaving(k, fx.positions, st.clustered_end_dev, fx.candidates, st.size, o.window, o.sinks)
+            logits, ranked, nearest = cluster_scores_nearest(qg, st.centroids, spread, leaving)
+            join_leaving(k, v, fx.positions, st.clustered_end_dev, fx.candidates, st.centroids, st.key_sum,
+                         st.key_sq_sum, st.value_sum, st.value_mean, st.size, st.spread, st.assign, o.window, o.sinks,
+                         nearest=nearest, scores=(qg, logits, ranked))
+        else:
+            logits, ranked = cluster_scores(qg, st.centroids, spread)
         # the slot list: the kept tokens first, then the exact clusters' members and decoded slots
         width = fx.kept_width + fx.decoded_width + fx.exact_cap
         idx = torch.empty(R, width, dtype=torch.int32, device=q.device)
         kept_logits, count = kept_tokens(qf, k, fx.positions, st.clustered_end_dev, o.sinks, fx.kept_width, idx)
-        logits, ranked = self._cluster_logits(st, qf.view(B, Hkv, G, D))  # [B, Hkv, G, C]
         mass, _, thr = cluster_masses(ranked.view(R, G, C), st.size.view(R, C), st.members.view(R, C), kept_logits,
                                       o.p1, o.p2, fx.exact_cap)
         flags, (cm, cl, cacc) = mark_clusters(mass, thr, st.size.view(R, C), logits.view(R, G, C),
