@@ -49,6 +49,16 @@ def _index_state(B, Hkv, C, D, S, g, index_dtype=torch.float32):
     return {name: t.to(DEVICE) for name, t in state.items()}
 
 
+def _assert_equal(got, want, name, before=None):
+    """Bitwise equality, or the first differing element with both values (and the one before the step)."""
+    if torch.equal(got, want):
+        return
+    at = tuple((got != want).nonzero()[0].tolist())
+    was = None if before is None else before[at].item()
+    raise AssertionError(f"{name} differs at {at}: kernel {got[at].item()!r}, reference {want[at].item()!r}, "
+                         f"before {was!r} ({int((got != want).sum())} elements)")
+
+
 @pytest.mark.parametrize("B,Hkv,C,D,S", [(1, 1, 1, 16, 12), (3, 2, 37, 16, 50), (4, 3, 130, 64, 70)]
                          + ([(16, 8, 2048, 128, 20000)] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("spread", [True, False])
@@ -85,9 +95,9 @@ def test_join_leaving_equals_reference(B, Hkv, C, D, S, spread, dtype, index_dty
            st["value_sum"], st["value_mean"], st["size"], st["spread"], st["assign"], window, sinks)
         runs.append({**st, "end": end})
     got, want = runs
-    for name, t in want.items():
-        if t is not None:
-            assert torch.equal(got[name], t), name
+    for name in ("size", "assign", "end", "centroids", "key_sum", "key_sq_sum", "value_sum", "value_mean", "spread"):
+        if want[name] is not None:
+            _assert_equal(got[name], want[name], name, state.get(name))
     moved = (candidates & (ends == target - 1)).to(DEVICE)
     assert torch.equal(want["end"], torch.where(moved, target.to(DEVICE), ends.to(DEVICE)))
     assert torch.equal(want["size"].sum((1, 2)) - state["size"].sum((1, 2)), moved.long() * Hkv)
