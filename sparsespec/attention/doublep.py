@@ -49,6 +49,7 @@ import torch
 from ..cache import KVCache
 from ..errors import SparseSpecError
 from ..kernels import triton_ready
+from ..kernels.cluster_select import kept_slots
 from ..kernels.kmeans import nearest_centroid
 from .policy import Policy, PolicyOptions, device_ints, option
 
@@ -599,13 +600,10 @@ class DoubleP(Policy):
         B, Hq, _, D = q.shape
         Hkv, dev = k.shape[1], q.device
         qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
-        pos, ends, pre = positions.long()[:, None], clustered_end[:, None], csr_end[:, None]  # [B, 1]
+        ends, pre = clustered_end[:, None], csr_end[:, None]  # [B, 1]
 
         # Always kept: sinks [0, min(sinks, pos + 1)) and [clustered_end, pos].
-        n_sink = (pos + 1).clamp_max(o.sinks)
-        m = torch.arange(kept_width, device=dev)
-        kept_valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
-        kept = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, Hkv, -1).masked_fill(~kept_valid, 0)
+        kept, kept_valid = kept_slots(positions, clustered_end, o.sinks, kept_width, Hkv)  # [B, Hkv, W]
         kept_logits = (qg @ _gather(k, kept).float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, W]
 
         # Stage 1 and stage 2 on cluster masses.
@@ -613,7 +611,7 @@ class DoubleP(Policy):
         cvalid = st.size > 0
         kept_mass, mass = estimate_masses(kept_logits, kept_valid, ranked, st.size.float().log(), cvalid)
         in_p1, wanted, exact = select_clusters(mass, cvalid, kept_mass, o.p1, o.p2, o.p2_of == "selected",
-                                               st.offsets[..., 1:] - st.offsets[..., :-1], cap)
+                                               st.members, cap)
         approx = in_p1 & ~exact if o.tail == "approx" else wanted & ~exact  # capped clusters stay as centroids
 
         # Exact clusters' members: prefill members via CSR (below csr_end), the later clustered slots
@@ -704,7 +702,7 @@ class DoubleP(Policy):
         Hkv, C = k.shape[1], st.size.shape[-1]
         G, R = Hq // Hkv, B * Hkv
         qf = q.reshape(B, Hq, D).contiguous()
-        qg, spread = qf.view(B, Hkv, G, D), st.spread if o.estimate == "spread" else None
+        qg, spread = qf.view(B, Hkv, G, D), st.spread  # (None but with estimate="spread")
         if o.decoded == "assign":  # scores [B, Hkv, G, C] of the index after the leaving key joined its cluster
             leaving = Leaving(k, fx.positions, st.clustered_end_dev, fx.candidates, st.size, o.window, o.sinks)
             logits, ranked, nearest = cluster_scores_nearest(qg, st.centroids, spread, leaving)
@@ -749,16 +747,15 @@ class DoubleP(Policy):
         join = join_leaving if triton_ready(positions.device) else join_leaving_ref
         join(cache.k[layer], cache.v[layer], positions, st.clustered_end_dev, self.fixed.candidates, st.centroids,
              st.key_sum, st.key_sq_sum, st.value_sum, st.value_mean, st.size, st.spread, st.assign,
-             self.options.window,
-             self.options.sinks)
+             self.options.window, self.options.sinks)
 
     def _cluster_logits(self, st: DoublePState, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """qg [B, Hkv, G, D] fp32 -> (x_i [B, Hkv, G, C], the log-mass the selection ranks by: x_i, plus the
         spread term with estimate="spread")."""
         from ..kernels.clusters import cluster_scores, cluster_scores_ref
 
-        spread = st.spread if self.options.estimate == "spread" else None
-        return (cluster_scores if triton_ready(qg.device) else cluster_scores_ref)(qg, st.centroids, spread)
+        # (st.spread is None but with estimate="spread")
+        return (cluster_scores if triton_ready(qg.device) else cluster_scores_ref)(qg, st.centroids, st.spread)
 
     def selected_slots(self, layer: int, q: torch.Tensor, cache: KVCache,
                        positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

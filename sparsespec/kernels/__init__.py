@@ -6,6 +6,9 @@ it is tested against.
     scores.py    oracle top-k (q·k group max) and Quest (page bounds) scorers writing the select's keys
     kmeans.py    the k-means assignment step (nearest centroid, argmax epilogue) of Double-P's build
     clusters.py  Double-P's cluster scoring (q·centroid and the spread term, a KV head's query group in one pass)
+                 and the step's upkeep of the index (the key leaving the window joins its nearest cluster)
+    cluster_select.py  Double-P's two top-p stages without a sort (thresholds on the cluster masses), the centroid
+                 terms' partials and the exactly attended slots
     select.py    fixed-width top-k by radix select over integer keys, forced slots first
     attend.py    split-K flash-decoding over the selected slots (GQA: each K/V row read once per KV head), and
                  the block attention of a step's few queries a row over the whole cache

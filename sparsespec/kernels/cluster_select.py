@@ -88,16 +88,25 @@ def kept_tokens(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, clust
     return logits, count
 
 
+def kept_slots(positions: torch.Tensor, clustered_end: torch.Tensor, sinks: int, width: int,
+               heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The always-kept slots in torch (Double-P's `select`, and `kept_tokens`' reference): positions /
+    clustered_end [B] -> (slots, valid) [B, heads, width]; invalid slots are 0."""
+    pos, ends = positions.long()[:, None], clustered_end[:, None]  # [B, 1]
+    n_sink = (pos + 1).clamp_max(sinks)
+    m = torch.arange(width, device=positions.device)
+    valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, heads, -1)
+    slots = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, heads, -1).masked_fill(~valid, 0)
+    return slots, valid
+
+
 def kept_tokens_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, clustered_end: torch.Tensor,
                     sinks: int, width: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of `kept_tokens` (Double-P's `select` computes its kept tokens so)."""
+    """The torch reference of `kept_tokens`."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
-    pos, ends = positions.long()[:, None], clustered_end[:, None]
-    n_sink = (pos + 1).clamp_max(sinks)
+    slots, valid = kept_slots(positions, clustered_end, sinks, width, Hkv)  # [B, Hkv, W]
     m = torch.arange(width, device=q.device)
-    valid = (m < n_sink + (pos - ends + 1).clamp_min(0))[:, None].expand(-1, Hkv, -1)  # [B, Hkv, W]
-    slots = torch.where(m < n_sink, m, ends + m - n_sink)[:, None].expand(-1, Hkv, -1).masked_fill(~valid, 0)
     keys = k.gather(2, slots[..., None].expand(-1, -1, -1, D)).float()  # [B, Hkv, W, D]
     logits = (q.view(B, Hkv, Hq // Hkv, D).float() @ keys.transpose(-1, -2)) * D**-0.5
     count = valid.sum(-1).view(-1)
@@ -123,11 +132,7 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(tl.exp(kl - m_ref[:, None]), 1)
     for c0 in range(0, C, BLOCK):  # pass 1: each head's log-sum-exp over kept tokens and cluster log-masses
-        offs = c0 + tl.arange(0, BLOCK)
-        size = tl.load(size_ptr + r * C + offs, mask=offs < C, other=0)
-        ok = size > 0
-        x = tl.load(ranked_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & ok[None, :],
-                    other=float("-inf")) + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
+        x, _, _ = _log_masses(ranked_ptr, size_ptr, r, c0, C, G, GP, BLOCK)
         m_new = tl.maximum(m, tl.max(x, 1))
         m_new_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_new_ref) + tl.sum(tl.exp(x - m_new_ref[:, None]), 1)  # (m = -inf: s was 0)
@@ -137,11 +142,7 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
     kept = tl.sum(tl.sum(tl.exp(kl - lse[:, None]), 1), 0) / G
     tl.store(kmass_ptr + r, kept)
     for c0 in range(0, C, BLOCK):  # pass 2: the group's mean mass of each cluster
-        offs = c0 + tl.arange(0, BLOCK)
-        size = tl.load(size_ptr + r * C + offs, mask=offs < C, other=0)
-        ok = size > 0
-        x = tl.load(ranked_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & ok[None, :],
-                    other=float("-inf")) + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
+        x, offs, ok = _log_masses(ranked_ptr, size_ptr, r, c0, C, G, GP, BLOCK)
         # an empty cluster's mass is -0.0: 0, but its bits are negative, below every threshold
         tl.store(mass_ptr + r * C + offs, tl.where(ok, tl.sum(tl.exp(x - lse[:, None]), 0) / G, -0.0),
                  mask=offs < C)
@@ -184,6 +185,19 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
     tl.store(thr_ptr + r * 3, lo1)
     tl.store(thr_ptr + r * 3 + 1, lo2)
     tl.store(thr_ptr + r * 3 + 2, tl.maximum(lo2, loc))
+
+
+@triton.jit
+def _log_masses(ranked_ptr, size_ptr, r, c0, C, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
+    """Clusters c0 .. c0 + BLOCK of row r -> (each head's log-mass x + log s [GP, BLOCK], -inf for an empty
+    cluster or a padding head; the clusters [BLOCK]; non-empty [BLOCK])."""
+    g = tl.arange(0, GP)
+    offs = c0 + tl.arange(0, BLOCK)
+    size = tl.load(size_ptr + r * C + offs, mask=offs < C, other=0)
+    ok = size > 0
+    x = tl.load(ranked_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=(g < G)[:, None] & ok[None, :],
+                other=float("-inf")) + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
+    return x, offs, ok
 
 
 @triton.jit
@@ -323,8 +337,8 @@ def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, log
     """Each cluster's flags and the centroid terms' softmax part.
 
     mass [R, C] fp32, thr [R, 3] int64 (from `cluster_masses`), size [R, C] int64, logits [R, G, C] fp32 (x_i),
-    value_mean [R, C, D] fp32 or bf16 (VΣ_i / s_i: e^{x_i} VΣ_i = s_i e^{x_i} · mean), tail_approx: the p1 set's clusters outside the exact set are centroid terms
-    (else only the p2 set's)
+    value_mean [R, C, D] fp32 or bf16 (VΣ_i / s_i: e^{x_i} VΣ_i = s_i e^{x_i} · mean), tail_approx: the p1 set's
+    clusters outside the exact set are centroid terms (else only the p2 set's)
     -> flags [R, C] int8 (IN_P1 | EXACT | APPROX bits),
        (m [R, G], l [R, G], acc [R, G, D]) fp32: the centroid terms add e^m·acc to the numerator and e^m·l to the
        denominator (`sparse_decode_attention`'s extra; m = -inf, l = acc = 0: none)."""
