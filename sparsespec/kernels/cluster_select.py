@@ -146,6 +146,7 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
         # an empty cluster's mass is -0.0: 0, but its bits are negative, below every threshold
         tl.store(mass_ptr + r * C + offs, tl.where(ok, tl.sum(tl.exp(x - lse[:, None]), 0) / G, -0.0),
                  mask=offs < C)
+    tl.debug_barrier()  # pass 3 reads masses that other threads of this program stored
     # pass 3: the thresholds, bisected together over the class keys k in [0, 2^16]. With every cluster in one
     # block the keys and weights stay in registers across the passes; else each pass reads them again
     base = (kept * 1073741824.0).to(tl.int64)

@@ -190,6 +190,9 @@ def _join_kernel(k_ptr, v_ptr, pos_ptr, end_ptr, cand_ptr, part_ptr, flag_ptr, c
         vs = tl.load(vsum_ptr + row) + tl.load(v_ptr + (r * S + slot) * D + d).to(tl.float32)
         tl.store(vsum_ptr + row, vs)
         n = tl.load(size_ptr + r * C + idx) + 1
+        # every thread reads the (scalar) size before one of them stores it: without the barrier a late warp
+        # could read the new size and divide by one more
+        tl.debug_barrier()
         tl.store(size_ptr + r * C + idx, n)
         nf = n.to(tl.float32)
         mean = tl.math.div_rn(ks, nf)
