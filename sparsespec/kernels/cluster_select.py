@@ -294,48 +294,60 @@ def thresholds_ref(mass: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor, 
 # ---------------------------------------------------------------------------------------------- flags, centroid terms
 
 @triton.jit
-def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vmean_ptr, flag_ptr, m_ptr, l_ptr, acc_ptr, C, NBLK,
+def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vmean_ptr, flag_ptr, m_ptr, l_ptr, acc_ptr, C, NBLK, CHUNK,
                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    live = offs < C
-    size = tl.load(size_ptr + r * C + offs, mask=live, other=0)
-    ok = size > 0
-    u = (tl.load(mass_ptr + r * C + offs, mask=live, other=0.0).to(tl.int32, bitcast=True) >> 16).to(tl.int64)
-    in_p1 = ok & (u >= tl.load(thr_ptr + r * 3))
-    wanted = ok & (u >= tl.load(thr_ptr + r * 3 + 1))
-    exact = ok & (u >= tl.load(thr_ptr + r * 3 + 2))
-    if TAIL:  # the p1 set's clusters that are not exact enter as centroid terms
-        approx = in_p1 & ~exact
-    else:  # only the p2 set's (those the cap left out)
-        approx = wanted & ~exact
-    tl.store(flag_ptr + r * C + offs, (in_p1.to(tl.int8) * 1 + exact.to(tl.int8) * 2 + approx.to(tl.int8) * 4),
-             mask=live)
-    # the centroid terms' part of the merged softmax: e^{x_i} VΣ_i in the numerator, s_i e^{x_i} in the denominator
+    t1 = tl.load(thr_ptr + r * 3)
+    t2 = tl.load(thr_ptr + r * 3 + 1)
+    tc = tl.load(thr_ptr + r * 3 + 2)
     g = tl.arange(0, GP)
     gl = g < G
-    lc = tl.load(logit_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & approx[None, :],
-                 other=float("-inf"))  # [GP, BLOCK]
-    lw = lc + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
-    m = tl.max(lw, 1)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, D)
-    vm = tl.load(vmean_ptr + (r * C + offs)[:, None] * D + d[None, :], mask=approx[:, None],
-                 other=0.0).to(tl.float32)  # [BLOCK, D]: VΣ_i / s_i
-    p = tl.exp(lw - m_ref[:, None])  # [GP, BLOCK]: s_i e^{x_i} relative to e^m, the weight of the mean value
+    m = tl.full([GP], float("-inf"), tl.float32)  # the centroid terms' part so far, relative to e^m
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for c0 in range(blk * CHUNK, tl.minimum(blk * CHUNK + CHUNK, C), BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        live = offs < C
+        size = tl.load(size_ptr + r * C + offs, mask=live, other=0)
+        ok = size > 0
+        u = (tl.load(mass_ptr + r * C + offs, mask=live, other=0.0).to(tl.int32, bitcast=True) >> 16).to(tl.int64)
+        in_p1 = ok & (u >= t1)
+        exact = ok & (u >= tc)
+        if TAIL:  # the p1 set's clusters that are not exact enter as centroid terms
+            approx = in_p1 & ~exact
+        else:  # only the p2 set's (those the cap left out)
+            approx = ok & (u >= t2) & ~exact
+        tl.store(flag_ptr + r * C + offs, (in_p1.to(tl.int8) * 1 + exact.to(tl.int8) * 2 + approx.to(tl.int8) * 4),
+                 mask=live)
+        if tl.max(approx.to(tl.int32), 0) > 0:  # few blocks hold centroid terms: the others read nothing more
+            # e^{x_i} VΣ_i in the numerator, s_i e^{x_i} in the denominator
+            lc = tl.load(logit_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & approx[None, :],
+                         other=float("-inf"))  # [GP, BLOCK]
+            lw = lc + tl.log(tl.maximum(size, 1).to(tl.float32))[None, :]
+            m_new = tl.maximum(m, tl.max(lw, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_ref)  # (m = -inf: 0)
+            p = tl.exp(lw - m_ref[:, None])  # [GP, BLOCK]: s_i e^{x_i} relative to e^m, the mean value's weight
+            vm = tl.load(vmean_ptr + (r * C + offs)[:, None] * D + d[None, :], mask=approx[:, None],
+                         other=0.0).to(tl.float32)  # [BLOCK, D]: VΣ_i / s_i
+            l = l * alpha + tl.sum(p, 1)
+            # (the heads padded to 16 rows for the tensor cores; three tf32 products: fp32's accuracy)
+            acc = acc * alpha[:, None] + tl.dot(p, vm, input_precision="tf32x3")
+            m = m_new
     part = (r * NBLK + blk) * G + g
     tl.store(m_ptr + part, m, mask=gl)
-    tl.store(l_ptr + part, tl.sum(p, 1), mask=gl)
-    for h in tl.static_range(G):  # a few heads: a broadcast product, not a (padded, fp32) dot
-        ph = tl.sum(tl.where(g[:, None] == h, p, 0.0), 0)  # [BLOCK]
-        tl.store(acc_ptr + ((r * NBLK + blk) * G + h) * D + d, tl.sum(ph[:, None] * vm, 0))
+    tl.store(l_ptr + part, l, mask=gl)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gl[:, None])
 
 
 def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, logits: torch.Tensor,
-                  value_mean: torch.Tensor, tail_approx: bool, block: int = 64
+                  value_mean: torch.Tensor, tail_approx: bool, block: int = 64, waves: int = 4
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each cluster's flags and the centroid terms' softmax part.
+    """Each cluster's flags and the centroid terms' softmax part. Each program walks a run of blocks of one row's
+    clusters (about `waves` programs per SM over all rows), reading the logits and mean values only in blocks
+    that hold centroid terms; one partial a program, merged by `_centroid_merge_kernel`.
 
     mass [R, C] fp32, thr [R, 3] int64 (from `cluster_masses`), size [R, C] int64, logits [R, G, C] fp32 (x_i),
     value_mean [R, C, D] fp32 or bf16 (VΣ_i / s_i: e^{x_i} VΣ_i = s_i e^{x_i} · mean), tail_approx: the p1 set's
@@ -343,15 +355,19 @@ def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, log
     -> flags [R, C] int8 (IN_P1 | EXACT | APPROX bits),
        (m [R, G], l [R, G], acc [R, G, D]) fp32: the centroid terms add e^m·acc to the numerator and e^m·l to the
        denominator (`sparse_decode_attention`'s extra; m = -inf, l = acc = 0: none)."""
+    from .select import programs_per_row
+
     R, G, C = logits.shape
     D = value_mean.shape[-1]
-    nblk = triton.cdiv(C, block)
+    blocks = triton.cdiv(C, block)
+    chunk = triton.cdiv(blocks, programs_per_row(R, blocks, mass.device, waves)) * block
+    nblk = triton.cdiv(C, chunk)
     dev = mass.device
     flags = torch.empty(R, C, dtype=torch.int8, device=dev)
     pm = torch.empty(R, nblk, G, dtype=torch.float32, device=dev)
     pl, pacc = torch.empty_like(pm), torch.empty(R, nblk, G, D, dtype=torch.float32, device=dev)
     _mark_kernel[(R, nblk)](mass, size.contiguous(), thr, logits.contiguous(), value_mean.contiguous(), flags, pm, pl,
-                            pacc, C, nblk, G=G, GP=triton.next_power_of_2(G), D=D, BLOCK=block,
+                            pacc, C, nblk, chunk, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block,
                             TAIL=tail_approx, num_warps=4)
     m = torch.empty(R, G, dtype=torch.float32, device=dev)
     l, acc = torch.empty_like(m), torch.empty_like(pacc[:, 0])
