@@ -119,7 +119,7 @@ def sweep_doublep(policy, cache, q: torch.Tensor, cfg) -> None:
         show(f"cluster_masses block_t={block_t} warps={warps}", lambda: cluster_masses(
             *args, block_t=block_t, num_warps=warps))
     mass, _, thr = cluster_masses(*args)
-    for block, waves in ((64, 4), (32, 4), (128, 4), (64, 1), (64, 16), (64, 10**6), (32, 10**6), (128, 16)):
+    for block, waves in ((32, 4), (64, 4), (16, 4), (32, 2), (32, 8), (32, 10**6)):
         show(f"mark_clusters block={block} waves={waves}", lambda: mark_clusters(
             mass, thr, st.size.view(R, C), logits.view(R, G, C), st.value_mean.view(R, C, D), o.tail == "approx",
             block=block, waves=waves))

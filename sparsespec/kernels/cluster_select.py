@@ -343,7 +343,7 @@ def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vmean_ptr, flag_ptr, m_
 
 
 def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, logits: torch.Tensor,
-                  value_mean: torch.Tensor, tail_approx: bool, block: int = 64, waves: int = 4
+                  value_mean: torch.Tensor, tail_approx: bool, block: int = 32, waves: int = 4
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Each cluster's flags and the centroid terms' softmax part. Each program walks a run of blocks of one row's
     clusters (about `waves` programs per SM over all rows), reading the logits and mean values only in blocks
