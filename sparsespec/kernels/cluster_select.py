@@ -19,9 +19,9 @@ Six launches a step, plus the attention (`DoubleP._decode_kernels`):
     masses      grid (B * Hkv,): the joint softmax of stage 1 (kept logits and cluster log-masses, each query head
                 normalised alone, the group's mean), then the three thresholds by bisection over the class keys
                 (17 passes over keys held in registers, up to 16k clusters a row)
-    mark        grid (B * Hkv, C / BLOCK): each cluster's flags (in p1, exact, centroid term) and, over the
-                centroid terms of the block, the merged softmax's partial (max, sum, Σ e^{x_i} VΣ_i) per query head;
-                then one program a (row, query head) merges the blocks' partials
+    mark        grid (B * Hkv, runs): each cluster's flags (in p1, exact, centroid term) and, over the centroid
+                terms of a run of blocks (about 4 programs per SM over all rows), the merged softmax's partial (max,
+                sum, Σ e^{x_i} VΣ_i) per query head; then one program a (row, query head) merges the runs' partials
     members     grid (B * Hkv, chunks), twice: the exact clusters' prefill members in cluster order, then the
                 decoded slots that joined exact clusters, appended to the slot list after the kept tokens (stream
                 compaction: each chunk's count, then each chunk written after the chunks before it)
@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .select import programs_per_row
 
 FX = 1 << 30  # masses in fixed point: m -> floor(m * FX)
 NONE = 1 << 16  # a threshold above every class key: the set is empty
@@ -321,7 +323,7 @@ def _mark_kernel(mass_ptr, size_ptr, thr_ptr, logit_ptr, vmean_ptr, flag_ptr, m_
             approx = ok & (u >= t2) & ~exact
         tl.store(flag_ptr + r * C + offs, (in_p1.to(tl.int8) * 1 + exact.to(tl.int8) * 2 + approx.to(tl.int8) * 4),
                  mask=live)
-        if tl.max(approx.to(tl.int32), 0) > 0:  # few blocks hold centroid terms: the others read nothing more
+        if tl.max(approx.to(tl.int32), 0) > 0:  # a block without centroid terms reads nothing more
             # e^{x_i} VΣ_i in the numerator, s_i e^{x_i} in the denominator
             lc = tl.load(logit_ptr + (r * G + g)[:, None] * C + offs[None, :], mask=gl[:, None] & approx[None, :],
                          other=float("-inf"))  # [GP, BLOCK]
@@ -355,10 +357,9 @@ def mark_clusters(mass: torch.Tensor, thr: torch.Tensor, size: torch.Tensor, log
     -> flags [R, C] int8 (IN_P1 | EXACT | APPROX bits),
        (m [R, G], l [R, G], acc [R, G, D]) fp32: the centroid terms add e^m·acc to the numerator and e^m·l to the
        denominator (`sparse_decode_attention`'s extra; m = -inf, l = acc = 0: none)."""
-    from .select import programs_per_row
-
     R, G, C = logits.shape
     D = value_mean.shape[-1]
+    assert D >= 16, "the centroid terms' product is a tl.dot: head_dim >= 16"
     blocks = triton.cdiv(C, block)
     chunk = triton.cdiv(blocks, programs_per_row(R, blocks, mass.device, waves)) * block
     nblk = triton.cdiv(C, chunk)
