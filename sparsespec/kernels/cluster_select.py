@@ -173,9 +173,9 @@ def _masses_kernel(ranked_ptr, size_ptr, members_ptr, kept_ptr, mass_ptr, kmass_
             for c0 in range(0, C, BLOCK_T):
                 kc, fxc, mem = _class_weights(mass_ptr, members_ptr, r, c0, C, BLOCK_T)
                 s1, s2, sc = _class_sums(kc, fxc, mem, mid1, mid2, midc)
-                a1 += s1
-                a2 += s2
-                mc += sc
+                a1 += s1.to(tl.int64)
+                a2 += s2.to(tl.int64)
+                mc += sc.to(tl.int64)
         take1 = base + a1 < t1
         take2 = base + a2 < t2
         takec = mc <= cap
@@ -218,12 +218,16 @@ def _class_weights(mass_ptr, members_ptr, r, c0, C, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _add3(a1, a2, a3, b1, b2, b3):
+    return a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
 def _class_sums(k, fx, members, mid1, mid2, midc):
-    """Σ fx over k > mid1, over k > mid2, and Σ members over k >= midc (int64)."""
-    a1 = tl.sum(tl.where(k > mid1, fx, 0).to(tl.int64), 0)
-    a2 = tl.sum(tl.where(k > mid2, fx, 0).to(tl.int64), 0)
-    mc = tl.sum(tl.where(k >= midc, members, 0).to(tl.int64), 0)
-    return a1, a2, mc
+    """Σ fx over k > mid1, over k > mid2, and Σ members over k >= midc, in one reduction (int32: a row's fixed-point
+    masses sum to at most its total mass, <= 2^30 and some rounding; its members to the cache length)."""
+    return tl.reduce((tl.where(k > mid1, fx, 0), tl.where(k > mid2, fx, 0), tl.where(k >= midc, members, 0)), 0,
+                     _add3)
 
 
 def cluster_masses(ranked: torch.Tensor, size: torch.Tensor, members: torch.Tensor, kept_logits: torch.Tensor,
