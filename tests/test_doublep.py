@@ -212,6 +212,39 @@ def test_kmeans_is_seeded_assigns_every_point_and_never_worsens():
     assert costs[-1] < costs[0]
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "bf16"])
+def test_kmeans_on_a_sample_and_in_rounded_precision_stays_close_to_the_full_one(precision):
+    """sample = 1 is the plain k-means; with a quarter of the points in the iterations but the last, and tf32 / bf16
+    dot products, it is still k-means: the centroids the means of the clusters, most of the full run's gain kept."""
+    g = torch.Generator().manual_seed(3)
+    G, N, D, k = 2, 800, 16, 40
+    x = (torch.randn(G, k, D, generator=g) * 4).repeat_interleave(N // k, 1) + torch.randn(G, N, D, generator=g)
+    x = x + 30  # far from the origin, as keys are
+    full = kmeans(x, k, 4, torch.Generator().manual_seed(5))
+    same = kmeans(x, k, 4, torch.Generator().manual_seed(5), sample=1.0, precision="ieee")
+    assert torch.equal(full[0], same[0]) and torch.equal(full[1], same[1])
+    c, a = kmeans(x, k, 4, torch.Generator().manual_seed(5), sample=0.25, precision=precision)
+    assert a.shape == (G, N) and ((a >= 0) & (a < k)).all()
+    sums, sizes = cluster_sums(x, a, k)
+    nonempty = sizes > 0
+    assert torch.allclose(c[nonempty], (sums / sizes.clamp_min(1)[..., None])[nonempty], atol=1e-4)
+    # the sampled iterations help (a plain single assignment is far worse) and cost some of the full ones' gain
+    assert objective(x, c, a) < 0.8 * objective(x, *kmeans(x, k, 1, torch.Generator().manual_seed(5)))
+    assert objective(x, c, a) <= 1.25 * objective(x, *full)
+
+
+def test_rounding_to_tf32_and_bf16_keeps_the_nearest_mantissa():
+    from sparsespec.attention.doublep import _rounded_to
+
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 100
+    for name, bits in (("tf32", 10), ("bf16", 7)):
+        r = _rounded_to(x, name)
+        assert (r.view(torch.int32) & ((1 << (23 - bits)) - 1) == 0).all()  # the dropped bits are zero
+        ulp = 2.0 ** (torch.floor(torch.log2(x.abs().double())) - bits)  # the kept mantissa's unit
+        assert ((r.double() - x.double()).abs() <= ulp / 2).all()  # to nearest
+    assert torch.equal(_rounded_to(x, "ieee"), x)
+
+
 def assert_nearest(got, points, centroids, valid=None, min_clear=0.9):
     """got [G, N] is a nearest centroid of each point: its float64 squared distance is the minimum up to fp32
     rounding (which way a near-tie goes depends on the BLAS), and where the nearest is clear it is that one.

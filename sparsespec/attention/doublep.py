@@ -42,6 +42,7 @@ Empty clusters (k-means can leave some) keep their last centroid, have size 0 an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,12 +51,13 @@ from ..cache import KVCache
 from ..errors import SparseSpecError
 from ..kernels import triton_ready
 from ..kernels.cluster_select import kept_slots
-from ..kernels.kmeans import nearest_centroid
+from ..kernels.kmeans import PRECISIONS, nearest_centroid
 from .policy import Policy, PolicyOptions, device_ints, option
 
 _CHUNK = 1 << 19  # elements of one [G, n, k] distance block in `nearest` (a few MB: the CPU's caches)
 _CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster"),
-            "estimate": ("spread", "centroid"), "index_dtype": ("auto", "float32", "bfloat16")}
+            "estimate": ("spread", "centroid"), "index_dtype": ("auto", "float32", "bfloat16"),
+            "kmeans_dot": ("auto", *PRECISIONS)}
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,12 @@ class DoublePOptions(PolicyOptions):
     # centroid, which loses needles: docs/results/doublep.md)
     estimate: str = option("spread", "cluster log-mass for the selection: spread (centroid + variance term) or "
                                      "centroid")
-    kmeans_bf16: bool = option(False, "CUDA: k-means distances from bf16 dot products (tensor cores; a point nearly "
-                                      "equidistant from two centroids may join either)")
+    kmeans_dot: str = option("auto", "k-means distances' dot products: ieee (fp32), tf32 or bf16 (inputs rounded to "
+                                     "10- or 8-bit mantissas: the tensor cores on CUDA, emulated on the CPU; a point "
+                                     "nearly equidistant from two centroids may join either); auto: tf32 where the "
+                                     "Triton kernels run, ieee elsewhere")
+    kmeans_sample: float = option(1.0, "share of each row's keys (those of largest random draw) that the k-means "
+                                       "iterations before the last run on; the last assigns every key")
     index_dtype: str = option("auto", "dtype of the centroids and variances a step reads: auto (bfloat16 on CUDA, "
                                       "float32 elsewhere), float32 or bfloat16; the sums they are computed from, "
                                       "which appends and rollbacks update, stay float32")
@@ -103,6 +109,8 @@ class DoublePOptions(PolicyOptions):
             raise SparseSpecError(f"cluster_size must be >= 1, got {self.cluster_size}")
         if self.kmeans_iters < 1:
             raise SparseSpecError(f"kmeans_iters must be >= 1, got {self.kmeans_iters}")
+        if not 0 < self.kmeans_sample <= 1:
+            raise SparseSpecError(f"kmeans_sample must be in (0, 1], got {self.kmeans_sample}")
         if self.recluster_every < 1:
             raise SparseSpecError(f"recluster_every must be >= 1, got {self.recluster_every}")
         if not 0 < self.exact_cap < float("inf"):
@@ -167,8 +175,8 @@ def cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int,
 
 
 def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator | None,
-           valid: torch.Tensor | None = None, ks: torch.Tensor | None = None, fast: bool = False,
-           draws: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           valid: torch.Tensor | None = None, ks: torch.Tensor | None = None, precision: str = "ieee",
+           draws: torch.Tensor | None = None, sample: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means, batched over G entries (heads, rows x heads). keys [G, N, D], valid [G, N] bool (the
     entry's points; None: all), ks [G] (the entry's cluster count, <= k and <= its points; None: k each)
     -> (centroids [G, k, D] fp32, assign [G, N] int64; an entry's centroids from ks[g] on, and the assignment of
@@ -177,10 +185,12 @@ def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator | 
     Starts from ks[g] distinct random valid points: those with the largest of `draws` [G, N] (uniform numbers; None:
     drawn from `generator`, on its device);
     each of the `iters` steps assigns every point to its nearest centroid, then moves each centroid to the mean of
-    its members (an empty cluster keeps its centroid). The returned centroids are the means of the returned
-    assignment's clusters. On CUDA the assignment is the Triton kernel (`fast`: bf16 dot products), on CPU the
-    tie-tolerant `nearest` (the same clusters on every CPU; CUDA draws its starts from its own generator, so its
-    clusters differ from the CPU's)."""
+    its members (an empty cluster keeps its centroid); with `sample` < 1 the steps before the last take only each
+    entry's m = max(k, ⌈sample·N⌉) points of largest draw (the starts among them; all of a shorter entry's), the
+    last every point. The returned centroids are the means of the returned assignment's clusters. On CUDA the
+    assignment is the Triton kernel, on CPU the tie-tolerant `nearest` (the same clusters on every CPU; CUDA draws
+    its starts from its own generator, so its clusters differ from the CPU's); `precision` (`nearest_centroid`'s)
+    rounds the dot products' inputs, on the CPU by rounding them to nearest first."""
     G, N, D = keys.shape
     if not 1 <= k <= N:
         raise SparseSpecError(f"k-means needs 1 <= k <= {N} points, got k={k}")
@@ -197,17 +207,33 @@ def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator | 
     if valid is not None:
         draws = draws.masked_fill(~valid, -1.0)  # valid points first
     # distinct points in decreasing draw; equal draws (24-bit uniforms do collide) in slot order, whatever the width
-    init = draws.sort(dim=1, descending=True, stable=True).indices[:, :k]  # [G, k]
-    centroids = x.gather(1, init[..., None].expand(-1, -1, D))
+    order = draws.sort(dim=1, descending=True, stable=True).indices  # [G, N]
+    centroids = x.gather(1, order[:, :k, None].expand(-1, -1, D))
     usable = None if ks is None else torch.arange(k, device=keys.device) < ks[:, None]  # [G, k]
-    for _ in range(iters):
+    m = N if sample >= 1 else min(N, max(k, math.ceil(sample * N)))
+    part, part_valid = x, valid
+    if m < N:  # the sample: the m points of largest draw
+        part = x.gather(1, order[:, :m, None].expand(-1, -1, D))  # [G, m, D]
+        part_valid = None if valid is None else valid.gather(1, order[:, :m])
+    for i in range(iters):
+        pts, pts_valid = (x, valid) if i == iters - 1 else (part, part_valid)
         if triton_ready(keys.device):
-            assign = nearest_centroid(x, centroids, usable, fast, centre=False)  # (x is centred already)
+            assign = nearest_centroid(pts, centroids, usable, precision, centre=False)  # (x is centred already)
         else:
-            assign = nearest(x, centroids, usable)
-        sums, sizes = cluster_sums(x, assign, k, valid)
+            assign = nearest(_rounded_to(pts, precision), _rounded_to(centroids, precision), usable)
+        sums, sizes = cluster_sums(pts, assign, k, pts_valid)
         centroids = torch.where(sizes[..., None] > 0, sums / sizes.clamp_min(1)[..., None], centroids)
     return centroids + offset, assign
+
+
+def _rounded_to(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """fp32 x with its mantissa rounded to nearest (ties to even) as `precision` ("ieee": as it is) holds it."""
+    if precision == "bf16":
+        return x.to(torch.bfloat16).float()
+    if precision == "tf32":  # 10 of fp32's 23 mantissa bits
+        bits = x.view(torch.int32)
+        return ((bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+    return x
 
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -467,6 +493,13 @@ class DoubleP(Policy):
             return torch.bfloat16 if triton_ready(device) else torch.float32
         return getattr(torch, name)
 
+    def kmeans_dot(self, device: torch.device) -> str:
+        """The k-means distances' precision (`kmeans_dot`; auto: tf32 where the Triton kernels run)."""
+        name = self.options.kmeans_dot
+        if name == "auto":
+            return "tf32" if triton_ready(device) else "ieee"
+        return name
+
     def build(self, layer, cache, lengths):
         if not self.is_sparse(layer):
             return
@@ -507,8 +540,8 @@ class DoubleP(Policy):
         for b, count in enumerate(counts):
             gen = torch.Generator(device=dev).manual_seed(o.seed * 1_000_003 + layer)
             draws[b, :, :count] = torch.rand(Hkv, count, generator=gen, device=dev)
-        centroids, assign = kmeans(keys, C, o.kmeans_iters, None, valid, per_entry, o.kmeans_bf16,
-                                   draws.view(B * Hkv, N))  # [G, C, D], [G, N]
+        centroids, assign = kmeans(keys, C, o.kmeans_iters, None, valid, per_entry, self.kmeans_dot(dev),
+                                   draws.view(B * Hkv, N), o.kmeans_sample)  # [G, C, D], [G, N]
         key_sum, size = cluster_sums(keys, assign, C, valid)
         mean = key_sum / size.clamp_min(1)[..., None]
         shape = (B, Hkv, C)
