@@ -70,8 +70,9 @@ class DoublePOptions(PolicyOptions):
                              "estimated mass")
     p2: float = option(0.9, "the part of the mass attended exactly, token by token")
     cluster_size: int = option(8, "target average tokens per cluster")
-    kmeans_iters: int = option(3, "k-means iterations per clustering (3 cost no accuracy against 10 in the fidelity "
-                                  "measurements: docs/results/doublep.md)")
+    kmeans_iters: int = option(2, "k-means iterations per clustering (2 cost 1% more exact keys and 0.001-0.002 of "
+                                  "output error against 10 in the fidelity measurements, and fit the build in 5% of "
+                                  "the prefill on the H200: docs/results/doublep.md)")
     seed: int = option(0, "seed of the k-means starts")
     p2_of: str = option("total", "p2 against the total estimated mass, or selected: against the p1 set's mass")
     tail: str = option("approx", "p1 clusters outside the p2 set: approx (centroid terms) or drop")
@@ -87,7 +88,7 @@ class DoublePOptions(PolicyOptions):
                                      "centroid")
     kmeans_dot: str = option("auto", "k-means distances' dot products: ieee (fp32), tf32 or bf16 (inputs rounded to "
                                      "10- or 8-bit mantissas: the tensor cores on CUDA, emulated on the CPU; a point "
-                                     "nearly equidistant from two centroids may join either); auto: tf32 where the "
+                                     "nearly equidistant from two centroids may join either); auto: bf16 where the "
                                      "Triton kernels run, ieee elsewhere")
     kmeans_sample: float = option(1.0, "share of each row's keys (those of largest random draw) that the k-means "
                                        "iterations before the last run on; the last assigns every key")
@@ -166,12 +167,12 @@ def cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int,
     """x [G, N, D], assign [G, N] in [0, k), valid [G, N] bool or None (points that count)
     -> (member sums [G, k, D] fp32, sizes [G, k] int64)."""
     G, _, D = x.shape
-    x, ones = x.float(), torch.ones_like(assign)
-    if valid is not None:  # (a select, not a product: padding that holds inf or NaN stays out too)
-        x, ones = torch.where(valid[..., None], x, 0.0), valid.long()
-    sums = torch.zeros(G, k, D, device=x.device).scatter_add_(1, assign[..., None].expand(-1, -1, D), x)
-    sizes = torch.zeros(G, k, dtype=torch.long, device=x.device).scatter_add_(1, assign, ones)
-    return sums, sizes
+    rows = k
+    if valid is not None:  # padding goes to an extra row, dropped (whatever it holds, inf or NaN, stays out)
+        assign, rows = torch.where(valid, assign, k), k + 1
+    sums = torch.zeros(G, rows, D, device=x.device).scatter_add_(1, assign[..., None].expand(-1, -1, D), x.float())
+    sizes = torch.zeros(G, rows, dtype=torch.long, device=x.device).scatter_add_(1, assign, torch.ones_like(assign))
+    return sums[:, :k].contiguous(), sizes[:, :k].contiguous()
 
 
 def kmeans(keys: torch.Tensor, k: int, iters: int, generator: torch.Generator | None,
@@ -494,10 +495,10 @@ class DoubleP(Policy):
         return getattr(torch, name)
 
     def kmeans_dot(self, device: torch.device) -> str:
-        """The k-means distances' precision (`kmeans_dot`; auto: tf32 where the Triton kernels run)."""
+        """The k-means distances' precision (`kmeans_dot`; auto: bf16 where the Triton kernels run)."""
         name = self.options.kmeans_dot
         if name == "auto":
-            return "tf32" if triton_ready(device) else "ieee"
+            return "bf16" if triton_ready(device) else "ieee"
         return name
 
     def build(self, layer, cache, lengths):

@@ -44,7 +44,7 @@ def _nearest_kernel(p_ptr, c_ptr, bias_ptr, out_ptr, N, K,
 PRECISIONS = ("ieee", "tf32", "bf16")  # the dot products: fp32 on CUDA cores; tensor cores on 10- or 8-bit mantissas
 # (points a program, centroids a step, warps) by precision: the fastest measured on the H200 at 128k keys, 16k
 # clusters, head_dim 128 (bench/kmeans_build.py; docs/results/doublep.md)
-TILINGS = {"ieee": (64, 64, 4), "tf32": (128, 64, 8), "bf16": (128, 64, 8)}
+TILINGS = {"ieee": (64, 64, 4), "tf32": (128, 64, 8), "bf16": (64, 64, 4)}
 
 
 def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, valid: torch.Tensor | None = None,
@@ -65,17 +65,19 @@ def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, valid: torch
     K = centroids.shape[1]
     assert centroids.shape == (G, K, D) and D == triton.next_power_of_2(D) and 16 <= D <= 256
     assert precision in PRECISIONS, precision
-    offset = points.float().mean(1, keepdim=True) if centre else 0.0
-    p = (points.float() - offset).contiguous()
-    c = (centroids.float() - offset).contiguous()
+    if points.device.type == "cpu":  # (the interpreter computes in fp32)
+        precision = "ieee"
+    dot = torch.bfloat16 if precision == "bf16" else torch.float32  # (rounded here: the kernel reads fewer bytes)
+    offset = points.float().mean(1, keepdim=True) if centre else None
+    p = (points if offset is None else points.float() - offset).to(dot).contiguous()
+    c = centroids.float() if offset is None else centroids.float() - offset
     bias = -c.square().sum(-1)  # [G, K]
+    c = c.to(dot).contiguous()
     if valid is not None:
         bias = bias.masked_fill(~valid, float("-inf"))
     out = torch.empty(G, N, dtype=torch.long, device=points.device)
     if N == 0:
         return out
-    if points.device.type == "cpu":
-        precision = "ieee"
     block_p, block_c, num_warps = tiling or TILINGS[precision]
     _nearest_kernel[(G, triton.cdiv(N, block_p))](
         p, c, bias.contiguous(), out, N, K, p.stride(0), p.stride(1), c.stride(0), c.stride(1), K, N,
