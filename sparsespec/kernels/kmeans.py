@@ -1,8 +1,10 @@
 """The assignment step of k-means (Double-P's clustering of the keys) in Triton: each point's nearest centroid.
 
 A GEMM with an argmax epilogue: a program takes BLOCK_P points of one batch entry and streams every centroid tile
-past them, keeping each point's best score 2 p·c − ‖c‖² (= ‖p‖² − ‖p − c‖², larger = nearer) and its index, so
-the [N, K] distance matrix is never written (at 128k keys and 8k clusters a head it would be 4 GiB in fp32).
+past them, keeping the best score 2 p·c − ‖c‖² (= ‖p‖² − ‖p − c‖², larger = nearer) of each (point, tile column)
+and the tile it came from, and takes each point's best of its columns at the end, so the [N, K] distance matrix is
+never written (at 128k keys and 16k clusters a head it would be 8 GiB in fp32). On the H200 at that size one pass
+over a row's 8 heads takes 325 ms in fp32 on the CUDA cores, 19 ms in tf32 and 13 ms in bf16 on the tensor cores.
 """
 
 from __future__ import annotations
