@@ -180,10 +180,11 @@ def test_fixed_steps_through_the_kernels_equal_the_sorted_path(monkeypatch, tail
     def by_classes(mass, valid, base, p1, p2, selected, members, cap):  # select_clusters, whole classes at a time
         assert not selected
         R = base.numel()
-        thr = thresholds_ref(mass.reshape(R, -1).float().contiguous(), base.reshape(R).float(),
-                             valid.reshape(R, -1), members.reshape(R, -1), p1, p2, 1 << 40 if cap is None else cap)
-        u = (mass.reshape(R, -1).float().contiguous().view(torch.int32) >> 16).long()
-        return [(valid.reshape(R, -1) & (u >= thr[:, j:j + 1])).view(mass.shape) for j in range(3)]
+        m, ok = mass.reshape(R, -1).float().contiguous(), valid.reshape(R, -1)
+        thr = thresholds_ref(m, base.reshape(R).float(), ok, members.reshape(R, -1), p1, p2,
+                             1 << 40 if cap is None else cap)
+        u = (m.view(torch.int32) >> 16).long()
+        return [(ok & (u >= thr[:, j:j + 1])).view(mass.shape) for j in range(3)]
 
     monkeypatch.setattr(doublep, "select_clusters", by_classes)
 
