@@ -348,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ev.add_argument("--out", default="eval-results", help="folder for results.jsonl, accuracy.md / .png (a rerun "
                     "with the same model, seed and options resumes it)")
+    ev.add_argument("--report", action="store_true", help="only write accuracy.md / .png from the rows already in "
+                    "--out (e.g. made on another machine or merged from several runs); loads no model")
 
     lg = sub.add_parser("longgen", help="long-generation quality per policy against dense: the dense model's "
                         "perplexity of each policy's text, distinct-n, teacher-forced top-1 agreement")
@@ -363,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     lg.add_argument("--out", default="longgen-results", help="folder for longgen.jsonl / .md / .png (a rerun with "
                     "the same settings resumes it)")
+    lg.add_argument("--report", action="store_true", help="only write longgen.md / .png from the rows already in "
+                    "--out; loads no model")
 
     pol = sub.add_parser("policies", help="list the attention policies and their options")
     pol.add_argument("--json", action="store_true")
@@ -857,6 +861,14 @@ def cmd_longgen(args) -> None:
         raise SparseSpecError(f"--kinds takes long-essay, long-text and long-code, got {args.kinds!r}")
     cfg = LongGenConfig(policies=tuple(args.attention), kinds=kinds, prompts=args.prompts,
                         long_chars=args.long_chars, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    what = f"greedy, up to {cfg.max_new_tokens} new tokens, {cfg.prompts} prompt(s) per kind ({', '.join(kinds)}) " \
+           f"of ~{cfg.long_chars} characters"
+    if args.report:
+        specs = {"dense", *cfg.policies}
+        (rows,), recorded = _recorded_rows(args.out, cfg.settings(), ROW_FILES,
+                                           lambda r: r["policy"] in specs and r["prompt"] < cfg.prompts * len(kinds))
+        print(report(rows, Path(args.out), f"Long generation vs dense: {_recorded_title(recorded)}, {what}"))
+        return
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     settings = {"model": args.model, "dtype": dtype, "device": args.device, **cfg.settings()}
     check_folder(args.out, settings, ROW_FILES)
@@ -866,13 +878,11 @@ def cmd_longgen(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record_settings(out, settings, ROW_FILES)
     rows = run_longgen(engine, cfg, out, progress=progress)
-    title = (f"Long generation vs dense: {args.model} (real weights, {dtype}, {args.device}), greedy, up to "
-             f"{cfg.max_new_tokens} new tokens, {cfg.prompts} prompt(s) per kind ({', '.join(kinds)}) of "
-             f"~{cfg.long_chars} characters")
-    print(report(rows, out, title))
+    print(report(rows, out, f"Long generation vs dense: {args.model} (real weights, {dtype}, {args.device}), {what}"))
 
 
 def cmd_eval(args) -> None:
+    from pathlib import Path
 
     from .eval.harness import ROW_FILES, EvalConfig, parse_length, report, run_eval, run_perplexity
     from .eval.tasks import TASKS
@@ -884,6 +894,11 @@ def cmd_eval(args) -> None:
                      samples=args.samples, policies=tuple(args.attention), options=tuple(args.attention_opt),
                      seed=args.seed, perplexity_tokens=args.perplexity_tokens, perplexity_rows=args.perplexity_rows,
                      batch=args.batch)
+    if args.report:
+        (rows, ppl), recorded = _recorded_rows(args.out, cfg.settings(), ROW_FILES, cfg.asked)
+        title = f"Accuracy: {_recorded_title(recorded)}, seed {cfg.seed}"
+        print(report(rows, ppl, Path(args.out), title))
+        return
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     settings = {"model": args.model, "dtype": dtype, "device": args.device, **cfg.settings()}
     check_folder(args.out, settings, ROW_FILES)
@@ -899,6 +914,25 @@ def cmd_eval(args) -> None:
     ppl = run_perplexity(engine, cfg, out, progress=progress) if cfg.perplexity_tokens else []
     title = f"Accuracy: {args.model} (real weights, {dtype}, {args.device}), seed {args.seed}"
     print(report(rows, ppl, out, title))
+
+
+def _recorded_rows(folder: str, settings: dict, files: tuple[str, ...], asked) -> tuple[list[list[dict]], dict]:
+    """`--report`: the rows of each of `files` in `folder` that `asked` keeps, and the settings recorded with them;
+    refuses a folder whose record disagrees with `settings` (the seed, each policy's options) or that holds none of
+    the rows asked for."""
+    from pathlib import Path
+
+    from .results import check_folder, read_rows, recorded_settings
+
+    check_folder(folder, settings, files)
+    rows = [[r for r in read_rows(Path(folder) / f) if asked(r)] for f in files]
+    if not rows[0]:
+        raise SparseSpecError(f"{folder} holds no {files[0]} rows of these settings: nothing to report")
+    return rows, recorded_settings(Path(folder), files)
+
+
+def _recorded_title(recorded: dict) -> str:
+    return f"{recorded['model']} (real weights, {recorded['dtype']}, {recorded['device']})"
 
 
 def cmd_policies(args) -> None:

@@ -40,6 +40,11 @@ def record_settings(folder: Path, settings: dict, files: tuple[str, ...]) -> Non
                                              + "\n")
 
 
+def recorded_settings(folder: Path, files: tuple[str, ...]) -> dict:
+    """The settings recorded with the rows in `files` ({} without rows)."""
+    return _recorded(folder, files)
+
+
 def _settings_path(folder: Path, files: tuple[str, ...]) -> Path:
     return folder / f"{Path(files[0]).stem}.settings.json"
 

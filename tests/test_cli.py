@@ -197,6 +197,25 @@ def test_an_eval_folder_takes_rows_only_from_its_own_settings_and_reports_only_w
     assert code == 0 and "| task | length | topk |" in table and "perplexity" not in table
 
 
+def test_eval_report_renders_the_rows_of_a_folder_without_a_model(capsys, tmp_path, byte_model, monkeypatch):
+    from sparsespec.generate import Engine
+
+    out = tmp_path / "eval"
+    base = ("eval", "--tasks", "niah_single", "--lengths", "300", "--samples", "1", "--out", str(out))
+    assert run_main(capsys, *base, "--model", "a", "--attention", "dense", "topk")[0] == 0
+    (out / "accuracy.md").unlink()
+    monkeypatch.setattr(Engine, "from_name", lambda *a, **k: pytest.fail("--report loaded a model"))
+    code, table, _ = run_main(capsys, *base, "--report", "--attention", "topk", "dense", "--device", "cuda")
+    assert code == 0 and "| task | length | dense | topk |" in table and (out / "accuracy.md").is_file()
+    assert "Accuracy: a (real weights, float32, cpu)" in table  # the recorded model, dtype and device
+    assert_clear_error(*run_main(capsys, *base, "--report", "--attention", "topk:budget=0.5")[::2],
+                       "holds no results.jsonl rows", "nothing to report")
+    assert_clear_error(*run_main(capsys, *base, "--report", "--attention", "topk", "--attention-opt",
+                                 "budget=0.5")[::2], "other settings (policy topk)")
+    empty = ("eval", "--report", "--out", str(tmp_path / "none"))
+    assert_clear_error(*run_main(capsys, *empty)[::2], "holds no results.jsonl rows")
+
+
 def test_a_bench_folder_takes_rows_only_from_its_own_settings(capsys, tmp_path, byte_model):
     out = tmp_path / "bench"
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsespec.attention import make_policy
-from sparsespec.eval.longgen import dense_nll, distinct, teacher_forced_agreement
+from sparsespec.eval.longgen import dense_nll, distinct, report, teacher_forced_agreement
 from sparsespec.generate import GenerationConfig
 
 from .test_spec import tiny_engine
@@ -68,3 +68,37 @@ def test_long_essay_prompts_ask_for_an_essay_on_a_document_of_the_context():
         body, request = p.text.rsplit("\n\n", 1)
         assert p.kind == "long-essay" and len(body) <= 5000 + 200
         assert "essay" in request or "report" in request
+
+
+def _row(prompt, policy, ppl, keys=None):
+    return {"prompt": prompt, "kind": "long-code", "prompt_tokens": 100, "policy": policy, "generated": 8,
+            "dense_ppl": ppl, "distinct2": 1.0, "distinct4": 1.0, "agreement": 0.5, "first_divergence": 3,
+            "keys": keys, "tokens": [1] * 8}
+
+
+def test_report_compares_policies_on_the_prompts_every_policy_finished(tmp_path):
+    rows = [_row(0, "dense", 1.0), _row(0, "topk", 2.0, 10), _row(1, "dense", 1.0), _row(1, "topk", 4.0, 30),
+            _row(2, "dense", 9.0)]  # a stopped run: prompt 2 lacks topk, so it is left out for dense too
+    table = report(rows, tmp_path, "t")
+    assert "| dense | 2 | 8 | 1.00 |" in table and "| topk | 2 | 8 | 3.00 |" in table and "| 20 |" in table
+    assert (tmp_path / "longgen.md").read_text() == table and (tmp_path / "longgen.png").is_file()
+
+
+def test_longgen_report_renders_a_folder_without_a_model(capsys, tmp_path, monkeypatch):
+    import json
+
+    from sparsespec.cli import main
+    from sparsespec.generate import Engine
+
+    rows = [_row(0, "dense", 1.0), _row(0, "topk", 2.0, 10), _row(0, "quest", 3.0, 10), _row(5, "topk", 1.0, 10)]
+    (tmp_path / "longgen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "longgen.settings.json").write_text(json.dumps(
+        {"model": "m", "dtype": "bfloat16", "device": "cuda", "kinds": ["long-code"], "prompts": 2, "long_chars": 12000,
+         "max_new_tokens": 512, "seed": 0}))
+    monkeypatch.setattr(Engine, "from_name", lambda *a, **k: pytest.fail("--report loaded a model"))
+    argv = ["longgen", "--report", "--out", str(tmp_path), "--kinds", "long-code", "--prompts", "2"]
+    assert main([*argv, "--attention", "topk"]) == 0
+    table = capsys.readouterr().out
+    assert "m (real weights, bfloat16, cuda)" in table and "| topk | 1 |" in table and "quest" not in table
+    assert main([*argv, "--attention", "topk", "--max-new-tokens", "64"]) == 2  # other settings than recorded
+    assert "other settings (max_new_tokens)" in capsys.readouterr().err

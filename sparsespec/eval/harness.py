@@ -219,6 +219,7 @@ def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -226,7 +227,7 @@ def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     lengths = sorted({r["length"] for r in rows})
     tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
-    head = "| task | length | " + " | ".join(policies) + " |"
+    head = "| task | length | " + " | ".join(map(_label, policies)) + " |"
     lines = [title, "", "Each cell: mean score (RULER string match, 0-1) over samples / mean keys attended per head "
              "in the sparse layers.", "", head, "|---|---:|" + "---:|" * len(policies)]
 
@@ -261,39 +262,46 @@ def report(rows: list[dict], ppl_rows: list[dict], out: Path, title: str) -> str
     table = "\n".join(lines)
     (out / "accuracy.md").write_text(table + "\n")
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for p in policies:
-        pts = [(n, sum(r["score"] for r in finished(n, p)) / len(finished(n, p))) for n in lengths if full[n]]
-        axes[0].plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
-    axes[0].set(xlabel="context length (tokens)", ylabel="mean score over tasks", xscale="log", ylim=(0, 1.02),
-                title="accuracy vs length")
-    axes[0].set_xticks(lengths, [str(n) for n in lengths])
-    axes[0].minorticks_off()
-    by_family: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    # A policy family is a policy with its options but the budget: one colour, a line style per budget. Top: accuracy
+    # vs length for every policy; below, one panel a length: accuracy vs keys attended per KV head, a family's
+    # budgets joined by a line (adaptive policies, such as dense, top-p and Double-P, are single points).
+    families: dict[str, list[str]] = defaultdict(list)
     for p in policies:
         name, inline = parse_spec(p)
-        policy = make_policy(name, inline)
-        if name == "dense" or hasattr(policy, "target_mass"):
-            continue  # no budget to plot against
-        family = ":".join([name] + [x for x in inline if not x.startswith("budget=")])
-        group = [r["score"] for n in lengths for r in finished(n, p)]
-        if not group:
-            continue
-        by_family[family].append((policy.options.budget, sum(group) / len(group)))
-    if "dense" in policies and any(full.values()):
-        dense = [r["score"] for n in lengths for r in finished(n, "dense")]
-        axes[1].axhline(sum(dense) / len(dense), color="black", linestyle="--", label="dense")
-    for family, pts in by_family.items():
-        pts.sort()
-        axes[1].plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=family)
-    axes[1].set(xlabel="budget (share of the context)", ylabel="mean score over tasks and lengths", xscale="log",
-                ylim=(0, 1.02), title="accuracy vs budget (fixed-budget policies)")
-    for ax in axes:
+        families[":".join([name] + [x for x in inline if not x.startswith("budget=")])].append(p)
+    colour = {f: "black" if f == "dense" else plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    style = {p: (colour[f], ("-", "--", ":", "-.")[i % 4]) for f, ps in families.items() for i, p in enumerate(ps)}
+    done = [n for n in lengths if full[n]]
+    mean = lambda key, n, p: sum(r[key] for r in finished(n, p)) / len(finished(n, p))  # noqa: E731
+    fig = plt.figure(figsize=(max(12.0, 3.6 * len(done)), 9.5))
+    grid = fig.add_gridspec(2, max(1, len(done)))
+    top = fig.add_subplot(grid[0, :])
+    for p in policies:
+        top.plot(done, [mean("score", n, p) for n in done], marker="o", color=style[p][0], linestyle=style[p][1],
+                 label=_label(p))
+    top.set(xlabel="context length (tokens)", ylabel="mean score over tasks", xscale="log", ylim=(0, 1.02),
+            title="accuracy vs length")
+    top.set_xticks(lengths, [str(n) for n in lengths])
+    top.minorticks_off()
+    if policies:
+        top.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    for i, n in enumerate(done):
+        ax = fig.add_subplot(grid[1, i])
+        for family, members in families.items():
+            pts = sorted((mean("tokens_attended", n, p), mean("score", n, p)) for p in members)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=colour[family])
+        ax.set(xlabel="keys attended per KV head", xscale="log", ylim=(0, 1.02), title=f"{n} tokens")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylabel("mean score over tasks" if i == 0 else "")
+    for ax in fig.axes:
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "accuracy.png", dpi=120)
     plt.close(fig)
     return table
+
+
+def _label(spec: str) -> str:
+    """A policy spec for a legend: option values that are paths shortened to the file name."""
+    return re.sub(r"=[^,=]*/([^,/]+)", r"=\1", spec)

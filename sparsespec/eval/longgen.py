@@ -135,9 +135,12 @@ def run_longgen(engine: Engine, cfg: LongGenConfig, out: Path | None = None, pro
 
 
 def report(rows: list[dict], out: Path | None, title: str) -> str:
-    """Per policy (rows in the given order of first appearance): means over its prompts -> a markdown table
-    (and longgen.md / longgen.png in `out`)."""
+    """Per policy (rows in the given order of first appearance): means over the prompts that every policy has
+    finished (a stopped run compares its policies on the same prompts) -> a markdown table (and longgen.md /
+    longgen.png in `out`)."""
     policies = list(dict.fromkeys(r["policy"] for r in rows))
+    complete = set.intersection(*({r["prompt"] for r in rows if r["policy"] == p} for p in policies)) if rows else set()
+    rows = [r for r in rows if r["prompt"] in complete]
     mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
     lines = [title, "", "| policy | prompts | tokens | dense ppl of its text | distinct-2 | distinct-4 | "
              "top-1 agreement (teacher-forced) | first divergence (median) | keys / head |",
