@@ -932,7 +932,7 @@ def _recorded_rows(folder: str, settings: dict, files: tuple[str, ...], asked) -
 
 
 def _recorded_title(recorded: dict) -> str:
-    return f"{recorded['model']} (real weights, {recorded['dtype']}, {recorded['device']})"
+    return f"{recorded.get('model', '?')} (real weights, {recorded.get('dtype', '?')}, {recorded.get('device', '?')})"
 
 
 def cmd_policies(args) -> None:
