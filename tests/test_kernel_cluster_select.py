@@ -132,7 +132,8 @@ def test_exact_members_equal_reference_and_csr_order(R, C, N, chunk):
     sizes = (sizes * N // sizes.sum(-1, keepdim=True).clamp_min(1)).clamp_max(N // C + 3)  # at most N a row
     offsets = torch.zeros(R, C + 1, dtype=torch.long)
     offsets[:, 1:] = sizes.cumsum(-1)
-    cluster = torch.searchsorted(offsets[:, 1:], torch.arange(N).expand(R, N).contiguous(), right=True).int()
+    ends = offsets[:, 1:].contiguous()
+    cluster = torch.searchsorted(ends, torch.arange(N).expand(R, N).contiguous(), right=True).int()
     perm = torch.stack([torch.randperm(N + 50, generator=g)[:N] for _ in range(R)])
     flags = (torch.randint(0, 2, (R, C), generator=g) * EXACT).to(torch.int8)
     B = R // 2 if R % 2 == 0 else R
