@@ -102,3 +102,24 @@ def test_longgen_report_renders_a_folder_without_a_model(capsys, tmp_path, monke
     assert "m (real weights, bfloat16, cuda)" in table and "| topk | 1 |" in table and "quest" not in table
     assert main([*argv, "--attention", "topk", "--max-new-tokens", "64"]) == 2  # other settings than recorded
     assert "other settings (max_new_tokens)" in capsys.readouterr().err
+
+
+def test_longgen_resumes_its_rows_and_refuses_rows_of_other_prompts(tmp_path):
+    import json
+
+    from sparsespec.errors import SparseSpecError
+    from sparsespec.eval.longgen import LongGenConfig, run_longgen
+
+    from .conftest import byte_engine
+
+    engine = byte_engine()
+    cfg = LongGenConfig(policies=("topk:budget=0.5",), kinds=("long-code",), prompts=1, long_chars=1000,
+                        max_new_tokens=8)
+    rows = run_longgen(engine, cfg, tmp_path)
+    assert [r["policy"] for r in rows] == ["dense", "topk:budget=0.5"] and rows[0]["agreement"] == 1.0
+    assert len({r["prompt_digest"] for r in rows}) == 1 and all(len(r["tokens"]) <= 8 for r in rows)
+    assert run_longgen(engine, cfg, tmp_path) == rows  # resumed: nothing recomputed
+    path = tmp_path / "longgen.jsonl"
+    path.write_text("".join(json.dumps(r | {"prompt_digest": "0" * 16}) + "\n" for r in rows))
+    with pytest.raises(SparseSpecError, match="other prompts"):
+        run_longgen(engine, cfg, tmp_path)

@@ -14,6 +14,7 @@ rerun with the same settings skips them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import statistics
@@ -55,6 +56,12 @@ class LongGenConfig:
 
     def settings(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "policies"}
+
+
+def prompt_digest(ids: list[int]) -> str:
+    """A short fingerprint of a prompt's token ids (rows record it: a folder's rows and this machine's prompts must
+    match to be compared or resumed)."""
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 def distinct(tokens: list[int], n: int) -> float:
@@ -101,6 +108,12 @@ def run_longgen(engine: Engine, cfg: LongGenConfig, out: Path | None = None, pro
     for i in ids:
         engine.check_fits(len(i), cfg.max_new_tokens)
     rows = read_rows(out / ROW_FILES[0]) if out is not None else []
+    digests = [prompt_digest(i) for i in ids]
+    for r in rows:  # rows made from other prompts (another corpus or Python standard library) must not mix in
+        if "prompt_digest" in r and r["prompt"] < len(ids) and r["prompt_digest"] != digests[r["prompt"]]:
+            raise SparseSpecError(f"{out} holds rows made from other prompts than this machine makes (prompt "
+                                  f"{r['prompt']}: the long prompts are cut from the corpus packages and the running "
+                                  f"Python's standard library): choose another --out")
     done = {(r["prompt"], r["policy"]) for r in rows}
     specs = ["dense", *[s for s in cfg.policies if s != "dense"]]
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
@@ -118,7 +131,8 @@ def run_longgen(engine: Engine, cfg: LongGenConfig, out: Path | None = None, pro
                     dense_text = text
                 nll = dense_nll(engine, prompt, text)
                 fresh = cfg.policy(spec)  # the agreement pass starts from a new index
-                row = {"prompt": i, "kind": p.kind, "prompt_tokens": len(prompt), "policy": spec,
+                row = {"prompt": i, "kind": p.kind, "prompt_tokens": len(prompt), "prompt_digest": digests[i],
+                       "policy": spec,
                        "generated": len(text), "dense_ppl": math.exp(statistics.fmean(nll)) if nll else float("nan"),
                        "distinct2": distinct(text, 2), "distinct4": distinct(text, 4),
                        "agreement": teacher_forced_agreement(engine, fresh, prompt, dense_text),
