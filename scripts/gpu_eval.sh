@@ -1,7 +1,10 @@
 #!/bin/sh
 # On the device machine: long accuracy runs (`sparsespec eval`, `sparsespec longgen`) that outlast one call.
-#   sh scripts/gpu_eval.sh setup MODEL.gguf        wheels from .whl/ into /tmp/site, the tokenizer (.whl/tok.tgz, the
-#                                                 cached tokenizer folder, tarred) next to MODEL.gguf
+#   sh scripts/gpu_eval.sh setup MODEL.gguf [CHUNKS] [TOK.tgz]   wheels from .whl/ into /tmp/site, the tokenizer
+#                                                 (default .whl/tok.tgz: the cached tokenizer folder, tarred) next to
+#                                                 MODEL.gguf, and the GGUF checked against CHUNKS/manifest.json
+#                                                 (default .chunks: `scripts/chunks.py split` there, `append` a part
+#                                                 a call)
 #   sh scripts/gpu_eval.sh eval NAME [eval options ...]      one detached `sparsespec eval` into /root/eval/NAME
 #   sh scripts/gpu_eval.sh longgen NAME [longgen options ...] one detached `sparsespec longgen` into /root/eval/NAME
 #   sh scripts/gpu_eval.sh poll SECONDS            wait up to SECONDS while any run is alive (the call keeps the
@@ -21,8 +24,8 @@ mode=$1; shift
 case $mode in
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    mkdir -p "$(dirname "$1")" && tar xzf .whl/tok.tgz -C "$(dirname "$1")"
-    python3 scripts/chunks.py verify .chunks "$1" ;;
+    mkdir -p "$(dirname "$1")" && tar xzf "${3:-.whl/tok.tgz}" -C "$(dirname "$1")"
+    python3 scripts/chunks.py verify "${2:-.chunks}" "$1" ;;
   eval|longgen)
     name=$1; shift
     setsid nohup python3 -m sparsespec $mode --device cuda --out $root/$name "$@" > $root/$name.log 2>&1 &
