@@ -854,7 +854,7 @@ def cmd_longgen(args) -> None:
 
     from .eval.longgen import ROW_FILES, LongGenConfig, report, run_longgen
     from .generate import Engine
-    from .results import check_folder, record_settings
+    from .results import check_folder, record_settings, recorded_rows
 
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     if not kinds or not set(kinds) <= {"long-essay", "long-text", "long-code"}:
@@ -865,8 +865,8 @@ def cmd_longgen(args) -> None:
            f"of ~{cfg.long_chars} characters"
     if args.report:
         specs = {"dense", *cfg.policies}
-        (rows,), recorded = _recorded_rows(args.out, cfg.settings(), ROW_FILES,
-                                           lambda r: r["policy"] in specs and r["prompt"] < cfg.prompts * len(kinds))
+        (rows,), recorded = recorded_rows(args.out, cfg.settings(), ROW_FILES,
+                                          lambda r: r["policy"] in specs and r["prompt"] < cfg.prompts * len(kinds))
         print(report(rows, Path(args.out), f"Long generation vs dense: {_recorded_title(recorded)}, {what}"))
         return
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -887,7 +887,7 @@ def cmd_eval(args) -> None:
     from .eval.harness import ROW_FILES, EvalConfig, parse_length, report, run_eval, run_perplexity
     from .eval.tasks import TASKS
     from .generate import Engine
-    from .results import check_folder, record_settings
+    from .results import check_folder, record_settings, recorded_rows
 
     tasks = TASKS if args.tasks == "all" else tuple(t.strip() for t in args.tasks.split(","))
     cfg = EvalConfig(tasks=tasks, lengths=tuple(parse_length(x) for x in args.lengths.split(",")),
@@ -895,7 +895,7 @@ def cmd_eval(args) -> None:
                      seed=args.seed, perplexity_tokens=args.perplexity_tokens, perplexity_rows=args.perplexity_rows,
                      batch=args.batch)
     if args.report:
-        (rows, ppl), recorded = _recorded_rows(args.out, cfg.settings(), ROW_FILES, cfg.asked)
+        (rows, ppl), recorded = recorded_rows(args.out, cfg.settings(), ROW_FILES, cfg.asked)
         title = f"Accuracy: {_recorded_title(recorded)}, seed {cfg.seed}"
         print(report(rows, ppl, Path(args.out), title))
         return
@@ -914,21 +914,6 @@ def cmd_eval(args) -> None:
     ppl = run_perplexity(engine, cfg, out, progress=progress) if cfg.perplexity_tokens else []
     title = f"Accuracy: {args.model} (real weights, {dtype}, {args.device}), seed {args.seed}"
     print(report(rows, ppl, out, title))
-
-
-def _recorded_rows(folder: str, settings: dict, files: tuple[str, ...], asked) -> tuple[list[list[dict]], dict]:
-    """`--report`: the rows of each of `files` in `folder` that `asked` keeps, and the settings recorded with them;
-    refuses a folder whose record disagrees with `settings` (the seed, each policy's options) or that holds none of
-    the rows asked for."""
-    from pathlib import Path
-
-    from .results import check_folder, read_rows, recorded_settings
-
-    check_folder(folder, settings, files)
-    rows = [[r for r in read_rows(Path(folder) / f) if asked(r)] for f in files]
-    if not rows[0]:
-        raise SparseSpecError(f"{folder} holds no {files[0]} rows of these settings: nothing to report")
-    return rows, recorded_settings(Path(folder), files)
 
 
 def _recorded_title(recorded: dict) -> str:

@@ -40,9 +40,16 @@ def record_settings(folder: Path, settings: dict, files: tuple[str, ...]) -> Non
                                              + "\n")
 
 
-def recorded_settings(folder: Path, files: tuple[str, ...]) -> dict:
-    """The settings recorded with the rows in `files` ({} without rows)."""
-    return _recorded(folder, files)
+def recorded_rows(folder: str | Path, settings: dict, files: tuple[str, ...], asked
+                  ) -> tuple[list[list[dict]], dict]:
+    """A report of rows made earlier (`--report`): the rows of each of `files` in `folder` that `asked` keeps, and
+    the settings recorded with them; refuses a folder whose record disagrees with `settings` or that holds none of
+    the rows asked for."""
+    check_folder(folder, settings, files)
+    rows = [[r for r in read_rows(Path(folder) / f) if asked(r)] for f in files]
+    if not rows[0]:
+        raise SparseSpecError(f"{folder} holds no {files[0]} rows of these settings: nothing to report")
+    return rows, _recorded(Path(folder), files)
 
 
 def _settings_path(folder: Path, files: tuple[str, ...]) -> Path:

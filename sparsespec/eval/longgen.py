@@ -132,8 +132,8 @@ def run_longgen(engine: Engine, cfg: LongGenConfig, out: Path | None = None, pro
                 nll = dense_nll(engine, prompt, text)
                 fresh = cfg.policy(spec)  # the agreement pass starts from a new index
                 row = {"prompt": i, "kind": p.kind, "prompt_tokens": len(prompt), "prompt_digest": digests[i],
-                       "policy": spec,
-                       "generated": len(text), "dense_ppl": math.exp(statistics.fmean(nll)) if nll else float("nan"),
+                       "policy": spec, "generated": len(text),
+                       "dense_ppl": math.exp(statistics.fmean(nll)) if nll else float("nan"),
                        "distinct2": distinct(text, 2), "distinct4": distinct(text, 4),
                        "agreement": teacher_forced_agreement(engine, fresh, prompt, dense_text),
                        "first_divergence": next((j for j, (a, b) in enumerate(zip(text, dense_text)) if a != b),
