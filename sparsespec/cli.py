@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from .corpora import CORPORA
 from .errors import SparseSpecError
 
 EXIT_USAGE = 2
@@ -297,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             ba.add_argument("--shapes", default="1x131072,4x131072,16x32768", help="BATCHxCONTEXT,...")
             ba.add_argument("--no-compile", action="store_true", help="skip the compiled dense and sparse graphs")
+            ba.add_argument("--model", default=None, help="real weights (a registered name or a GGUF / HF path, "
+                            "bf16) in place of random ones, each row's cache prefilled with real text: what Double-P "
+                            "and top-p select, and so cost, follows the attention (random keys: flat, their worst "
+                            "case)")
+            ba.add_argument("--corpus", default="wiki", choices=list(CORPORA), help="--model: the text the rows' "
+                            "caches are prefilled with (default: %(default)s)")
         ba.add_argument("--shape", default="llama-3.1-8b", help="the model shape of the random weights and keys: "
                         "llama-3.1-8b, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b (default: %(default)s)")
         ba.add_argument("--out", default=None, help="folder for the table (.md) and the numbers (.json)")
@@ -739,7 +746,13 @@ def cmd_bench_sparse(args) -> None:
             shapes = [tuple(_ints(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
             if any(len(s) != 2 for s in shapes):
                 raise ValueError
-            sparse_bench.bench_decode(args.attention, shapes, args.shape, compile=not args.no_compile, out=out)
+            engine = None
+            if args.model:
+                from .generate import Engine
+
+                engine = Engine.from_name(args.model, device="cuda", dtype="bfloat16", progress=sys.stderr.isatty())
+            sparse_bench.bench_decode(args.attention, shapes, args.shape, compile=not args.no_compile, out=out,
+                                      engine=engine, corpus=args.corpus)
     except ValueError:
         raise SparseSpecError("invalid sizes: --contexts / --batches take integers, --shapes BATCHxCONTEXT") from None
 

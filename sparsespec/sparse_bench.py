@@ -1,7 +1,9 @@
 """GPU benchmarks of sparse decode: one attention layer (`sparsespec bench attention`) and the whole decode step
 (`sparsespec bench decode`), against SDPA (flash) and the dense CUDA-graph step measured in the same run, with the
 bytes-read floor beside each. Random weights and random keys in real shapes (Llama-3.1-8B by default): what is
-timed does not depend on the values.
+timed does not depend on the values — except for the policies whose selection follows the attention's shape
+(Double-P, top-p: random keys give flat attention, their worst case), which `bench decode --model` measures with real
+weights over a cache prefilled with real text.
 
     attention: per (context, batch): SDPA over the whole context; each policy's fixed-width decode of one layer
                (scoring + selection + attention) replayed as a CUDA graph, and BinaryPC's three stages alone
@@ -19,9 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import corpora
 from .attention import make_policy, parse_spec
 from .cache import KVCache
 from .config import ModelConfig
+from .errors import SparseSpecError
 from .generate import prefill
 from .graphs import CudaGraphDecodeStep
 from .models.shapes import random_model, shape
@@ -238,31 +242,62 @@ DENSE_VARIANTS = [("dense_ms", "dense graph", BLOCK_QUERIES, False),
                   ("dense_compiled_sdpa_ms", "dense compiled (SDPA)", 0, True)]
 
 
+def text_rows(tokenizer, corpus: str, batch: int, tokens: int) -> list[list[int]]:
+    """`batch` rows of `tokens` token ids, each from its own seeded run of `corpus` documents."""
+    rows = []
+    for seed in range(batch):
+        ids = tokenizer(corpora.text(corpus, words=tokens, seed=seed))["input_ids"]
+        if len(ids) < tokens:
+            raise SparseSpecError(f"the {corpus} corpus gave {len(ids)} tokens for a row, fewer than {tokens}")
+        rows.append(ids[:tokens])
+    return rows
+
+
 def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: str = "llama-3.1-8b",
-                 compile: bool = True, out: Path | None = None, prefill_batch1: bool = True) -> list[dict]:
-    """`prefill_batch1`: also time the dense prefill of batch-1 shapes, which a policy's build follows."""
-    cfg = shape(model_shape)
+                 compile: bool = True, out: Path | None = None, prefill_batch1: bool = True, engine=None,
+                 corpus: str = "wiki") -> list[dict]:
+    """`prefill_batch1`: also time the dense prefill of batch-1 shapes, which a policy's build follows. `engine`
+    (real weights in bf16 on CUDA) in place of random weights: each row's cache is the prefill of its own window of
+    real `corpus` text and the step decodes the text's next token, so what a policy selects — and what a
+    data-dependent one costs — follows real attention."""
     # one compilation per (batch, context) of the dense step; per layer, shape and policy around sparse graph breaks
     torch._dynamo.config.recompile_limit = 2048
     torch._dynamo.config.accumulated_recompile_limit = 8192
     bw = copy_bandwidth()
-    model = random_model(cfg)
+    if engine is None:
+        cfg = shape(model_shape)
+        model = random_model(cfg)
+        what = f"{model_shape} shape, random bf16 weights and keys"
+    else:
+        cfg, model = engine.config, engine.model
+        what = (f"{engine.source.name}, real weights (bf16), each row's cache the prefill of its own {corpus} text, "
+                "the step decoding the text's next token")
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    if cfg.tie_embeddings:  # the LM head reads the embedding matrix every step
+        weights += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     rows = []
     for batch, context in shapes:
-        cache = random_cache(cfg, batch, context + 1)
-        cache.truncate([context] * batch)
-        tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
+        text = None if engine is None else text_rows(engine.tokenizer, corpus, batch, context + 1)
+        row = {"batch": batch, "context": context}
+        if text is None:
+            cache = random_cache(cfg, batch, context + 1)
+            cache.truncate([context] * batch)
+            tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
+        else:
+            cache = KVCache(cfg, batch, context + 1, torch.bfloat16, "cuda")
+            tokens = torch.tensor([r[context] for r in text], device="cuda")
         positions = torch.full((batch,), context, device="cuda")
         kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * (context + 1) * cfg.head_dim * 2
-        row = {"batch": batch, "context": context, "dense_floor_ms": (weights + kv) / bw * 1e3,
-               "weights_floor_ms": weights / bw * 1e3}
-        if batch == 1 and prefill_batch1:  # what the build is compared with: the prefill it follows
+        row.update(dense_floor_ms=(weights + kv) / bw * 1e3, weights_floor_ms=weights / bw * 1e3)
+        if text is not None or (batch == 1 and prefill_batch1):  # batch 1: what the build is compared with
+            prompts = ([r[:context] for r in text] if text is not None
+                       else [torch.randint(0, cfg.vocab_size, (context,)).tolist()])
             torch.cuda.synchronize()
             start = time.perf_counter()
-            prefill(model, cache, [torch.randint(0, cfg.vocab_size, (context,)).tolist()], chunk=8192)
+            prefill(model, cache, prompts, chunk=8192)
             torch.cuda.synchronize()
-            row["prefill_s"] = time.perf_counter() - start
+            if batch == 1:
+                row["prefill_s"] = time.perf_counter() - start
         # the engine's dense step (Triton block attention) and the same step on SDPA (cuDNN: a little faster over a
         # full cache, not deterministic), each also compiled: the best of them is the dense the policies must beat
         reference = None
@@ -320,7 +355,7 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
             row[spec] = {**cell, "ms": ms, "speedup_vs_graph": row["dense_ms"] / ms,
                          "speedup_vs_best": best_dense / ms, "build_s": build_s,
                          "logits_finite": bool(torch.isfinite(logits).all()),
-                         "top1_agree_random": float((logits.argmax(-1) == reference.argmax(-1)).float().mean())}
+                         "top1_agree": float((logits.argmax(-1) == reference.argmax(-1)).float().mean())}
             policy.end_fixed()
             cache.policy_state = [None] * cfg.num_layers
             torch.cuda.empty_cache()
@@ -328,7 +363,7 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
         print(json.dumps(row), flush=True)
         del cache
         torch.cuda.empty_cache()
-    lines = [f"Whole decode step, {model_shape} shape, random bf16 weights and keys; {torch.cuda.get_device_name()}, "
+    lines = [f"Whole decode step, {what}; {torch.cuda.get_device_name()}, "
              f"copy bandwidth {bw / 1e12:.2f} TB/s. Each cell: the faster of the sparse graph and the compiled "
              "sparse graph, ms per step (speedup over the dense graph / over the best dense); build: the policy's "
              "index over every layer after prefill (its kernels compiled by a throwaway one-layer build); with "
@@ -343,8 +378,10 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
         reusing = lambda s: (f"; reusing step {r[s]['reusing_ms']:.2f}, mean step of a selection cycle "  # noqa: E731
                              f"{r[s]['cycle_ms']:.2f} = {r[s]['cycle_speedup_vs_best']:.2f}x"
                              if "reusing_ms" in r[s] else "")
+        agree = lambda s: (f"; top-1 as dense in {r[s]['top1_agree']:.0%} of rows"  # noqa: E731
+                           if engine is not None else "")
         cells = [f"{r[s]['ms']:.2f} ({r[s]['speedup_vs_graph']:.2f}x / {r[s]['speedup_vs_best']:.2f}x; build "
-                 f"{r[s]['build_s']:.2f} s{share(s)}{reusing(s)})" for s in specs]
+                 f"{r[s]['build_s']:.2f} s{share(s)}{reusing(s)}{agree(s)})" for s in specs]
         lines.append(f"| {r['batch']} | {r['context']} | {r['dense_floor_ms']:.2f} ({r['weights_floor_ms']:.2f}) | "
                      + " | ".join(f"{r.get(v[0], float('nan')):.2f}" for v in DENSE_VARIANTS) + " | "
                      + " | ".join(cells)
