@@ -109,7 +109,7 @@ def test_quest_scores_are_group_summed_page_bounds_and_skip_uncommitted_slots():
                 assert (scores[b, :, s] == float("-inf")).all()
     # The selection is whole pages, as Quest's: a budget of 2 pages + 1 token rounds up to 3 pages, the query's
     # own page (up to the query) and the two best of the others; never fewer keys than the budget.
-    policy = Quest(QuestOptions(dense_layers=0, page=page, budget=2 * page + 1, min_tokens=0))
+    policy = Quest(QuestOptions(dense_layers=0, page=page, budget=2 * page + 1, min_tokens=0, sinks=0, window=0))
     idx, valid = policy.select(0, q, cache, positions)
     for b, n in enumerate(lengths):
         for h in range(2):
@@ -125,7 +125,7 @@ def test_quest_attends_at_least_its_budget_and_less_than_a_page_more(page):
     S = 70
     keys = torch.randn(1, 2, S, 24, generator=g)
     cache = cache_with_keys(keys)
-    policy = Quest(QuestOptions(dense_layers=0, page=page, budget=20, min_tokens=0))
+    policy = Quest(QuestOptions(dense_layers=0, page=page, budget=20, min_tokens=0, sinks=0, window=0))
     policy.build(0, cache, [S - 1])
     q = torch.randn(1, 4, 1, 24, generator=g)
     for pos in range(24, S):

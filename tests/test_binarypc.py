@@ -120,7 +120,8 @@ def test_budget_rules_and_forced_slots():
     chosen = set(idx[0, 0][valid[0, 0]].tolist())
     assert len(chosen) == 10 and {0, 1, 97, 98, 99, 50} <= chosen
     assert BinaryPCOptions(budget=2048).tokens(10_000) == 2048
-    assert BinaryPCOptions().tokens(1000) == 512 and BinaryPCOptions().tokens(100) == 100  # the default floor
-    assert BinaryPCOptions().tokens(40_000) == 800  # past 25.6k tokens the 2% budget is above the floor
+    assert BinaryPCOptions().tokens(1000) == 1000 and BinaryPCOptions().tokens(4000) == 1024  # the default floor
+    assert BinaryPCOptions().tokens(60_000) == 1200  # past 51.2k tokens the 2% budget is above the floor
+    assert (BinaryPCOptions().sinks, BinaryPCOptions().window) == (4, 64)  # inside the budget
     assert BinaryPCOptions(min_tokens=0).tokens(1000) == 20
     assert BinaryPCOptions(budget=0.02, min_tokens=128).tokens(1000) == 128

@@ -365,12 +365,12 @@ def test_progress_lines_when_stderr_is_not_a_terminal(capsys, byte_model):
 
 
 def test_sparse_attention_shows_tokens_attended_and_warns_when_few(capsys, byte_model):
-    # the default token floor (min_tokens=256) attends every key of so short a prompt: no warning
+    # the default token floor (min_tokens=1024) attends every key of so short a prompt: no warning
     err = run_main(capsys, "generate", "--prompt", "x" * 100, "--max-new-tokens", "3", "--attention", "topk",
                    "--attention-opt", "dense_layers=0")[2]
     assert "warning" not in err and "101.5 tokens attended per step]" in err
     argv = ("generate", "--prompt", "x" * 100, "--max-new-tokens", "3", "--attention", "topk", "--attention-opt",
-            "dense_layers=0", "min_tokens=0")
+            "dense_layers=0", "min_tokens=0", "sinks=0", "window=0")
     err = run_main(capsys, *argv)[2].strip().splitlines()
     assert "2.0 tokens attended per step]" in err[0]
     assert len(err) == 2 and err[1].startswith("sparsespec: warning: topk attended only 2.0 tokens per step")

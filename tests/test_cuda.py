@@ -104,7 +104,7 @@ def test_sparse_decode_on_cuda(name, budget, tmp_path):
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0)).tolist()
     runs = {}
     for run in ("dense", name):
-        options = {"budget": budget, "dense_layers": "0", **(FULL[name] if budget == "1.0" else {})}
+        options = {"budget": budget, "dense_layers": "0", **(FULL[name] if budget == "1.0" else {"min_tokens": "0"})}
         policy = None if run == "dense" else make_policy(name, options)
         runner = Runner(model, 1, 230, policy, cuda_graph=False, fixed=False)  # every policy's eager path
         tokens, out = model.logits(runner.prefill(prompt, chunk=64)).argmax(-1), []
@@ -288,7 +288,7 @@ def test_graphed_sparse_runner_matches_the_eager_fixed_path(name, budget, every,
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (150, 97)]
     runs = {run: _greedy_with_rollback(model, prompts, None if run == "dense" else make_policy(
-        name, {"budget": budget, "dense_layers": "1", "select_every": every}), run != "eager", 20)
+        name, {"budget": budget, "dense_layers": "1", "select_every": every, "min_tokens": "0"}), run != "eager", 20)
         for run in ("dense", "eager", "graph")}
     assert runs["graph"] == runs["eager"]
     if budget == "1.0":

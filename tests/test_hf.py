@@ -14,7 +14,7 @@ from sparsespec import GenerationConfig, SparseSpecError, corpora
 from sparsespec.attention import POLICIES, make_policy
 from sparsespec.attention.binarypc import BinaryPCOptions
 from sparsespec.attention.doublesparse import save_labels
-from sparsespec.attention.policy import PolicyOptions
+from sparsespec.attention.policy import BudgetOptions, PolicyOptions
 from sparsespec.generate import Engine
 from sparsespec.models.loading import load
 from sparsespec.runner import Runner
@@ -125,12 +125,13 @@ def test_full_budget_equals_sdpa_on_smollm2(name, twin, wiki, sdpa_short, tmp_pa
 
 @pytest.mark.slow
 def test_binarypc_at_2_percent_gives_the_engines_tokens(smollm2_engine, twin, wiki):
-    """600 prompt tokens at 2%: 12 keys per step and KV head (min_tokens=0: the default floor of 256 keys would
-    attend almost everything at this length)."""
+    """600 prompt tokens at 2%: 12 keys per step and KV head (min_tokens=0: the default floor of 1024 keys would
+    attend everything at this length; no sinks or window)."""
     prompt, new = wiki[:600], 12
-    options = BinaryPCOptions(budget=0.02, min_tokens=0)
+    options = BinaryPCOptions(budget=0.02, min_tokens=0, sinks=0, window=0)
     ours = smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=new),
-                                   policy=make_policy("binarypc", {"budget": 0.02, "min_tokens": 0})).token_ids[0]
+                                   policy=make_policy("binarypc", {"budget": 0.02, "min_tokens": 0, "sinks": 0,
+                                                                   "window": 0})).token_ids[0]
     for fixed in (False, True):  # eager steps, and fixed-width ones through the kernels' torch references
         cache = sparse_cache(twin, "binarypc", len(prompt) + new, options, fixed=fixed)
         assert generate(twin, prompt, "sparsespec_binarypc", cache, max_new_tokens=new) == ours
@@ -184,9 +185,11 @@ def test_tiny_batch_of_equal_prompts_matches_the_engine(kind, tmp_path):
     model.generation_config.eos_token_id = None
     prompts = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
     new = 8
-    cache = sparse_cache(model, "topk", 32 + new, PolicyOptions(budget=8, min_tokens=0, dense_layers=1))
+    cache = sparse_cache(model, "topk", 32 + new, BudgetOptions(budget=8, min_tokens=0, dense_layers=1, sinks=0,
+                                                                window=0))
     got = model.generate(prompts, do_sample=False, max_new_tokens=new, cache=cache)[:, 32:]
-    runner = Runner(ours, 2, 32 + new, make_policy("topk", {"budget": 8, "min_tokens": 0, "dense_layers": 1}))
+    runner = Runner(ours, 2, 32 + new, make_policy("topk", {"budget": 8, "min_tokens": 0, "dense_layers": 1,
+                                                            "sinks": 0, "window": 0}))
     tokens = [ours.logits(runner.prefill(prompts.tolist())).argmax(-1)]
     while len(tokens) < new:
         tokens.append(runner.decode(tokens[-1]).argmax(-1))

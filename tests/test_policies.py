@@ -97,7 +97,7 @@ def test_encode_decoded_keeps_the_unhashed_tail_within_the_window():
 
 def test_rollback_forgets_codes():
     cache = cache_with_keys(anisotropic_keys(2, 64, 8, seed=1).view(1, 2, 64, 8))
-    policy = BinaryPC(BinaryPCOptions(dense_layers=0, encode_decoded=True))
+    policy = BinaryPC(BinaryPCOptions(dense_layers=0, encode_decoded=True, window=0))  # every decoded token encoded
     policy.build(0, cache, [40])
     policy.append(0, cache, [50])
     assert cache.policy_state[0].encoded == [50]

@@ -133,7 +133,7 @@ def serve_all(scheduler: Scheduler, prompts: list[list[int]], gen: GenerationCon
 
 
 @pytest.mark.parametrize("spec", ["binarypc:budget=0.3,min_tokens=4,sinks=2,window=4,dense_layers=0",
-                                  "quest:budget=0.3,min_tokens=4,page=4,dense_layers=0",
+                                  "quest:budget=0.3,min_tokens=4,sinks=0,window=0,page=4,dense_layers=0",
                                   "streaming:budget=0.3,min_tokens=4,dense_layers=0"])
 def test_scheduler_with_a_sparse_policy_gives_each_request_what_it_gets_alone(one_thread, spec):
     """Rows join, prefill and leave at different times; each row's index is built as its prompt completes (the

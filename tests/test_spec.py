@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sparsespec.cache import KVCache
-from sparsespec.attention import make_policy
+from sparsespec.attention import POLICIES, make_policy
+from sparsespec.attention.policy import BudgetOptions
 from sparsespec.config import ModelConfig
 from sparsespec.generate import Engine, GenerationConfig
 from sparsespec.models.loading import LoadedModel
@@ -65,8 +66,10 @@ def test_ngram_drafter_copies_the_latest_continuation():
 
 
 def self_drafter(policy: str = "binarypc", **options) -> SelfDrafter:
-    """The target drafting for itself under a sparse policy: a small budget, no floor, every layer sparse."""
-    return SelfDrafter(make_policy(policy, {"budget": 0.1, "min_tokens": 0, "dense_layers": 0, **options}))
+    """The target drafting for itself under a sparse policy: a small budget, no floor, every layer sparse; the
+    fixed-budget policies without their default sinks and window (a short test prompt would be attended whole)."""
+    bare = {"sinks": 0, "window": 0} if issubclass(POLICIES[policy].Options, BudgetOptions) else {}
+    return SelfDrafter(make_policy(policy, {"budget": 0.1, "min_tokens": 0, "dense_layers": 0, **bare, **options}))
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self"])

@@ -19,16 +19,13 @@ from pathlib import Path
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectKeys, SelectionPolicy, device_ints, group_max, option, selection_mask
+from .policy import BudgetOptions, SelectKeys, SelectionPolicy, device_ints, group_max, option, selection_mask
 
 WORD = 64
 
 
 @dataclass(frozen=True)
-class BinaryPCOptions(PolicyOptions):
-    min_tokens: int = option(512, "attend at least this many keys whatever the budget: BinaryPC ranks keys by an "
-                                  "approximate score and needs a larger floor than exact top-k to hold up over long "
-                                  "generations at a few thousand tokens (docs/results/longgen.md)")
+class BinaryPCOptions(BudgetOptions):
     bits: int = option(64, "code width: bits of each key's binary code")
     iters: int = option(4, "alternating fitting steps per bit (the paper: 4 online, 8 offline)")
     seed: int = option(0, "seed of the basis fit's random starts")

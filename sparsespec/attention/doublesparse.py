@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, group_max, option
+from .policy import BudgetOptions, SelectionPolicy, group_max, option
 
 
 @dataclass(frozen=True)
-class DoubleSparseOptions(PolicyOptions):
+class DoubleSparseOptions(BudgetOptions):
     channels: int = option(16, "label channels per KV head (the channels scored)")
     labels: str = option("", "label-channel file from `sparsespec calibrate doublesparse`")
 

@@ -87,6 +87,21 @@ class PolicyOptions:
         return sinks + position + 1 - recent_from - max(0, sinks - recent_from)
 
 
+@dataclass(frozen=True)
+class BudgetOptions(PolicyOptions):
+    """The defaults of the fixed-budget selection policies (oracle top-k, BinaryPC, Quest, Double Sparsity): 4 sink
+    tokens and a 64-token recent window inside the budget, and a floor of 1024 keys, so that 2% holds up below 51k
+    tokens. Measured: at 1024 tokens with these sinks and window, top-k and BinaryPC match Double-P's accuracy and
+    come within 2.6 / 4.1 points of oracle top-p 0.9 at 4k-32k on qwen2.5-coder-0.5b and 1.5 / 1.9 on the 1.5B
+    (docs/results/eval.md, the fair tables), where 2% with a 256-key floor lost up to 2.8 more; over long
+    generations (docs/results/longgen.md) the larger floor keeps them from repeating."""
+
+    min_tokens: int = option(1024, "attend at least this many keys whatever the budget (docs/results/eval.md, "
+                                   "longgen.md)")
+    sinks: int = option(4, "the first N tokens (attention sinks) are always attended")
+    window: int = option(64, "the N most recent tokens are always attended")
+
+
 def parse_options(cls: type[PolicyOptions], pairs: list[str] | dict[str, Any]) -> PolicyOptions:
     """`key=value` strings (or a dict) -> a validated options dataclass; unknown keys are an error."""
     fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 
 from ..cache import KVCache
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, device_ints, option
+from .policy import BudgetOptions, SelectionPolicy, device_ints, option
 
 
 @dataclass(frozen=True)
-class QuestOptions(PolicyOptions):
+class QuestOptions(BudgetOptions):
     page: int = option(16, "tokens per page (pages are scored by their keys' min/max bounds)")
 
     def __post_init__(self):

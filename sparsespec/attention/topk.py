@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .policy import SelectKeys, SelectionPolicy, group_max
+from .policy import BudgetOptions, SelectKeys, SelectionPolicy, group_max
 
 
 class OracleTopK(SelectionPolicy):
     name = "topk"
+    Options = BudgetOptions
 
     def scores(self, layer, q, cache, positions):
         kv_len = max(self.host_positions(positions)) + 1
