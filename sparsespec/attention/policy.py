@@ -93,8 +93,9 @@ class BudgetOptions(PolicyOptions):
     tokens and a 64-token recent window inside the budget, and a floor of 1024 keys, so that 2% holds up below 51k
     tokens. Measured: at 1024 tokens with these sinks and window, top-k and BinaryPC match Double-P's accuracy and
     come within 2.6 / 4.1 points of oracle top-p 0.9 at 4k-32k on qwen2.5-coder-0.5b and 1.5 / 1.9 on the 1.5B
-    (docs/results/eval.md, the fair tables), where 2% with a 256-key floor lost up to 2.8 more; over long
-    generations (docs/results/longgen.md) the larger floor keeps them from repeating."""
+    (docs/results/eval.md, the fair tables), where 2% with a 256-key floor scored up to 3.3 points lower than 1024
+    tokens (BinaryPC, 0.5B, 4k); over long generations (docs/results/longgen.md) the larger floor kept BinaryPC on
+    dense's text and Quest from stopping early."""
 
     min_tokens: int = option(1024, "attend at least this many keys whatever the budget (docs/results/eval.md, "
                                    "longgen.md)")
