@@ -270,8 +270,8 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
         what = f"{model_shape} shape, random bf16 weights and keys"
     else:
         cfg, model = engine.config, engine.model
-        what = (f"{engine.loaded.source.name}, real weights (bf16), each row's cache the prefill of its own {corpus} text, "
-                "the step decoding the text's next token")
+        what = (f"{engine.loaded.source.name}, real weights (bf16), each row's cache the prefill of its own {corpus} "
+                "text, the step decoding the text's next token")
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     if cfg.tie_embeddings:  # the LM head reads the embedding matrix every step
         weights += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
