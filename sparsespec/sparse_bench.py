@@ -278,7 +278,6 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
     rows = []
     for batch, context in shapes:
         text = None if engine is None else text_rows(engine.tokenizer, corpus, batch, context + 1)
-        row = {"batch": batch, "context": context}
         if text is None:
             cache = random_cache(cfg, batch, context + 1)
             cache.truncate([context] * batch)
@@ -288,7 +287,8 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
             tokens = torch.tensor([r[context] for r in text], device="cuda")
         positions = torch.full((batch,), context, device="cuda")
         kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * (context + 1) * cfg.head_dim * 2
-        row.update(dense_floor_ms=(weights + kv) / bw * 1e3, weights_floor_ms=weights / bw * 1e3)
+        row = {"batch": batch, "context": context, "dense_floor_ms": (weights + kv) / bw * 1e3,
+               "weights_floor_ms": weights / bw * 1e3}
         if text is not None or (batch == 1 and prefill_batch1):  # batch 1: what the build is compared with
             prompts = ([r[:context] for r in text] if text is not None
                        else [torch.randint(0, cfg.vocab_size, (context,)).tolist()])
