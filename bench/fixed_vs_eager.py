@@ -4,7 +4,8 @@ against its eager steps and dense attention, teacher-forced on dense's greedy to
     python bench/fixed_vs_eager.py --attention doublep --steps 150 --long-chars 56000
 
 Prints, per 50 steps, the largest |logit difference| between the two paths, and at the end how often the three
-argmaxes agree. Real weights (`--model`, default qwen2.5-coder-0.5b), fp32 on the CPU unless `--device cuda`.
+argmaxes agree. Real weights (`--model`, default qwen2.5-coder-0.5b), fp32 on the CPU unless `--device cuda`
+(`--dtype bfloat16` as the GPU's runs decode).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def main() -> None:
     ap.add_argument("--long-chars", type=int, default=12000)
     ap.add_argument("--prompt", type=int, default=1, help="which held-out long-code prompt")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16 (as the GPU's runs decode)")
     args = ap.parse_args()
-    engine = Engine.from_name(args.model, device=args.device, dtype="float32")
+    engine = Engine.from_name(args.model, device=args.device, dtype=args.dtype)
     text = make_prompts(args.prompt + 1, "heldout", ("long-code",), 0, args.long_chars)[args.prompt].text
     ids = engine.encode(text, chat=True)
     name, opts = parse_spec(args.attention)
