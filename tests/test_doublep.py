@@ -2,7 +2,6 @@
 assignment and rollback, full p = dense attention."""
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -407,47 +406,6 @@ def reference_masses(q, cache, st, positions, sinks, spread=False):
     return kept_mass, mass
 
 
-def test_centroid_terms_weigh_by_the_estimate_with_tail_mass_estimate():
-    """tail_mass="estimate": a centroid term enters the softmax at s_i e^{x_i + ½ Σ_d q_d² var_d / D} (the spread
-    estimate's expected mass; var from the members' keys in the cache) with its members' mean value, beside the
-    exact tokens at e^{q·k/√D}: float64 brute force per query head. The paper's weights (tail_mass="centroid")
-    give another output."""
-    B, Hq, Hkv, D, S = 2, 4, 2, 16, 120
-    cache = make_cache(B, Hkv, S, D, seed=7, offset=1.0)
-    opts = DoublePOptions(p1=0.99, p2=0.5, sinks=2, window=5, cluster_size=5, dense_layers=0, tail_mass="estimate")
-    policy = DoubleP(opts)
-    lengths = [101, 88]
-    policy.build(0, cache, lengths)
-    lengths = grow(policy, cache, lengths, 7)
-    positions = torch.tensor(lengths)
-    st = cache.policy_state[0]
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(4)) * 2
-    plan = policy.plan(0, q, cache, positions)
-    assert plan.approx.any() and plan.valid.any()
-    out = policy.decode(0, q, cache, positions)
-    G = Hq // Hkv
-    for b, h in itertools.product(range(B), range(Hq)):
-        kv, qh = h // G, q[b, h, 0].double()
-        slots = plan.slots[b, kv][plan.valid[b, kv]]
-        logits = [cache.k[0][b, kv, slots].double() @ qh / D**0.5]
-        values = [cache.v[0][b, kv, slots].double()]
-        for c in torch.nonzero(plan.approx[b, kv]).flatten().tolist():
-            members = (st.assign[b, kv] == c).nonzero().flatten()
-            keys = cache.k[0][b, kv, members].double()
-            var = keys.var(0, unbiased=False)
-            x = keys.mean(0) @ qh / D**0.5 + 0.5 * (qh.square() * var).sum() / D
-            logits.append((x + math.log(len(members))).reshape(1))
-            values.append(cache.v[0][b, kv, members].double().mean(0, keepdim=True))
-        w = torch.cat(logits).softmax(0)
-        want = w @ torch.cat(values)
-        assert torch.allclose(out[b, h, 0].double(), want, atol=1e-4), (b, h)
-    paper = DoubleP(DoublePOptions(**{**opts.__dict__, "tail_mass": "centroid"}))
-    other = make_cache(B, Hkv, S, D, seed=7, offset=1.0)
-    paper.build(0, other, [101, 88])
-    grow(paper, other, [101, 88], 7)
-    assert not torch.allclose(paper.decode(0, q, other, positions), out, atol=1e-4)
-
-
 @pytest.mark.parametrize("p2_of,tail,estimate", [("total", "approx", "centroid"), ("selected", "approx", "centroid"),
                                                   ("total", "drop", "centroid"), ("total", "approx", "spread")])
 def test_stages_select_the_brute_force_sets(p2_of, tail, estimate):
@@ -748,16 +706,15 @@ def step_both(eager, fixed, caches, lengths, steps, gen, Hq):
     return lengths
 
 
-@pytest.mark.parametrize("decoded,sinks,window,p,index,tail_mass", [
-    ("assign", 3, 5, (0.9, 0.6), "auto", "centroid"), ("window", 2, 4, (0.95, 0.7), "auto", "centroid"),
-    ("assign", 0, 0, (1.0, 1.0), "auto", "centroid"), ("assign", 4, 9, (0.8, 0.8), "auto", "centroid"),
-    ("assign", 3, 5, (0.9, 0.6), "bfloat16", "centroid"), ("assign", 3, 5, (0.9, 0.6), "auto", "estimate")])
-def test_fixed_width_steps_equal_eager_steps(decoded, sinks, window, p, index, tail_mass):
+@pytest.mark.parametrize("decoded,sinks,window,p,index", [
+    ("assign", 3, 5, (0.9, 0.6), "auto"), ("window", 2, 4, (0.95, 0.7), "auto"), ("assign", 0, 0, (1.0, 1.0), "auto"),
+    ("assign", 4, 9, (0.8, 0.8), "auto"), ("assign", 3, 5, (0.9, 0.6), "bfloat16")])
+def test_fixed_width_steps_equal_eager_steps(decoded, sinks, window, p, index):
     """Static widths, device-side clustering of the token leaving the window, no host reads: the same outputs
     and the same clusters as eager steps over two rows of different lengths, then after a rollback (bf16
     centroids and variances too)."""
     opts = DoublePOptions(sinks=sinks, window=window, cluster_size=4, p1=p[0], p2=p[1], decoded=decoded,
-                          dense_layers=0, exact_cap=1.0, index_dtype=index, tail_mass=tail_mass)
+                          dense_layers=0, exact_cap=1.0, index_dtype=index)
     caches = [make_cache(2, 2, 90, 16, seed=5, offset=1.0) for _ in range(2)]
     eager, fixed = DoubleP(opts), DoubleP(opts)
     lengths = [50, 37]

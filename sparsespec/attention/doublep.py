@@ -56,8 +56,7 @@ from .policy import Policy, PolicyOptions, device_ints, option
 
 _CHUNK = 1 << 19  # elements of one [G, n, k] distance block in `nearest` (a few MB: the CPU's caches)
 _CHOICES = {"p2_of": ("total", "selected"), "tail": ("approx", "drop"), "decoded": ("assign", "window", "recluster"),
-            "estimate": ("spread", "centroid"), "tail_mass": ("centroid", "estimate"),
-            "index_dtype": ("auto", "float32", "bfloat16"),
+            "estimate": ("spread", "centroid"), "index_dtype": ("auto", "float32", "bfloat16"),
             "kmeans_dot": ("auto", *PRECISIONS)}
 
 
@@ -87,9 +86,6 @@ class DoublePOptions(PolicyOptions):
     # centroid, which loses needles: docs/results/doublep.md)
     estimate: str = option("spread", "cluster log-mass for the selection: spread (centroid + variance term) or "
                                      "centroid")
-    tail_mass: str = option("centroid", "weight of a centroid term in the merged softmax: centroid (s_i e^{x_i}, "
-                                        "the paper's) or estimate (the log-mass the selection ranks by: with "
-                                        "estimate=spread, the Gaussian model's expected mass)")
     kmeans_dot: str = option("auto", "k-means distances' dot products: ieee (fp32), tf32 or bf16 (inputs rounded to "
                                      "10- or 8-bit mantissas: the tensor cores on CUDA, emulated on the CPU; a point "
                                      "nearly equidistant from two centroids may join either); auto: bf16 where the "
@@ -467,7 +463,7 @@ class DoublePPlan:
 
     slots: torch.Tensor  # [B, Hkv, M] int64: slots attended exactly (kept tokens, then exact clusters' members)
     valid: torch.Tensor  # [B, Hkv, M] bool
-    logits: torch.Tensor  # [B, Hkv, G, C] fp32: the centroid terms' log-weights less log s_i (x_i; tail_mass)
+    logits: torch.Tensor  # [B, Hkv, G, C] fp32: x_i
     kept_mass: torch.Tensor  # [B, Hkv] fp32: estimated mass of the always-kept tokens
     mass: torch.Tensor  # [B, Hkv, C] fp32: estimated cluster masses Â_i (query-group mean)
     in_p1: torch.Tensor  # [B, Hkv, C] bool
@@ -662,8 +658,7 @@ class DoubleP(Policy):
         cluster = st.assign.gather(-1, dec)
         dec_valid = dec_valid & (cluster >= 0) & exact.gather(-1, cluster.clamp_min(0))
         return DoublePPlan(slots=torch.cat([kept, dec.masked_fill(~dec_valid, 0), members], -1),
-                           valid=torch.cat([kept_valid, dec_valid, members_valid], -1),
-                           logits=ranked if o.tail_mass == "estimate" else logits,
+                           valid=torch.cat([kept_valid, dec_valid, members_valid], -1), logits=logits,
                            kept_mass=kept_mass, mass=mass, in_p1=in_p1, exact=exact, approx=approx)
 
     def decode_with_stats(self, layer, q, cache, positions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -756,8 +751,7 @@ class DoubleP(Policy):
         kept_logits, count = kept_tokens(qf, k, fx.positions, st.clustered_end_dev, o.sinks, fx.kept_width, idx)
         mass, _, thr = cluster_masses(ranked.view(R, G, C), st.size.view(R, C), st.members.view(R, C), kept_logits,
                                       o.p1, o.p2, fx.exact_cap)
-        tail = ranked if o.tail_mass == "estimate" else logits  # the centroid terms' log-weight less log s_i
-        flags, (cm, cl, cacc) = mark_clusters(mass, thr, st.size.view(R, C), tail.view(R, G, C),
+        flags, (cm, cl, cacc) = mark_clusters(mass, thr, st.size.view(R, C), logits.view(R, G, C),
                                               st.value_mean.view(R, C, D), o.tail == "approx")
         count = append_exact_members(st.perm.view(R, -1), st.member_cluster.view(R, -1), flags, st.csr_end_dev, idx,
                                      count, st.assign.view(R, -1), st.clustered_end_dev, fx.decoded_width)
