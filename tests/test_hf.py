@@ -197,6 +197,24 @@ def test_tiny_batch_of_equal_prompts_matches_the_engine(kind, tmp_path):
     assert cache.mean_attended == 8
 
 
+def test_dflash_drafter_on_a_transformers_target_keeps_greedy_output(tmp_path):
+    """A (random) DFlash drafter built for a tiny transformers target, saved and loaded through `dflash_drafter`,
+    drafts blocks from the target's tapped features: the speculative output is plain greedy decoding's."""
+    from sparsespec.config import ModelConfig
+    from sparsespec.spec.dflash import DFlash, DFlashConfig
+
+    model = tiny_hf_model("llama")
+    model.generation_config.eos_token_id = None
+    torch.manual_seed(1)
+    target = ModelConfig.from_hf(model.config.to_dict())
+    DFlash(DFlashConfig(target=target, layers=1, block_size=4, taps=(0, 1))).save(tmp_path / "d", torch.float32)
+    drafter = hf.dflash_drafter(model, tmp_path / "d.safetensors")
+    prompt = torch.randint(0, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = generate(model, prompt, max_new_tokens=12)
+    assert generate(model, prompt, custom_generate=hf.speculative_generate, drafter=drafter,
+                    max_new_tokens=12) == want
+
+
 def test_doublep_fixed_width_steps_through_transformers_equal_eager_ones():
     """Double-P in a SparseCache: fixed-width steps (what CUDA runs; here the torch path) give the eager steps'
     tokens, the token leaving the window clustered inside each step."""

@@ -22,6 +22,7 @@ from transformers.generation import GenerationConfig
 
 from ..config import ModelConfig
 from ..errors import SparseSpecError
+from ..models.transformer import BLOCK_QUERIES
 from ..sampling import SamplingConfig
 from ..spec.dflash import DFlash, DFlashDrafter
 from ..spec.drafters import Drafter
@@ -150,11 +151,14 @@ class HFModelDrafter(Drafter):
 
 
 class _TargetHead:
-    """The two pieces of the target DFlash uses, from a transformers model: its embedding and its LM head."""
+    """What DFlash takes from its target, from a transformers model: its embedding, its LM head, and how many
+    queries a row may have for the block attention path (the drafter's own layers choose theirs by it, as beside
+    one of our Transformers)."""
 
     def __init__(self, model):
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
+        self.block_queries = BLOCK_QUERIES
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
