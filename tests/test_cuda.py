@@ -543,3 +543,25 @@ def test_fp8_drafts_run_the_fp8_kernel_and_keep_greedy_output_exact_in_bf16(comp
     assert any(scaled) and not all(scaled)  # the drafts' products in FP8, the verify's not
     assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
     assert sum(o.tau for o in out) / len(out) > 1.5
+
+
+@cuda
+def test_dflash_drafter_on_a_transformers_target_on_cuda_keeps_greedy_output(tmp_path):
+    """The transformers path on the GPU: a (random) DFlash drafter for a tiny transformers target on CUDA, loaded
+    through `hf.dflash_drafter`, drafts blocks (its layers on the Triton block attention) and the speculative output
+    is plain greedy decoding's."""
+    from sparsespec import hf
+    from sparsespec.config import ModelConfig
+    from sparsespec.spec.dflash import DFlash, DFlashConfig
+
+    model = tiny_hf_model("llama").cuda()
+    model.generation_config.eos_token_id = None
+    torch.manual_seed(1)
+    target = ModelConfig.from_hf(model.config.to_dict())
+    DFlash(DFlashConfig(target=target, layers=1, block_size=4, taps=(0, 1))).save(tmp_path / "d", torch.float32)
+    drafter = hf.dflash_drafter(model, tmp_path / "d.safetensors")
+    prompt = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2)).cuda()
+    want = model.generate(prompt, do_sample=False, max_new_tokens=12)
+    got = model.generate(prompt, do_sample=False, max_new_tokens=12, custom_generate=hf.speculative_generate,
+                         drafter=drafter)
+    assert torch.equal(got, want)
