@@ -549,11 +549,16 @@ def test_fp8_drafts_run_the_fp8_kernel_and_keep_greedy_output_exact_in_bf16(comp
 def test_dflash_drafter_on_a_transformers_target_on_cuda_keeps_greedy_output(tmp_path):
     """The transformers path on the GPU: a (random) DFlash drafter for a tiny transformers target on CUDA, loaded
     through `hf.dflash_drafter`, drafts blocks (its layers on the Triton block attention) and the speculative output
-    is plain greedy decoding's."""
-    from sparsespec import hf
+    is plain greedy decoding's. (Skipped where the installed transformers is outside the range sparsespec.hf
+    supports: the device image's is older; carry a wheel of a supported one to run it there.)"""
     from sparsespec.config import ModelConfig
+    from sparsespec.errors import SparseSpecError
     from sparsespec.spec.dflash import DFlash, DFlashConfig
 
+    try:
+        from sparsespec import hf
+    except SparseSpecError as unsupported:
+        pytest.skip(str(unsupported))
     model = tiny_hf_model("llama").cuda()
     model.generation_config.eos_token_id = None
     torch.manual_seed(1)

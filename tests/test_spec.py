@@ -225,8 +225,9 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypat
     ref = _plain_sampling_counts()
     good = _sequence_counts(spec, SAMPLES)
     assert _chi2_pvalue(good, ref) > 1e-3
-    always = functools.partial(verify.verify_sampling, accept=lambda pt, pd: torch.ones_like(pt))
-    monkeypatch.setattr(decode, "verify_sampling", always)  # a wrong rule: accept every proposal
+    always = lambda pt, pd: torch.ones_like(pt)  # noqa: E731  a wrong rule: accept every proposal
+    monkeypatch.setattr(decode, "verify_sampling", functools.partial(verify.verify_sampling, accept=always))
+    monkeypatch.setattr(decode, "verify_sampling_rows", functools.partial(verify.verify_sampling_rows, accept=always))
     bad = _sequence_counts(spec, WRONG_RULE_SAMPLES[drafter])
     assert _chi2_pvalue(bad, ref) < 1e-6
 

@@ -11,6 +11,7 @@ from sparsespec.spec.verify import (
     verify_greedy,
     verify_greedy_rows,
     verify_sampling,
+    verify_sampling_rows,
 )
 
 V = 8
@@ -251,3 +252,33 @@ def test_seeded_calls_are_reproducible():
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_verify_sampling_rows_draws_what_each_row_draws_alone(seed):
+    """The batched verify of point-mass proposals (one read-back) commits, row by row, exactly what
+    `verify_sampling` commits for that row alone from a generator in the same state: rows of odd widths, no
+    proposal, every config (greedy too), a row that is not live; proposals partly the target's likely tokens so
+    that accepts, rejects and bonus tokens all occur."""
+    g = torch.Generator().manual_seed(seed)
+    B, w, vocab = 7, 6, 11
+    logits = torch.randn(B, w, vocab, generator=g) * 3
+    proposed = torch.randint(0, vocab, (B, w - 1), generator=g)
+    likely = logits[:, :w - 1].argmax(-1)
+    proposed = torch.where(torch.rand(B, w - 1, generator=g) < 0.6, likely, proposed)
+    counts = [5, 0, 3, 1, 5, 2, 4]
+    cfgs = [TARGET_CFGS["plain"], TARGET_CFGS["topp"], SamplingConfig(), TARGET_CFGS["temp-topk"],
+            TARGET_CFGS["plain"], TARGET_CFGS["topp"], SamplingConfig(temperature=0.5)]
+    live = [True, True, True, True, False, True, True]
+    for trial in range(20):
+        gens = [None if c.greedy else torch.Generator().manual_seed(100 * trial + r) for r, c in enumerate(cfgs)]
+        alone = [None if c.greedy else torch.Generator().manual_seed(100 * trial + r) for r, c in enumerate(cfgs)]
+        got = verify_sampling_rows(proposed, counts, logits, cfgs, gens, live)
+        want = [verify_sampling(proposed[r, :counts[r]], None, logits[r, :counts[r] + 1], cfgs[r], alone[r])
+                if live[r] else None for r in range(B)]
+        assert got == want
+        for a, b in zip(gens, alone):  # the generators were advanced alike: later draws agree too
+            assert a is None or torch.equal(a.get_state(), b.get_state())
+    with pytest.raises(ValueError):
+        verify_sampling_rows(proposed, [6] * B, logits, cfgs, [None] * B)
+

@@ -28,7 +28,7 @@ from ..generate import Engine, GenerationConfig
 from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig, make_generator, sample
 from .drafters import Drafter
-from .verify import verify_greedy_rows, verify_sampling
+from .verify import verify_greedy_rows, verify_sampling, verify_sampling_rows
 
 
 @dataclass
@@ -141,7 +141,10 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     # every row's block is written from its length on: near the context's end the widest block must fit too
     room = runner.cache.capacity - max(lengths)
     pending = [h[-1] if on else 0 for h, on in zip(histories, live)]
-    if greedy:  # drafts drawn on the device stay there: the verify is queued right behind them
+    # drafts drawn on the device stay there (the verify is queued right behind them) when they do not depend on
+    # the sampling: every row greedy, or a drafter of point-mass proposals
+    point = greedy or drafter.point_mass
+    if point:
         drafts, counts = drafter.propose_greedy(histories, ks, runner.device)  # [B, K], row r's first counts[r]
         width = min(1 + max(counts), room)
         counts = [min(c, k, width - 1) for c, k in zip(counts, ks)]
@@ -155,7 +158,9 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     logits, features = runner.verify(block, block_size)  # [B, width, V]
     if greedy:  # every row at once, one read-back
         commits = [new if on else None for new, on in zip(verify_greedy_rows(block[:, 1:], counts, logits), live)]
-    else:  # row by row, each with its own settings and generator (as alone)
+    elif point:  # each row with its own settings and generator (as alone), one read-back
+        commits = verify_sampling_rows(block[:, 1:], counts, logits, cfgs, rngs, live)
+    else:  # row by row, each with its own settings, generator and drafted distributions (as alone)
         commits = [verify_sampling(torch.tensor(p, dtype=torch.long, device=logits.device),
                                    None if q is None else q[:len(p)], logits[r, :len(p) + 1], cfgs[r], rngs[r])
                    if on else None for r, (p, q, on) in enumerate(zip(proposals, probs, live))]

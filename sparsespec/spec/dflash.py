@@ -324,9 +324,10 @@ class DFlashDrafter(Drafter):
     """The DFlash model driven by the speculative loop: its own context cache (a row per batch row) gets only newly
     committed features; one forward drafts a block for every row; proposals are the argmax (point masses, lossless
     under verification at any T). On CUDA with the runner's graphs on, a step's draft and its context update each
-    replay a CUDA graph (`DraftGraphs`), with one read-back: the proposals."""
+    replay a CUDA graph (`DraftGraphs`), and a step reads back once: the verified tokens."""
 
     name = "dflash"
+    point_mass = True
 
     def __init__(self, model: DFlash, target: Transformer):
         self.model = model
@@ -387,7 +388,7 @@ class DFlashDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, histories, ks, cfgs, rngs):
         drafts, counts = self.propose_greedy(histories, ks, self.model.fc.weight.device)
-        best = drafts.tolist()  # the step's one read-back
+        best = drafts.tolist()  # (the loop drafts through propose_greedy at every T: point_mass)
         return [row[:n] for row, n in zip(best, counts)], [None] * len(histories)
 
     @torch.inference_mode()

@@ -43,6 +43,9 @@ class Drafter(ABC):
     name: str = ""
     taps: tuple[int, ...] = ()  # target decoder layers whose outputs the drafter conditions on
     policy: Policy | None = None  # drafts with the target itself under this attention policy (see `bind`)
+    # proposals are the same at every temperature (argmax drafts, copies; reported distributions None), so
+    # `propose_greedy` serves sampled rows too: the drafts stay on the device and a step reads back once
+    point_mass: bool = False
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
@@ -109,6 +112,7 @@ class NgramDrafter(Drafter):
     per row."""
 
     name = "ngram"
+    point_mass = True
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:

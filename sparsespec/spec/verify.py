@@ -101,3 +101,36 @@ def verify_sampling(proposals: torch.Tensor, draft_probs: torch.Tensor | None, t
     n, last = speculative_step(proposals[None], p_target, p_draft, generator, accept=accept)
     out = torch.cat([n, proposals, last]).tolist()  # one host sync
     return out[1:out[0] + 1] + out[-1:]
+
+
+def verify_sampling_rows(proposed: torch.Tensor, counts: list[int], target_logits: torch.Tensor,
+                         cfgs: list[SamplingConfig], generators: list[torch.Generator | None],
+                         live: list[bool] | None = None, *,
+                         accept: AcceptRule = acceptance_probability) -> list[list[int] | None]:
+    """`verify_sampling` of point-mass proposals for a batch, in one host read-back: proposed [B, w − 1] token ids
+    on the logits' device (row r's first counts[r] proposed, the rest padding), target_logits [B, w, V] fp32 ->
+    per row its 1..counts[r] + 1 committed tokens (None for a row that is not `live`). Row r is verified under
+    cfgs[r] with generators[r], drawing exactly what `verify_sampling` draws for that row alone (greedy rows as
+    `verify_greedy`); nothing is read back before every row is done."""
+    B, w, _ = target_logits.shape
+    live = [True] * B if live is None else live
+    if proposed.shape != (B, w - 1) or not len(counts) == len(cfgs) == len(generators) == len(live) == B \
+            or any(not 0 <= c <= w - 1 for c in counts):
+        raise ValueError(f"need at most {w - 1} proposals, a config and a generator for each of {B} rows, got "
+                         f"{list(proposed.shape)} proposed, counts {counts}")
+    rows = []
+    for r, (k, cfg, on) in enumerate(zip(counts, cfgs, live)):
+        mine = proposed[r, :k]  # [k]
+        if not on:
+            n, tokens = mine.new_zeros(1), mine.new_zeros(k + 1)
+        elif cfg.greedy:
+            tokens = target_logits[r, :k + 1].argmax(-1)  # [k + 1]: committed are its first n + 1
+            n = (tokens[:k] == mine).long().cumprod(0).sum().view(1)
+        else:
+            p_target = draft_distribution(target_logits[r, :k + 1], cfg)[None]  # [1, k + 1, V]
+            n, last = speculative_step(mine[None], p_target, None, generators[r], accept=accept)  # [1], [1]
+            tokens = torch.cat([mine, last]).scatter(0, n, last)  # [k + 1]: the accepted, then the drawn token
+        rows.append(torch.cat([n, tokens, tokens.new_zeros(w - 1 - k)]))  # [1 + w]
+    out = torch.stack(rows).tolist()  # one sync
+    return [row[1:row[0] + 2] if on else None for row, on in zip(out, live)]
+
