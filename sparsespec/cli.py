@@ -973,6 +973,12 @@ def main(argv: list[str] | None = None) -> int:
     except SparseSpecError as e:
         print(f"sparsespec: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeError as e:
+        if type(e).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (torch is not imported here)
+            raise
+        print(f"sparsespec: error: out of device memory ({str(e).splitlines()[0]}): a smaller batch, context, "
+              f"budget or index (e.g. larger Double-P clusters) may fit", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("sparsespec: interrupted", file=sys.stderr)
         return 130

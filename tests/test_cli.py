@@ -55,6 +55,19 @@ def test_invalid_options(capsys, argv, needle):
     assert_clear_error(*run_main(capsys, *argv)[::2], needle)
 
 
+def test_out_of_device_memory_is_one_line(capsys, monkeypatch):
+    """A command that runs out of GPU memory (a batch or context too large for the card) ends with one line."""
+    import torch
+
+    import sparsespec.cli as cli
+
+    def exhausted(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1022.00 MiB.\nSee documentation")
+
+    monkeypatch.setattr(cli, "cmd_models", exhausted)
+    assert_clear_error(*run_main(capsys, "models")[::2], "out of device memory", "1022.00 MiB")
+
+
 def test_missing_weight_file(capsys, tiny_folder, tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny_folder, folder)
