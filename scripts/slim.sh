@@ -1,0 +1,30 @@
+#!/bin/sh
+# Here, before and after the device calls that carry a model part: the tracked tree travels with every call and a
+# call carries at most 64 MiB, so a 52 MiB part fits only beside a slim tree.
+#   sh scripts/slim.sh out    move the tracked files of 500 kB and more (the shipped drafters, the eval rows) to
+#                             /tmp/slim, keeping their paths (the tree then travels at ~7.5 MB)
+#   sh scripts/slim.sh in     put them back, and check that git sees the tree unchanged
+# While slimmed, commit nothing: git would record the moved files as deleted (`out` refuses a second time, `in`
+# refuses to overwrite a file that reappeared).
+set -e
+cd "$(git rev-parse --show-toplevel)"
+store=/tmp/slim
+case $1 in
+  out)
+    [ ! -e $store/.slimmed ] || { echo "already slimmed (files in $store): sh scripts/slim.sh in"; exit 1; }
+    git ls-files -z | xargs -0 du -b | awk '$1 >= 500000 {print $2}' > /tmp/slim.list
+    mkdir -p $store
+    while read -r f; do mkdir -p "$store/$(dirname "$f")"; mv "$f" "$store/$f"; done < /tmp/slim.list
+    cp /tmp/slim.list $store/.slimmed
+    echo "moved $(wc -l < $store/.slimmed) files to $store; the tree is now $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes" ;;
+  in)
+    [ -e $store/.slimmed ] || { echo "not slimmed"; exit 1; }
+    while read -r f; do
+      [ ! -e "$f" ] || { echo "$f exists: not overwritten"; exit 1; }
+      mv "$store/$f" "$f"
+    done < $store/.slimmed
+    rm $store/.slimmed
+    if git status --porcelain | grep -q '^ D'; then echo "tracked files still missing:"; git status --short; exit 1; fi
+    echo "restored" ;;
+  *) echo "usage: sh scripts/slim.sh out|in"; exit 2 ;;
+esac
