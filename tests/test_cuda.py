@@ -546,6 +546,33 @@ def test_fp8_drafts_run_the_fp8_kernel_and_keep_greedy_output_exact_in_bf16(comp
 
 
 @cuda
+def test_lookup_first_with_the_graphed_dflash_drafter_keeps_greedy_and_sampled_output():
+    """Prompt lookup first, the graphed DFlash drafter otherwise (`LookupFirst`): steps where every row copies skip
+    the draft graph, the context graph still takes every step's features; greedy output equals plain decoding and a
+    batch equals its rows alone (sampled too)."""
+    from sparsespec.sampling import SamplingConfig
+    from sparsespec.spec.decode import speculative_generate
+    from sparsespec.spec.dflash import DFlashDrafter
+    from sparsespec.spec.drafters import LookupFirst
+
+    from .test_spec import tiny_dflash, tiny_engine
+
+    target = tiny_engine(0)
+    target.model.cuda()
+    target.device = torch.device("cuda")
+    model = tiny_dflash(target, block=6).cuda()
+    prompts = [[7, 8] * 15, [3, 1, 4, 1, 5, 9, 2, 6]]
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)):
+        gen = GenerationConfig(max_new_tokens=40, sampling=sampling)
+        make = lambda: LookupFirst(DFlashDrafter(model, target.model), min_n=2)  # noqa: E731
+        batch = speculative_generate(target, prompts, make(), gen, 6)
+        alone = [speculative_generate(target, [p], make(), gen, 6)[0] for p in prompts]
+        assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
+        if sampling.greedy:
+            assert [b.token_ids for b in batch] == target.generate(prompts, gen).token_ids
+
+
+@cuda
 def test_dflash_drafter_on_a_transformers_target_on_cuda_keeps_greedy_output(tmp_path):
     """The transformers path on the GPU: a (random) DFlash drafter for a tiny transformers target on CUDA, loaded
     through `hf.dflash_drafter`, drafts blocks (its layers on the Triton block attention) and the speculative output

@@ -21,7 +21,7 @@ from sparsespec.spec import verify
 from sparsespec.spec import decode
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter, block_labels, block_mask, loss_weights
-from sparsespec.spec.drafters import ModelDrafter, NgramDrafter, SelfDrafter
+from sparsespec.spec.drafters import Drafter, LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +72,7 @@ def self_drafter(policy: str = "binarypc", **options) -> SelfDrafter:
     return SelfDrafter(make_policy(policy, {"budget": 0.1, "min_tokens": 0, "dense_layers": 0, **bare, **options}))
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self"])
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self", "lookup"])
 @pytest.mark.parametrize("block", [2, 5])
 def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
     target = tiny_engine(0)
@@ -84,6 +84,8 @@ def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
             d = ModelDrafter(tiny_engine(100 + p, layers=1), target_vocab=64)
         elif drafter == "self":
             d = self_drafter(("binarypc", "streaming", "quest")[p])
+        elif drafter == "lookup":
+            d = LookupFirst(DFlashDrafter(tiny_dflash(target, block=block), target.model), min_n=2, min_tokens=1)
         else:
             d = DFlashDrafter(tiny_dflash(target, block=block), target.model)
         ref = target.generate([prompt], gen).token_ids[0]
@@ -92,7 +94,7 @@ def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
         assert sum(out.committed) == len(ref) - 1 and all(1 <= c <= block for c in out.committed)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self"])
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self", "lookup"])
 def test_a_batch_speculates_for_each_row_what_it_would_alone(drafter):
     """Rows of different lengths accept different numbers of proposals, roll back independently and stop at
     different steps (one at an early EOS): each row's tokens, greedy and sampled, equal the row run alone."""
@@ -107,6 +109,8 @@ def test_a_batch_speculates_for_each_row_what_it_would_alone(drafter):
             return ModelDrafter(tiny_engine(100, layers=1), target_vocab=64)
         if drafter == "self":
             return self_drafter("binarypc")
+        if drafter == "lookup":
+            return LookupFirst(DFlashDrafter(tiny_dflash(target, block=5), target.model), min_n=2, min_tokens=1)
         return DFlashDrafter(tiny_dflash(target, block=5), target.model)
 
     for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=7)):
@@ -193,7 +197,7 @@ def _chi2_pvalue(counts: torch.Tensor, ref: torch.Tensor) -> float:
 SAMPLING_PROMPT, SAMPLES = [1, 2, 3, 0], 1500
 # samples of the wrong rule: its p-value is 0.0 (below 1e-100 in float64) for model and dflash already at 300, for
 # self at 1500 (3e-32; 6e-9 at 500). The right rule's samples, the check that matters, stay at SAMPLES.
-WRONG_RULE_SAMPLES = {"model": 300, "dflash": 300, "self": SAMPLES}
+WRONG_RULE_SAMPLES = {"model": 300, "dflash": 300, "self": SAMPLES, "lookup": 300}
 
 
 @functools.cache
@@ -204,17 +208,20 @@ def _plain_sampling_counts() -> torch.Tensor:
         max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=i), stop_on_eos=False)).token_ids[0], SAMPLES)
 
 
-@pytest.mark.parametrize("drafter", ["model", "dflash", "self"])
+@pytest.mark.parametrize("drafter", ["model", "dflash", "self", "lookup"])
 def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypatch):
     # vocabulary of 4, three new tokens: 64 possible sequences, compared with a chi-square homogeneity test
     target = tiny_engine(3, vocab=4, scale=4.0)
     draft = tiny_engine(4, vocab=4, scale=4.0)
     prompt = SAMPLING_PROMPT
-    dflash = tiny_dflash(target, block=3) if drafter == "dflash" else None  # built once: a run's state is its drafter's
+    # built once: a run's state is its drafter's
+    dflash = tiny_dflash(target, block=3) if drafter in ("dflash", "lookup") else None
 
     def make():
         if drafter == "self":
             return self_drafter("topk", budget=2)
+        if drafter == "lookup":  # 2-grams over 4 tokens recur: most steps copy, the rest draft
+            return LookupFirst(DFlashDrafter(dflash, target.model), min_n=2, min_tokens=1)
         return ModelDrafter(draft) if drafter == "model" else DFlashDrafter(dflash, target.model)
 
     def spec(i):
@@ -291,6 +298,43 @@ def test_the_shipped_drafter_loads_and_names_its_target():
     assert model.fc.weight.shape == (896, 3 * 896)
 
 
+class _Nines(Drafter):
+    """A point-mass drafter on the host that always proposes 9s, counting its calls."""
+    name, point_mass, calls = "nines", True, 0
+
+    def start(self, prompts, features, capacity):
+        pass
+
+    def propose(self, histories, ks, cfgs, rngs):
+        self.calls += 1
+        return [[] if h is None else [9] * k for h, k in zip(histories, ks)], [None] * len(histories)
+
+
+def test_lookup_first_copies_where_the_history_recurs_and_drafts_elsewhere():
+    from sparsespec.errors import SparseSpecError
+
+    d = LookupFirst(_Nines(), min_n=2, min_tokens=2)
+    d.start([[0]] * 4, None, 64)
+    # row 0 recurs (1, 2, 3 -> 4, 1, 2, 3); row 1 does not; row 2 has stopped; row 3's lookup finds one token, too few
+    histories = [[1, 2, 3, 4, 1, 2, 3], [1, 2, 3, 4, 5], None, [7, 7, 7]]
+    drafts, counts = d.propose_greedy(histories, [5, 5, 5, 5], torch.device("cpu"))
+    assert counts == [4, 5, 0, 5] and d.drafter.calls == 1
+    assert drafts[0, :4].tolist() == [4, 1, 2, 3] and drafts[1].tolist() == drafts[3].tolist() == [9] * 5
+    # every decoding row copies: the drafter is not asked
+    d.start([[0]] * 2, None, 64)
+    drafts, counts = d.propose_greedy([[1, 2, 3, 4, 1, 2, 3], None], [3, 3], torch.device("cpu"))
+    assert counts == [3, 0] and drafts[0].tolist() == [4, 1, 2] and d.drafter.calls == 1
+    with pytest.raises(SparseSpecError, match="point-mass"):
+        LookupFirst(ModelDrafter(tiny_engine(100, layers=1), target_vocab=64))
+    # a loop block wider than the DFlash drafter's: copies are cut to the drafter's block too (its context update
+    # takes no wider step), and the output is plain greedy decoding's
+    target = tiny_engine(0)
+    gen = GenerationConfig(max_new_tokens=30)
+    out = speculative_generate(target, [[7, 8] * 15], LookupFirst(DFlashDrafter(tiny_dflash(target, block=3),
+                                                                                target.model), min_n=2), gen, 8)[0]
+    assert out.token_ids == target.generate([[7, 8] * 15], gen).token_ids[0] and max(out.committed) <= 3
+
+
 def test_bad_drafter_requests_are_one_line_errors(tmp_path):
     from sparsespec.errors import SparseSpecError
     from sparsespec.spec.bench import make_drafter
@@ -319,6 +363,13 @@ def test_bad_drafter_requests_are_one_line_errors(tmp_path):
     with pytest.raises(SparseSpecError, match="unknown drafter"):
         make_drafter("self", target, "tiny")
     assert make_drafter("self:binarypc:budget=0.05,sinks=4", target, "tiny").policy.options.sinks == 4
+    with pytest.raises(SparseSpecError, match="name the drafter"):
+        make_drafter("ngram+none", target, "tiny")
+    with pytest.raises(SparseSpecError, match="point-mass"):
+        make_drafter("ngram+self:binarypc", target, "tiny")
+    tiny_dflash(target).save(tmp_path / "mine")
+    both = make_drafter(f"ngram+dflash:{tmp_path}/mine", target, "tiny")
+    assert isinstance(both, LookupFirst) and isinstance(both.drafter, DFlashDrafter) and both.taps == both.drafter.taps
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from ..results import read_rows
 from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig
 from .decode import speculative_generate
-from .drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
+from .drafters import Drafter, LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
 from .prompts import KINDS, make_prompts
 
 
@@ -39,12 +39,18 @@ ROW_FILES = ("spec.jsonl",)  # in a results folder, beside spec.settings.json (r
 def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu", dtype: str = "float32",
                  progress: bool = False, cuda_graph: bool = True) -> Drafter | None:
     """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME" |
+    "ngram+dflash[:PATH]" (prompt lookup where the history recurs, the DFlash drafter otherwise: `LookupFirst`) |
     "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy; the key
     weights=fp8 drafts with FP8 copies of the target's weights)."""
     from ..models.loading import DTYPES
     from .dflash import DFlash, DFlashDrafter
     from .registry import drafter_path
 
+    if spec.startswith("ngram+"):  # prompt lookup first, the drafter after the plus otherwise
+        inner = make_drafter(spec[len("ngram+"):], engine, target_name, device, dtype, progress, cuda_graph)
+        if inner is None:
+            raise SparseSpecError(f"{spec}: name the drafter that drafts where the lookup finds nothing (ngram+dflash)")
+        return LookupFirst(inner)
     kind, _, arg = spec.partition(":")
     if kind == "none" and not arg:
         return None
@@ -70,7 +76,7 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
         policy = make_policy(name, [o for o in options if o.partition("=")[0] != "weights"])
         return SelfDrafter(policy, f"self:{arg}", fp8=weights == ["fp8"])
     raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME, "
-                          "self:POLICY[:key=value,...])")
+                          "ngram+dflash[:PATH], self:POLICY[:key=value,...])")
 
 
 @dataclass(frozen=True)

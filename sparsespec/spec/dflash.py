@@ -333,6 +333,7 @@ class DFlashDrafter(Drafter):
         self.model = model
         self.target = target
         self.taps = model.cfg.taps
+        self.max_proposals = model.cfg.block_size - 1  # a block's width; its context update takes no wider steps
         self.cache: KVCache | None = None
         self.cuda_graph = self.compile = False  # the runner's settings (`bind`): graphed, and compiled, drafts
         self.graphs: DraftGraphs | None = None

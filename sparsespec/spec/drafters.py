@@ -46,6 +46,7 @@ class Drafter(ABC):
     # proposals are the same at every temperature (argmax drafts, copies; reported distributions None), so
     # `propose_greedy` serves sampled rows too: the drafts stay on the device and a step reads back once
     point_mass: bool = False
+    max_proposals: int | None = None  # the most proposals a row's step can take from it (None: any number)
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
@@ -129,6 +130,69 @@ class NgramDrafter(Drafter):
     def propose(self, histories, ks, cfgs, rngs):
         return [[] if h is None else row.propose(h, k) for row, h, k in zip(self.rows, histories, ks)], \
             [None] * len(histories)
+
+
+class LookupFirst(Drafter):
+    """Prompt lookup first, a model drafter otherwise: a row whose history's last tokens recur earlier (an n-gram of
+    at least `min_n` tokens) and whose lookup proposes at least `min_tokens` takes the lookup's proposals this step;
+    every other row takes `drafter`'s. Answers that copy from their prompt (a signature and docstring restated, a
+    quoted passage) commit a whole block a step where a block drafter commits a few; elsewhere the drafter drafts as
+    alone. Both draft point masses, so the output is exactly the target's (greedy) or its distribution (sampled).
+
+    The drafter's state follows every row whatever proposed: its context takes the verified features of each step
+    (`commit`), and when any row takes its drafts it drafts for every decoding row (its block is written past each
+    row's context, never over it); a step where every row takes the lookup skips it."""
+
+    def __init__(self, drafter: Drafter, min_n: int = 4, max_n: int = 8, min_tokens: int = 4):
+        if not drafter.point_mass or drafter.policy is not None:
+            raise SparseSpecError(f"lookup-first drafting needs a drafter of point-mass proposals (dflash), not "
+                                  f"{drafter.name}")
+        if min_tokens < 1:
+            raise SparseSpecError(f"min_tokens must be >= 1, got {min_tokens}")
+        self.drafter, self.lookup, self.min_tokens = drafter, NgramDrafter(max_n, min_n), min_tokens
+        self.name, self.taps, self.point_mass = f"ngram+{drafter.name}", drafter.taps, True
+        # a copied block is verified, and its features reach the drafter's context, like one of the drafter's own
+        self.max_proposals = drafter.max_proposals
+
+    def bind(self, runner):
+        self.drafter.bind(runner)
+
+    def start(self, prompts, features, capacity):
+        self.lookup.start(prompts, features, capacity)
+        self.drafter.start(prompts, features, capacity)
+
+    def capture(self):
+        self.drafter.capture()
+
+    def start_row(self, row, prompt, features):
+        self.lookup.start_row(row, prompt, features)
+        self.drafter.start_row(row, prompt, features)
+
+    def propose(self, histories, ks, cfgs, rngs):
+        drafts, counts = self.propose_greedy(histories, ks, torch.device("cpu"))
+        return [row[:n] for row, n in zip(drafts.tolist(), counts)], [None] * len(histories)
+
+    def propose_greedy(self, histories, ks, device):
+        short = [k if self.max_proposals is None else min(k, self.max_proposals) for k in ks]
+        looked, _ = self.lookup.propose(histories, short, [SamplingConfig()] * len(histories), [None] * len(histories))
+        use = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
+        if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft
+            width = max((len(p) for p in looked), default=0)
+            counts = [len(p) if u else 0 for p, u in zip(looked, use)]
+            rows = [p + [0] * (width - len(p)) if u else [0] * width for p, u in zip(looked, use)]
+            return device_ints(rows, device).view(len(histories), width), counts
+        drafts, counts = self.drafter.propose_greedy(histories, ks, device)  # [B, K]
+        if not any(use):
+            return drafts, counts
+        width = max(drafts.shape[1], max(len(p) for p, u in zip(looked, use) if u))
+        drafts = torch.nn.functional.pad(drafts, (0, width - drafts.shape[1]))
+        rows = [p + [0] * (width - len(p)) if u else [0] * width for p, u in zip(looked, use)]
+        chosen = device_ints(use, drafts.device, torch.bool)[:, None]
+        return (torch.where(chosen, device_ints(rows, drafts.device), drafts),
+                [len(p) if u else c for p, u, c in zip(looked, use, counts)])
+
+    def commit(self, lengths, accepted, features):
+        self.drafter.commit(lengths, accepted, features)
 
 
 class _Lookup:
