@@ -154,7 +154,7 @@ def test_scheduler_with_a_sparse_policy_gives_each_request_what_it_gets_alone(on
         assert alone != engine.generate([prompt], gen).texts[0]  # the policy changes what the model says here
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "self", "model", "dflash"])
+@pytest.mark.parametrize("drafter", ["ngram", "self", "model", "dflash", "lookup"])
 def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, drafter):
     """Continuous batching with a drafter: rows start drafting as their prompts complete and leave mid-step; each
     greedy answer equals plain `generate`, each seeded sampled one the speculative loop's answer for the prompt
@@ -162,7 +162,7 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
     from sparsespec.attention import make_policy
     from sparsespec.spec.decode import speculative_generate
     from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter
-    from sparsespec.spec.drafters import ModelDrafter, NgramDrafter, SelfDrafter
+    from sparsespec.spec.drafters import LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
 
     engine = byte_engine()
 
@@ -175,7 +175,8 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
             return ModelDrafter(byte_engine(seed=1))
         torch.manual_seed(5)
         model = DFlash(DFlashConfig(engine.config, layers=1, block_size=4, taps=(0, 1)))
-        return DFlashDrafter(model.eval().requires_grad_(False), engine.model)
+        dflash = DFlashDrafter(model.eval().requires_grad_(False), engine.model)
+        return LookupFirst(dflash, min_n=2, min_tokens=1) if drafter == "lookup" else dflash
 
     texts = ["abc abc abc abc abc abc", "Hello", "The cat sat on the mat. The cat sat on the", "xyzxyzxyz"]
     prompts = [engine.encode(t) for t in texts]
