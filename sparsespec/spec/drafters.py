@@ -177,18 +177,16 @@ class LookupFirst(Drafter):
         looked, _ = self.lookup.propose(histories, short, [SamplingConfig()] * len(histories), [None] * len(histories))
         use = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
         if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft
-            width = max((len(p) for p in looked), default=0)
-            counts = [len(p) if u else 0 for p, u in zip(looked, use)]
-            rows = [p + [0] * (width - len(p)) if u else [0] * width for p, u in zip(looked, use)]
-            return device_ints(rows, device).view(len(histories), width), counts
-        drafts, counts = self.drafter.propose_greedy(histories, ks, device)  # [B, K]
-        if not any(use):
-            return drafts, counts
-        width = max(drafts.shape[1], max(len(p) for p, u in zip(looked, use) if u))
-        drafts = torch.nn.functional.pad(drafts, (0, width - drafts.shape[1]))
-        rows = [p + [0] * (width - len(p)) if u else [0] * width for p, u in zip(looked, use)]
+            drafts, counts = torch.zeros(len(histories), 0, dtype=torch.long, device=device), [0] * len(histories)
+        else:
+            drafts, counts = self.drafter.propose_greedy(histories, ks, device)  # [B, K]
+            if not any(use):
+                return drafts, counts
+        width = max([drafts.shape[1], *(len(p) for p, u in zip(looked, use) if u)])
+        copies = device_ints([p + [0] * (width - len(p)) if u else [0] * width for p, u in zip(looked, use)],
+                             drafts.device).view(len(histories), width)
         chosen = device_ints(use, drafts.device, torch.bool)[:, None]
-        return (torch.where(chosen, device_ints(rows, drafts.device), drafts),
+        return (torch.where(chosen, copies, torch.nn.functional.pad(drafts, (0, width - drafts.shape[1]))),
                 [len(p) if u else c for p, u, c in zip(looked, use, counts)])
 
     def commit(self, lengths, accepted, features):

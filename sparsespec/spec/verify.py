@@ -18,14 +18,19 @@ def _check_shapes(proposals: torch.Tensor, target_logits: torch.Tensor) -> None:
                          f"{tuple(target_logits.shape)}")
 
 
+def _greedy_prefix(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """proposals [k], target_logits [k+1, V] -> (accepted proposals n [1], the target's argmax [k+1]), on the device:
+    the committed tokens are argmax[:n + 1] (accepted proposals equal the argmax)."""
+    best = target_logits.argmax(-1)  # [k+1]
+    return (best[:-1] == proposals).long().cumprod(0).sum().view(1), best
+
+
 def verify_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> list[int]:
     """proposals [k] int64, target_logits [k+1, V] -> the longest prefix of proposals matching the target's argmax,
     then the target's argmax at the first mismatch (or the bonus after all k): 1..k+1 tokens."""
     _check_shapes(proposals, target_logits)
-    k = proposals.shape[0]
-    best = target_logits.argmax(-1)  # [k+1]
-    n = (best[:k] == proposals).long().cumprod(0).sum()  # accepted proposals, 0-d
-    out = torch.cat([n.view(1), best]).tolist()  # one host sync
+    n, best = _greedy_prefix(proposals, target_logits)
+    out = torch.cat([n, best]).tolist()  # one host sync
     return out[1:out[0] + 2]  # accepted proposals equal the argmax, so the committed tokens are best[:n+1]
 
 
@@ -124,8 +129,7 @@ def verify_sampling_rows(proposed: torch.Tensor, counts: list[int], target_logit
         if not on:
             n, tokens = mine.new_zeros(1), mine.new_zeros(k + 1)
         elif cfg.greedy:
-            tokens = target_logits[r, :k + 1].argmax(-1)  # [k + 1]: committed are its first n + 1
-            n = (tokens[:k] == mine).long().cumprod(0).sum().view(1)
+            n, tokens = _greedy_prefix(mine, target_logits[r, :k + 1])  # committed: tokens[:n + 1]
         else:
             p_target = draft_distribution(target_logits[r, :k + 1], cfg)[None]  # [1, k + 1, V]
             n, last = speculative_step(mine[None], p_target, None, generators[r], accept=accept)  # [1], [1]
