@@ -4,6 +4,7 @@ import functools
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,10 +293,13 @@ def test_dflash_save_load_roundtrip(tmp_path):
 def test_the_shipped_drafter_loads_and_names_its_target():
     from sparsespec.spec.registry import drafter_path, shipped
 
-    assert "qwen2.5-coder-0.5b" in shipped()
-    model = DFlash.load(drafter_path("qwen2.5-coder-0.5b"))
-    assert model.cfg.target.arch == "qwen2" and model.cfg.target.num_layers == 24 and model.cfg.block_size == 16
-    assert model.fc.weight.shape == (896, 3 * 896)
+    assert shipped() == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    for name, layers, hidden in (("qwen2.5-coder-0.5b", 24, 896), ("qwen2.5-coder-1.5b", 28, 1536)):
+        model = DFlash.load(drafter_path(name))
+        assert model.cfg.target.arch == "qwen2" and model.cfg.target.num_layers == layers
+        assert model.cfg.block_size == 16 and model.fc.weight.shape == (hidden, 3 * hidden)
+        meta = json.loads(Path(f"{drafter_path(name)}.json").read_text())
+        assert meta["target"] == name and meta["made_by"].startswith("sparsespec train dflash")
 
 
 class _Nines(Drafter):
@@ -678,3 +682,21 @@ def test_more_text_prompts_take_other_passages_of_long_documents_after_one_a_doc
                if later)
     assert not any(m.startswith(("List the key points", "Write three questions")) for m, (*_, later)
                    in zip(made, items) if not later)
+
+
+def test_bench_report_rates_are_the_sets_tokens_over_its_seconds(tmp_path):
+    """One prompt copied whole at 10x and one barely helped (1.1x, ten times the tokens): the set's speedup is the
+    wall-clock ratio of the whole set, not the mean of the two ratios."""
+    from sparsespec.spec.bench import report
+
+    def row(prompt, tokens, tps, plain_tps):
+        return {"prompt": prompt, "kind": "code", "temperature": 0.0, "drafter": "d", "batch": 1, "tokens": tokens,
+                "steps": 1, "tau": 1.0, "committed": [tokens], "tokens_per_s": tps, "plain_tokens_per_s": plain_tps,
+                "speedup": tps / plain_tps, "identical": True, "divergence": None}
+
+    rows = [row(0, 10, 1000.0, 100.0), row(1, 100, 110.0, 100.0)]
+    table = report(rows, tmp_path, "t")
+    seconds = 10 / 1000 + 100 / 110
+    line = next(x for x in table.splitlines() if x.startswith("| d |"))
+    assert f"| {110 / seconds:.1f} | 100.0 | {110 / seconds / 100:.2f}x |" in line  # 1.19x, where the mean says 5.55x
+    assert (tmp_path / "spec.md").read_text().strip() == table
