@@ -1,0 +1,35 @@
+#!/bin/sh
+# On the device machine: one session's DFlash pipeline for a target, run detached so that it outlasts the calls
+# (the twenty-seventh session's run of issue 13):
+#   setsid nohup sh scripts/gpu_dflash_session.sh MODEL.gguf TARGET_NAME [train dflash options ...] > LOG 2>&1 &
+# 1. trains a drafter into /root/run (`scripts/gpu_train_dflash.sh`, OUT unset; e.g. --init FILE --seed N to go on
+#    from a shipped drafter), 2. splits it into 15 MiB parts in /root/parts (with its json) for a later call to copy
+#    back, 3. waits until no pytest runs (the timings need the GPU alone), 4. times `bench spec` on HumanEval for
+#    DFlash alone and ngram+dflash against compiled plain decoding: T = 0 at batch 1 (164 problems), T = 1 at batch 1
+#    (48), T = 0 and 1 at batch 4 (32), into /root/eval/spec-{t0-b1,t1-b1,b4} (each under `timeout`: T0 330 s,
+#    others 150 s; a run cut short keeps the rows it measured in its spec.jsonl).
+# SKIP_TRAIN=1 benches the drafter already in /root/run. Each line of progress goes to the log with the time.
+model=$1; name=$2; shift 2
+export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+D=/root/run/drafter; E=/root/eval; mkdir -p $E
+if [ -z "$SKIP_TRAIN" ]; then
+  echo "train start $(date +%T)"
+  OUT= sh scripts/gpu_train_dflash.sh "$model" "$@" > /root/train.out 2>&1
+  echo "train done $(date +%T)"
+fi
+[ -f $D.safetensors ] || { echo "no drafter in /root/run"; exit 1; }
+rm -rf /root/parts && python3 scripts/chunks.py split $D.safetensors /root/parts --size 15 && cp $D.json /root/parts/
+while pgrep -f pytest > /dev/null; do sleep 3; done
+bench() {  # NAME SECONDS [bench spec options ...]
+  run=$1; limit=$2; shift 2
+  echo "$run start $(date +%T)"
+  timeout "$limit" python3 -m sparsespec bench spec --target "$model" --target-name "$name" \
+    --drafters dflash:$D ngram+dflash:$D --kinds humaneval --max-new-tokens 128 --block-size 16 --device cuda \
+    --compile --out $E/spec-$run "$@" > $E/spec-$run.log 2>&1
+  rc=$?
+  echo "$run done $(date +%T) rc $rc (124: the time limit cut it short)"
+}
+bench t0-b1 330 --prompts 164 --batch 1 --temperatures 0
+bench t1-b1 150 --prompts 48 --batch 1 --temperatures 1
+bench b4 150 --prompts 32 --batch 4 --temperatures 0,1
+echo "all done $(date +%T)"
