@@ -1,14 +1,17 @@
 #!/bin/sh
-# Here, before and after the device calls that carry a model part: the tracked tree travels with every call and a
-# call carries at most 64 MiB, so a 52 MiB part fits only beside a slim tree.
+# Here, around the device calls: the tracked tree travels with every call and a call carries at most 64 MiB. With
+# both shipped drafters (0.5B 24.5 MB, 1.5B 52 MB) the whole tree is ~95 MB, so every call needs a slim tree, and a
+# 52 MiB model part fits only beside one.
 #   sh scripts/slim.sh out    move the tracked files of 500 kB and more (the shipped drafters, the eval rows) to
-#                             /tmp/slim, keeping their paths (the tree then travels at ~7.5 MB)
+#                             .slim/ (git-ignored), keeping their paths (the tree then travels at ~9 MB)
 #   sh scripts/slim.sh in     put them back, and check that git sees the tree unchanged
-# While slimmed, commit nothing: git would record the moved files as deleted (`out` refuses a second time, `in`
-# refuses to overwrite a file that reappeared).
+# A moved file travels as a carried path (at most ~55 MB a call beside the slim tree), e.g. carry
+# [".slim/sparsespec/drafters/qwen2.5-coder-1.5b-dflash.safetensors"] and, on the device, `cp -a .slim/. DEST/`
+# into the tree copy DEST the runs use. While slimmed, commit nothing: git would record the moved files as deleted
+# (`out` refuses a second time, `in` refuses to overwrite a file that reappeared).
 set -e
 cd "$(git rev-parse --show-toplevel)"
-store=/tmp/slim
+store=.slim
 case $1 in
   out)
     [ ! -e $store/.slimmed ] || { echo "already slimmed (files in $store): sh scripts/slim.sh in"; exit 1; }
