@@ -9,6 +9,8 @@
 #   loss      train eda --select loss                              (b) EDA: private MLPs, regenerated data, selection
 #   reducible train eda --select reducible                         (b') selection by loss less the target's own loss
 #   acceptance train eda --select acceptance                       (b''') selection by the base drafter's simulated tau
+#   shift     train eda --select shift                             (b*) selection by the base target's loss on
+#                                                                      the answer less the fine-tuned target's
 #   random    train eda --select random                            (c) the same amount of data chosen at random
 #   original  train eda --select loss --data original              (d) the domain's own text instead of regeneration
 #   probe-loss   train eda --select loss --probe-tokens PROBE      (b") selection before regeneration: every prompt's
@@ -57,6 +59,7 @@ reuse() {  # reuse RUN: RUN starts from the loss run's answers
 eda loss --select loss
 reuse reducible; eda reducible --select reducible
 reuse acceptance; eda acceptance --select acceptance
+reuse shift; eda shift --select shift
 reuse random; eda random --select random
 eda original --select loss --data original
 eda probe-loss --select loss --probe-tokens ${PROBE:-32}
@@ -66,7 +69,7 @@ step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retra
   --steps ${STEPS:-100000} --gen-batch ${GEN_BATCH:-128} --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") \
   --lr 3e-4 --device $dev --progress $EXTRA
 drafters=dflash:$base
-for run in loss reducible acceptance random original probe-loss probe-random retrain; do
+for run in loss reducible acceptance shift random original probe-loss probe-random retrain; do
   [ -f $root/$run/drafter.json ] && drafters="$drafters dflash:$root/$run/drafter"
 done
 step bench $S bench spec --target $root/ft --drafters $drafters --kinds $domain \

@@ -232,10 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--domain", choices=DOMAINS, required=True, help="the target's domain: its "
                     "prompts make the data and the held-out set")
     te.add_argument("--out", required=True, help="folder for data, scores, checkpoints and the drafter (resumes)")
-    te.add_argument("--select", choices=["loss", "reducible", "acceptance", "random"], default="loss",
+    te.add_argument("--select", choices=["loss", "reducible", "acceptance", "shift", "random"], default="loss",
                     help="rank the samples by the base drafter's loss, by that loss less the target's own loss on "
-                    "the same tokens (reducible), by its simulated acceptance (lowest first), or at random "
-                    "(default: %(default)s)")
+                    "the same tokens (reducible), by its simulated acceptance (lowest first), by how far the "
+                    "fine-tune moved the answer (shift: the base target's loss on it less the fine-tuned "
+                    "target's; --target must be an adapter folder), or at random (default: %(default)s)")
     te.add_argument("--fraction", type=_float, default=0.5, help="share of the samples kept (default: %(default)s)")
     te.add_argument("--data", choices=["regenerated", "original"], default="regenerated", help="the target's own "
                     "answers, or the domain's original text (default: %(default)s)")
@@ -662,11 +663,20 @@ def _eda(args) -> None:
     _writable_folder(args.out)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     progress = args.progress or sys.stderr.isatty()
+    reference = None  # --select shift: the target before its fine-tune
+    if args.select == "shift":
+        from .spec.finetune import is_adapter, read_adapter
+
+        if not is_adapter(args.target):
+            raise SparseSpecError(f"--select shift compares the fine-tuned target with its base: --target "
+                                  f"{args.target} is not a fine-tune from `train finetune` (an adapter folder)")
+        base_name = read_adapter(args.target)[1]["base"]
+        reference = Engine.from_name(base_name, device=args.device, dtype=dtype, progress=progress).model
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     out = Path(args.out)
     summary = train_eda(engine, Path(args.base_drafter), cfg, tcfg, out, args.target, progress=progress,
                         log=lambda m: print(m, file=sys.stderr, flush=True),
-                        storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16)
+                        storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16, reference=reference)
     print(f"drafter: {out / 'drafter.safetensors'} (held-out tau {summary['base_heldout_tau']:.2f} -> "
           f"{summary['heldout_tau']:.2f}; {summary['trainable_parameters']:,} trainable parameters, "
           f"{summary['train_seconds']:.0f} s of training)")

@@ -133,14 +133,14 @@ def test_a_decoupled_drafter_drafts_as_its_base_and_trains_only_its_private_part
 
 def test_selection_by_loss_or_acceptance_keeps_the_samples_the_base_drafter_gets_wrong(shifted):
     """Half the samples are the base target's answers (which its drafter knows), half the fine-tuned target's: the
-    loss and acceptance rules keep mostly the latter, random keeps about half of each."""
+    loss, reducible, acceptance and shift rules keep mostly the latter, random keeps about half of each."""
     base_target, tuned, base, prompts, taps = shifted
     old = regenerate(base_target, prompts[:40], taps, 40, 16)
     new = regenerate(tuned, prompts[40:80], taps, 40, 16)
     both = Dataset(torch.cat([old.tokens, new.tokens]), torch.cat([old.offsets, new.offsets[1:] + old.offsets[-1]]),
                    torch.cat([old.starts, new.starts]), torch.cat([old.features, new.features]))
-    for rule in ("loss", "reducible", "acceptance", "random"):
-        scores = sample_scores(base, tuned.model, both, rule, anchors=16)
+    for rule in ("loss", "reducible", "acceptance", "shift", "random"):
+        scores = sample_scores(base, tuned.model, both, rule, anchors=16, reference=base_target.model)
         kept = torch.sort(scores, descending=True, stable=True).indices[:40]
         share_new = float((kept >= 40).float().mean())
         assert share_new > 0.8 if rule != "random" else 0.25 < share_new < 0.75, (rule, share_new)
@@ -205,6 +205,27 @@ def test_reducible_score_is_the_loss_score_less_the_targets_own_loss_on_the_same
             assert abs(float(loss[r] - reducible[r]) - expect) < 1e-4, (r, float(loss[r] - reducible[r]), expect)
 
 
+def test_shift_score_is_the_base_targets_answer_loss_less_the_fine_tuned_targets(shifted):
+    """Each sample alone: the mean over its answer tokens of −log p_base(token) + log p_tuned(token); batched and
+    padded as the selection runs it. Without the base target the rule refuses, before any data is made."""
+    base_target, tuned, base, prompts, taps = shifted
+    data = regenerate(tuned, prompts[:7], taps, 20, 8)
+    got = sample_scores(base, tuned.model, data, "shift", anchors=8, reference=base_target.model)
+    for r in range(len(data)):
+        seq = torch.tensor([data.sequence(r)])
+        start = int(data.starts[r])
+
+        def nll(model):
+            logp = model.logits(_forward(model, seq))[0, :-1].log_softmax(-1)
+            return -logp.gather(-1, seq[0, 1:, None])[:, 0][start - 1:]  # the losses of the answer's tokens
+
+        want = float((nll(base_target.model) - nll(tuned.model)).mean())
+        assert abs(float(got[r]) - want) < 1e-4, (r, float(got[r]), want)
+    assert float(got.mean()) > 0  # the tuned target's own greedy answers: likelier under it than under the base
+    with pytest.raises(SparseSpecError, match="fine-tune"):
+        sample_scores(base, tuned.model, data, "shift", anchors=8)
+
+
 @pytest.mark.parametrize("data", ["regenerated", "original"])
 def test_train_eda_end_to_end_writes_a_drafter_the_loop_uses_and_resumes(tmp_path, data):
     engine = byte_engine(0)
@@ -235,6 +256,13 @@ def test_train_eda_end_to_end_writes_a_drafter_the_loop_uses_and_resumes(tmp_pat
                   tmp_path / "run", "byte", log=lambda *_: None)
     with pytest.raises(SparseSpecError, match="another target"):
         train_eda(tiny_engine(0), tmp_path / "base", cfg, tcfg, tmp_path / "other", "tiny", log=lambda *_: None)
+    shift = EdaConfig(domain="shakespeare", data=data, select="shift")
+    with pytest.raises(SparseSpecError, match="none was given"):  # refused before any answer is generated
+        train_eda(engine, tmp_path / "base", shift, tcfg, tmp_path / "shift", "byte", log=lambda *_: None)
+    with pytest.raises(SparseSpecError, match="another shape"):
+        train_eda(engine, tmp_path / "base", shift, tcfg, tmp_path / "shift", "byte", log=lambda *_: None,
+                  reference=tiny_engine(0).model)
+    assert not (tmp_path / "shift" / "data.safetensors").exists()
 
 
 @pytest.mark.parametrize("rule", ["loss", "random"])
@@ -277,11 +305,16 @@ def test_probe_selection_answers_only_the_prompts_whose_probes_score_highest(tmp
 def test_cli_train_eda_and_finetune_refuse_bad_options_with_one_line(tmp_path, capsys):
     from sparsespec.cli import main
 
+    DFlash(DFlashConfig(byte_engine(0).config, layers=1, block_size=4, taps=(0, 1))).save(
+        tmp_path / "base", dtype=torch.float32, meta={})
+
     for argv in (["train", "eda", "--target", "x", "--base-drafter", str(tmp_path / "none"), "--domain", "kjv",
                   "--out", str(tmp_path / "r")],
                  ["train", "eda", "--target", "x", "--base-drafter", "b", "--domain", "kjv", "--out", "r",
                   "--fraction", "1.5"],
-                 ["train", "finetune", "--domain", "kjv", "--out", str(tmp_path / "f"), "--alpha", "-1"]):
+                 ["train", "finetune", "--domain", "kjv", "--out", str(tmp_path / "f"), "--alpha", "-1"],
+                 ["train", "eda", "--target", "x", "--base-drafter", str(tmp_path / "base"), "--domain", "kjv",
+                  "--out", str(tmp_path / "s"), "--select", "shift"]):  # shift needs a fine-tune, not any model
         assert main(argv) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("sparsespec"), err

@@ -8,7 +8,9 @@
         or the domain's original text after the same prompts (--data original: no generation)
     selection: each sample scored by the base drafter against the fine-tuned target — `loss` (its decay-weighted
         block loss), `reducible` (that loss less the target's own loss on the same tokens), `acceptance` (its
-        simulated τ, lowest first) or `random` — and only the top `fraction` kept; with --probe-tokens K the
+        simulated τ, lowest first) — or by how far the fine-tune moved the answer from its base target, `shift`
+        (the base target's loss on the answer less the fine-tuned target's), or `random` — and only the top
+        `fraction` kept; with --probe-tokens K the
         selection comes before regeneration: every prompt is answered with K tokens only, those probes are scored,
         and only the kept prompts are answered in full (the answers, EDA's largest cost, shrink to about
         K / max_new_tokens + fraction of answering every prompt)
@@ -36,7 +38,7 @@ from .prompts import DOMAINS, domain_pairs, make_prompts
 from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_ce, block_loss, block_taus, check_settings,
                     decoding_acceptance, fingerprint, fit, packed, regenerate, sample_anchors)
 
-RULES = ("loss", "reducible", "acceptance", "random")
+RULES = ("loss", "reducible", "acceptance", "shift", "random")
 DATA = ("regenerated", "original")
 
 
@@ -44,7 +46,7 @@ DATA = ("regenerated", "original")
 class EdaConfig:
     domain: str = "kjv"  # the fine-tuned target's domain: the prompts it answers
     data: str = "regenerated"  # regenerated (the fine-tuned target's answers) | original (the domain's own text)
-    select: str = "loss"  # loss | reducible | acceptance | random: how samples are ranked; the top `fraction` kept
+    select: str = "loss"  # loss | reducible | acceptance | shift | random: how samples are ranked; the top kept
     fraction: float = 0.5
     private_size: int = 256  # width of each drafter layer's private MLP
     train_fc: bool = False  # also adapt the feature projection (fc)
@@ -98,15 +100,21 @@ def adapt_parameters(drafter: DFlash, train_fc: bool) -> tuple[int, int]:
 
 @torch.no_grad()
 def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: int, seed: int = 0,
-                  batch: int | None = None) -> torch.Tensor:
+                  batch: int | None = None, reference=None) -> torch.Tensor:
     """[N] how much each sample is worth training on (higher first) by the drafter's predictions against the target's
     tokens, over `anchors` blocks a sample: `loss` its decay-weighted block cross-entropy, `reducible` that loss minus
     the target's own next-token loss on the same labels (what the drafter gets wrong where the target is sure: the
     learnable part, not text any model finds uncertain), `acceptance` minus its simulated τ at T = 0, `random` a
-    seeded random draw. `batch`: samples scored at once (default `scoring_rows`)."""
+    seeded random draw; `shift` asks no drafter (`shift_scores` against `reference`, the target before its
+    fine-tune). `batch`: samples scored at once (default `scoring_rows`)."""
     device = data.tokens.device
     if rule == "random":
         return random_scores(len(data), seed, device)
+    if rule == "shift":
+        if reference is None:
+            raise SparseSpecError("--select shift compares the fine-tuned target with its base: the target must be a "
+                                  "fine-tune from `train finetune` (an adapter folder naming its base)")
+        return shift_scores(target, reference, data)
     batch = batch or scoring_rows(anchors, drafter.cfg.block_size, drafter.cfg.target.vocab_size, device)
     g = torch.Generator(device=device).manual_seed(seed)
     drafter.eval()
@@ -159,6 +167,25 @@ def target_nll(target, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int =
     return nll * (torch.arange(T, device=tokens.device) < lengths[:, None] - 1)
 
 
+@torch.no_grad()
+def shift_scores(target, reference, data: Dataset, batch: int = 8) -> torch.Tensor:
+    """[N] how far the fine-tune moved each sample's answer: the mean over its answer tokens of the reference's (the
+    base target's) next-token loss less the fine-tuned target's own (a cross-entropy difference, as in Moore and
+    Lewis's selection of in-domain data). A drafter made for the base mimics the base, so this is the part of its
+    error that adaptation must fix; text that both targets find uncertain, or both find easy, scores near 0."""
+    device = data.tokens.device
+    scores = torch.empty(len(data), device=device)
+    for i in range(0, len(data), batch):
+        rows = torch.arange(i, min(i + batch, len(data)), device=device)
+        index, lengths = data.padded(rows)
+        tokens = data.tokens[index]  # [n, T]
+        diff = target_nll(reference, tokens, lengths) - target_nll(target, tokens, lengths)  # [n, T]: 0 past the end
+        t = torch.arange(tokens.shape[1], device=device)  # position t predicts token t + 1, an answer token from
+        answer = (t >= data.starts[rows, None] - 1) & (t < lengths[:, None] - 1)  # start - 1 to the row's end
+        scores[rows] = (diff * answer).sum(1) / answer.sum(1).clamp(min=1)
+    return scores
+
+
 def top(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     """scores [N] -> the indices [ceil(fraction · N)] of the highest scores (ties to the earlier one), highest first."""
     n = max(1, int(-(-fraction * scores.shape[0] // 1)))
@@ -171,7 +198,7 @@ def select(data: Dataset, scores: torch.Tensor, fraction: float) -> Dataset:
 
 
 def choose_prompts(engine: Engine, base: DFlash, prompts: list[list[int]], cfg: EdaConfig, tcfg: TrainConfig,
-                   scores_path: Path, progress: bool = False) -> tuple[torch.Tensor, float]:
+                   scores_path: Path, progress: bool = False, reference=None) -> tuple[torch.Tensor, float]:
     """Selection before regeneration (cfg.probe_tokens > 0): the target answers every prompt (token ids) with its
     first probe_tokens tokens only, the base drafter scores those probes by cfg.select, and the top cfg.fraction
     of the prompts are kept -> (their indices, highest score first; the seconds spent scoring). The scores are
@@ -184,7 +211,8 @@ def choose_prompts(engine: Engine, base: DFlash, prompts: list[list[int]], cfg: 
             return random_scores(len(prompts), tcfg.seed, engine.device)
         probes = regenerate(engine, prompts, base.cfg.taps, cfg.probe_tokens, tcfg.gen_batch, progress, "probe")
         t0 = time.perf_counter()
-        scores = sample_scores(base, engine.model, probes, cfg.select, cfg.score_anchors, tcfg.seed)
+        scores = sample_scores(base, engine.model, probes, cfg.select, cfg.score_anchors, tcfg.seed,
+                               reference=reference)
         score_s = time.perf_counter() - t0
         return scores
 
@@ -210,10 +238,11 @@ def original_data(engine: Engine, pairs: list[tuple[str, str]], taps: tuple[int,
 
 
 def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig, out: Path, target_name: str,
-              progress: bool = False, log=print, storage: torch.dtype = torch.bfloat16) -> dict:
+              progress: bool = False, log=print, storage: torch.dtype = torch.bfloat16, reference=None) -> dict:
     """Adapt the drafter at `base_path` to `engine`'s (fine-tuned) model into `out` (resuming what is there):
     tcfg's prompts / heldout / max_new_tokens / gen_batch make the data, its steps / batch / anchors / lr / time
-    limit / eval_every the optimisation -> the summary written with the drafter."""
+    limit / eval_every the optimisation -> the summary written with the drafter. `reference`: the target before its
+    fine-tune (a Transformer; what `--select shift` compares with)."""
     out.mkdir(parents=True, exist_ok=True)
     device = engine.device
     torch.manual_seed(tcfg.seed)
@@ -223,6 +252,10 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
         changed = sorted(k for k in mine if mine[k] != theirs[k])
         raise SparseSpecError(f"the base drafter {base_path} was made for another target than {target_name} "
                               f"({' / '.join(changed)} differ)")
+    if cfg.select == "shift" and (reference is None or reference.cfg != engine.config):
+        raise SparseSpecError(f"--select shift compares {target_name} with the target before its fine-tune: "
+                              + ("none was given (the target must be a fine-tune from `train finetune`, an adapter "
+                                 "folder naming its base)" if reference is None else "that model has another shape"))
     tcfg = replace(tcfg, block_size=base.cfg.block_size)  # the base drafter's blocks
     drafter = decouple(base, cfg.private_size)
     trainable, total = adapt_parameters(drafter, cfg.train_fc)
@@ -245,7 +278,7 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
             train_p = [engine.encode(p.text, chat=True) for p in make_prompts(tcfg.prompts, "train", (cfg.domain,),
                                                                                 tcfg.seed)]
             if cfg.probe_tokens:  # only the kept prompts are answered in full
-                keep, probe_s = choose_prompts(engine, base, train_p, cfg, tcfg, scores_path, progress)
+                keep, probe_s = choose_prompts(engine, base, train_p, cfg, tcfg, scores_path, progress, reference)
                 train_p = [train_p[i] for i in keep.tolist()]
             data = regenerate(engine, train_p, taps, tcfg.max_new_tokens, tcfg.gen_batch, progress, "train")
         else:
@@ -264,7 +297,7 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
         kept = data
     else:
         scores = saved_scores(scores_path, len(data), device, lambda: sample_scores(
-            base, engine.model, data, cfg.select, cfg.score_anchors, tcfg.seed))
+            base, engine.model, data, cfg.select, cfg.score_anchors, tcfg.seed, reference=reference))
         kept = select(data, scores, cfg.fraction)
     score_s = probe_s + time.perf_counter() - t0
     samples = tcfg.prompts if cfg.probe_tokens else len(data)
