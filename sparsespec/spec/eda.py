@@ -10,10 +10,9 @@
         block loss), `reducible` (that loss less the target's own loss on the same tokens), `acceptance` (its
         simulated τ, lowest first) — or by how far the fine-tune moved the answer from its base target, `shift`
         (the base target's loss on the answer less the fine-tuned target's), or `random` — and only the top
-        `fraction` kept; with --probe-tokens K the
-        selection comes before regeneration: every prompt is answered with K tokens only, those probes are scored,
-        and only the kept prompts are answered in full (the answers, EDA's largest cost, shrink to about
-        K / max_new_tokens + fraction of answering every prompt)
+        `fraction` kept; with --probe-tokens K the selection comes before regeneration: every prompt is answered
+        with K tokens only, those probes are scored, and only the kept prompts are answered in full (the answers,
+        EDA's largest cost, shrink to about K / max_new_tokens + fraction of answering every prompt)
     optimisation: train.py's loop (`fit`) on the kept samples, held-out τ on the domain's held-out prompts
 
 The adapted drafter is a DFlash drafter file like any other (its json records `private_size`, the base drafter and
