@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="policy option, e.g. budget=0.02 sinks=4 (repeatable)")
     g.add_argument("--draft", default="none",
                    help="speculative drafter: none, ngram, dflash (shipped for the model), dflash:PATH, model:NAME, "
-                   "ngram+dflash[:PATH] (prompt lookup where the text recurs, DFlash elsewhere), self:POLICY[:key=value,...] (the model drafts for itself with sparse attention, e.g. "
+                   "ngram+dflash[:PATH] (prompt lookup where the text recurs, DFlash elsewhere), "
+                   "self:POLICY[:key=value,...] (the model drafts for itself with sparse attention, e.g. "
                    "self:binarypc:budget=0.02; the dense model verifies; weights=fp8 among the options drafts "
                    "with FP8 copies of the weights)")
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "

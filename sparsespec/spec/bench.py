@@ -285,8 +285,9 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
 
 def _set_rate(rows: list[dict], key: str) -> float:
     """Tokens per second over a set of prompts: their tokens over their seconds (0 when no time was measured)."""
-    seconds = sum(r["tokens"] / r[key] for r in rows if r[key] > 0)
-    return sum(r["tokens"] for r in rows if r[key] > 0) / seconds if seconds > 0 else 0.0
+    timed = [r for r in rows if r[key] > 0]
+    seconds = sum(r["tokens"] / r[key] for r in timed)
+    return sum(r["tokens"] for r in timed) / seconds if seconds > 0 else 0.0
 
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:

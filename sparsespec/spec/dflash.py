@@ -387,10 +387,8 @@ class DFlashDrafter(Drafter):
         self.model.ingest(padded, positions, self.cache)
 
     @torch.inference_mode()
-    def propose(self, histories, ks, cfgs, rngs):
-        drafts, counts = self.propose_greedy(histories, ks, self.model.fc.weight.device)
-        best = drafts.tolist()  # (the loop drafts through propose_greedy at every T: point_mass)
-        return [row[:n] for row, n in zip(best, counts)], [None] * len(histories)
+    def propose(self, histories, ks, cfgs, rngs):  # (the loop drafts through propose_greedy at every T: point_mass)
+        return self.read_back(histories, ks, self.model.fc.weight.device)
 
     @torch.inference_mode()
     def propose_greedy(self, histories, ks, device):

@@ -79,6 +79,12 @@ class Drafter(ABC):
         width = max(counts, default=0)
         return device_ints([p + [0] * (width - len(p)) for p in proposals], device).view(B, width), counts
 
+    def read_back(self, histories: Rows, ks: list[int], device: torch.device):
+        """`propose` of a point-mass drafter that drafts on the device: its `propose_greedy` drafts as lists of ints
+        (one read-back), with no distributions."""
+        drafts, counts = self.propose_greedy(histories, ks, device)
+        return [row[:n] for row, n in zip(drafts.tolist(), counts)], [None] * len(histories)
+
     def commit(self, lengths: list[int | None], accepted: list[int | None], features: torch.Tensor | None) -> None:
         """Default: nothing to update (stateless drafters)."""
 
@@ -169,8 +175,7 @@ class LookupFirst(Drafter):
         self.drafter.start_row(row, prompt, features)
 
     def propose(self, histories, ks, cfgs, rngs):
-        drafts, counts = self.propose_greedy(histories, ks, torch.device("cpu"))
-        return [row[:n] for row, n in zip(drafts.tolist(), counts)], [None] * len(histories)
+        return self.read_back(histories, ks, torch.device("cpu"))
 
     def propose_greedy(self, histories, ks, device):
         short = [k if self.max_proposals is None else min(k, self.max_proposals) for k in ks]

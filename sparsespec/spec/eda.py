@@ -105,7 +105,7 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
     the target's own next-token loss on the same labels (what the drafter gets wrong where the target is sure: the
     learnable part, not text any model finds uncertain), `acceptance` minus its simulated τ at T = 0, `random` a
     seeded random draw; `shift` asks no drafter (`shift_scores` against `reference`, the target before its
-    fine-tune). `batch`: samples scored at once (default `scoring_rows`)."""
+    fine-tune). `batch`: samples scored at once (default `scoring_rows`; 8 for `shift`)."""
     device = data.tokens.device
     if rule == "random":
         return random_scores(len(data), seed, device)
@@ -113,7 +113,7 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
         if reference is None:
             raise SparseSpecError("--select shift compares the fine-tuned target with its base: the target must be a "
                                   "fine-tune from `train finetune` (an adapter folder naming its base)")
-        return shift_scores(target, reference, data)
+        return shift_scores(target, reference, data, batch or 8)
     batch = batch or scoring_rows(anchors, drafter.cfg.block_size, drafter.cfg.target.vocab_size, device)
     g = torch.Generator(device=device).manual_seed(seed)
     drafter.eval()
