@@ -5,6 +5,7 @@ halves (forward with the loss; backward, clip and optimiser) and the largest ker
 
     python bench/train_step.py [--shape qwen2.5-coder-1.5b] [--layers 3] [--intermediate-size 2048]
                                [--settings 8x64,16x32,32x16] [--block 16] [--sequences 512] [--steps 20]
+                               [--warmup 30]
 
 What is timed does not depend on the values (random weights, tokens and features), except the step that a
 non-finite gradient would skip (none with these inputs: every step is applied).
@@ -62,7 +63,8 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=512, help="sequences in the synthetic data set")
     ap.add_argument("--prompt", default="100,500", help="prompt length range (tokens)")
     ap.add_argument("--response", default="50,256", help="response length range (tokens)")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps a setting (after 5 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps a setting (after the warm-up steps)")
+    ap.add_argument("--warmup", type=int, default=30, help="untimed steps first: every padded length planned")
     ap.add_argument("--top", type=int, default=15, help="kernels listed for the first setting")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -86,7 +88,7 @@ def main() -> None:
         drafter = DFlash(dcfg).to(device)
         opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         g = torch.Generator(device=device).manual_seed(0)
-        for _ in range(5):
+        for _ in range(args.warmup):
             train_step(drafter, target, data, cfg, opt, g, autocast)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -8,7 +8,8 @@
 #    DFlash alone and ngram+dflash against compiled plain decoding: T = 0 at batch 1 (164 problems), T = 1 at batch 1
 #    (48), T = 0 and 1 at batch 4 (32), into /root/eval/spec-{t0-b1,t1-b1,b4} (each under `timeout`: T0 330 s,
 #    others 150 s; a run cut short keeps the rows it measured in its spec.jsonl).
-# SKIP_TRAIN=1 benches the drafter already in /root/run. Each line of progress goes to the log with the time.
+# SKIP_TRAIN=1 benches the drafter already in /root/run. T0_DRAFTERS (e.g. "ngram dflash:/root/run/drafter ...")
+# and T0_LIMIT change the first run's drafters and time limit; ONLY_T0=1 stops after it. Each line of progress goes to the log with the time.
 model=$1; name=$2; shift 2
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 D=/root/run/drafter; E=/root/eval; mkdir -p $E
@@ -20,16 +21,17 @@ fi
 [ -f $D.safetensors ] || { echo "no drafter in /root/run"; exit 1; }
 rm -rf /root/parts && python3 scripts/chunks.py split $D.safetensors /root/parts --size 15 && cp $D.json /root/parts/
 while pgrep -f pytest > /dev/null; do sleep 3; done
-bench() {  # NAME SECONDS [bench spec options ...]
-  run=$1; limit=$2; shift 2
+bench() {  # NAME SECONDS DRAFTERS [bench spec options ...]
+  run=$1; limit=$2; drafters=$3; shift 3
   echo "$run start $(date +%T)"
   timeout "$limit" python3 -m sparsespec bench spec --target "$model" --target-name "$name" \
-    --drafters dflash:$D ngram+dflash:$D --kinds humaneval --max-new-tokens 128 --block-size 16 --device cuda \
+    --drafters $drafters --kinds humaneval --max-new-tokens 128 --block-size 16 --device cuda \
     --compile --out $E/spec-$run "$@" > $E/spec-$run.log 2>&1
   rc=$?
   echo "$run done $(date +%T) rc $rc (124: the time limit cut it short)"
 }
-bench t0-b1 330 --prompts 164 --batch 1 --temperatures 0
-bench t1-b1 150 --prompts 48 --batch 1 --temperatures 1
-bench b4 150 --prompts 32 --batch 4 --temperatures 0,1
+bench t0-b1 ${T0_LIMIT:-330} "${T0_DRAFTERS:-dflash:$D ngram+dflash:$D}" --prompts 164 --batch 1 --temperatures 0
+[ -n "$ONLY_T0" ] && { echo "all done $(date +%T)"; exit 0; }
+bench t1-b1 150 "dflash:$D ngram+dflash:$D" --prompts 48 --batch 1 --temperatures 1
+bench b4 150 "dflash:$D ngram+dflash:$D" --prompts 32 --batch 4 --temperatures 0,1
 echo "all done $(date +%T)"

@@ -15,6 +15,7 @@ it is tested against.
     rotary.py    a step's rotary embedding fused with its KV-cache write
     matmul.py    row-invariant matrix products (a row's result independent of the step's row count)
     norm.py      row-invariant RMSNorm
+    cross_entropy.py  the DFlash training loss over the vocabulary, read in the logits' own dtype (no fp32 copy)
 
 The kernels run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (the tests, at small sizes). The
 torch references are the CPU path of the engine.

@@ -126,20 +126,20 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
             if rule == "acceptance":
                 scores[rows] = -block_taus(logits, labels).mean(1).float()
                 continue
-            ce, w = block_ce(logits, labels)  # [n, M, B] each
-            if rule == "reducible":  # label k of a block: token anchor + k, the target's prediction at anchor + k - 1
+            ce, w = block_ce(logits, labels)  # [n, M, B − 1] each
+            if rule == "reducible":  # label j of a block: token anchor + 1 + j, the target's prediction at anchor + j
                 index, lengths = data.padded(rows)
                 nll = target_nll(target, data.tokens[index], lengths)  # [n, T]
-                pos = (at[..., None] + torch.arange(labels.shape[-1], device=device) - 1).clamp(0, nll.shape[1] - 1)
+                pos = (at[..., None] + torch.arange(labels.shape[-1], device=device)).clamp(max=nll.shape[1] - 1)
                 ce = ce - nll.gather(1, pos.flatten(1)).view_as(ce)
             scores[rows] = (ce * w).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)
     return scores
 
 
 def scoring_rows(anchors: int, block: int, vocab: int, device: torch.device) -> int:
-    """Samples to score at once: as many as keep their fp32 block logits ([rows, anchors, block, vocab]) within a
-    quarter of the device's free memory (CUDA) or 1 GiB (CPU), 1 to 64. (Four at a time took 14 s for 2,048 probes
-    of the 1.5B on the H200, most of it per-batch overhead.)"""
+    """Samples to score at once: as many as keep their block logits ([rows, anchors, block − 1, vocab], counted at
+    4 bytes) within a quarter of the device's free memory (CUDA) or 1 GiB (CPU), 1 to 64. (Four at a time took 14 s
+    for 2,048 probes of the 1.5B on the H200, most of it per-batch overhead.)"""
     budget = torch.cuda.mem_get_info(device)[0] // 4 if device.type == "cuda" else 1 << 30
     return max(1, min(64, budget // (anchors * block * vocab * 4)))
 

@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
+from ..kernels import triton_ready
 from ..progress import progress_bar
 from .dflash import DFlash, DFlashConfig, block_labels, block_mask, default_taps, drafter_files, loss_weights
 from .prompts import KINDS, make_prompts
@@ -72,6 +72,9 @@ class TrainConfig:
             raise SparseSpecError("invalid optimiser settings (need lr > 0, 0 <= warmup < 1, clip > 0, decay >= 0)")
 
 
+PAD_MULTIPLE = 64  # a training batch's padded length on CUDA (`Dataset.padded`)
+
+
 @dataclass
 class Dataset:
     """Sequences (prompt + the target's response) packed end to end, no padding: sequence i is
@@ -96,9 +99,14 @@ class Dataset:
 
     def padded(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [n] -> (index [n, T] into the packed tokens, lengths [n]): right-padded (with each row's last token,
-        which every mask and label ignores) to the longest row, T."""
+        which every mask and label ignores) to the longest row, T; on CUDA T is rounded up to a multiple of
+        PAD_MULTIPLE, as the attention's kernels are planned per shape (cuDNN: a plan built for every new length cost
+        more than the step itself until a few hundred lengths had been seen)."""
         lengths = self.lengths[rows]
-        at = torch.minimum(torch.arange(int(lengths.max()), device=rows.device), lengths[:, None] - 1)
+        T = int(lengths.max())
+        if rows.device.type == "cuda":
+            T = -(-T // PAD_MULTIPLE) * PAD_MULTIPLE
+        at = torch.minimum(torch.arange(T, device=rows.device), lengths[:, None] - 1)
         return self.offsets[rows][:, None] + at, lengths
 
     def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,29 +227,42 @@ def sample_anchors(data: Dataset, rows: torch.Tensor, m: int, generator: torch.G
 
 
 def block_loss(drafter: DFlash, target, data: Dataset, rows: torch.Tensor, anchors: torch.Tensor):
-    """(weighted cross-entropy, logits [n, M, B, V], labels [n, M, B]) for the blocks at `anchors` of `rows`."""
+    """(weighted cross-entropy, logits [n, M, B − 1, V], labels [n, M, B − 1]) for the blocks at `anchors` of `rows`:
+    the predicted positions 1..B − 1 of each block (position 0 holds the given token). The logits are the LM head's
+    own (bf16 on CUDA: no fp32 copy of them is made, `block_ce` reads them as they are)."""
     B = drafter.cfg.block_size
     tokens, feats, lengths = data.batch(rows)  # [n, T], [n, T, taps * H], [n]
     T = tokens.shape[1]
     mask = block_mask(anchors, lengths, T, B)
-    hidden = drafter.train_hidden(target, feats, tokens, anchors, mask)  # [n, M, B, H]
-    logits = target.logits(hidden.to(target.lm_head.weight.dtype))  # [n, M, B, V] fp32
-    labels = block_labels(tokens, anchors, lengths, B)
+    hidden = drafter.train_hidden(target, feats, tokens, anchors, mask)[:, :, 1:]  # [n, M, B − 1, H]
+    logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))  # [n, M, B − 1, V]
+    labels = block_labels(tokens, anchors, lengths, B)[..., 1:]
     ce, w = block_ce(logits, labels)
     return (ce * w).sum() / w.sum().clamp(min=1e-6), logits, labels
 
 
 def block_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n, M, B, V], labels [n, M, B] -> (cross-entropy, its decay weights (0 where no label)), [n, M, B]."""
-    w = loss_weights(labels.shape[-1], device=logits.device).expand_as(labels) * (labels >= 0)
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0), reduction="none").view_as(labels)
-    return ce, w
+    """logits [n, M, B − 1, V], labels [n, M, B − 1] (block positions 1..B − 1) -> (cross-entropy in fp32, its decay
+    weights (0 where no label)), [n, M, B − 1] each. On CUDA the Triton loss (`kernels.cross_entropy`), outside
+    autocast (which would copy the logits to fp32 first); on CPU its torch reference."""
+    w = loss_weights(labels.shape[-1] + 1, device=logits.device)[1:].expand_as(labels) * (labels >= 0)
+    flat, targets = logits.flatten(0, 2), labels.flatten()
+    if triton_ready(logits.device):
+        from ..kernels.cross_entropy import cross_entropy
+
+        with torch.autocast(logits.device.type, enabled=False):
+            ce = cross_entropy(flat, targets)
+    else:
+        from ..kernels.cross_entropy import cross_entropy_ref
+
+        ce = cross_entropy_ref(flat, targets)
+    return ce.view_as(labels), w
 
 
 def block_taus(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """logits [n, M, B, V], labels [n, M, B] -> [n, M] τ at T = 0 of each block: 1 + its leading run of correct
-    argmax predictions (invalid labels, -100, never hit)."""
-    hit = (logits.argmax(-1) == labels)[..., 1:]
+    """logits [n, M, B − 1, V], labels [n, M, B − 1] (block positions 1..B − 1) -> [n, M] τ at T = 0 of each block:
+    1 + its leading run of correct argmax predictions (invalid labels, -100, never hit)."""
+    hit = logits.argmax(-1) == labels
     return 1 + hit.long().cumprod(-1).sum(-1).double()
 
 
