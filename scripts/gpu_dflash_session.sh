@@ -8,18 +8,24 @@
 #    DFlash alone and ngram+dflash against compiled plain decoding: T = 0 at batch 1 (164 problems), T = 1 at batch 1
 #    (48), T = 0 and 1 at batch 4 (32), into /root/eval/spec-{t0-b1,t1-b1,b4} (each under `timeout`: T0 330 s,
 #    others 150 s; a run cut short keeps the rows it measured in its spec.jsonl).
-# SKIP_TRAIN=1 benches the drafter already in /root/run. T0_DRAFTERS (e.g. "ngram dflash:/root/run/drafter ...")
-# and T0_LIMIT change the first run's drafters and time limit; ONLY_T0=1 stops after it. Each line of progress goes to the log with the time.
+# SKIP_TRAIN=1 benches the drafter already in /root/run, or DRAFTER (a path without .safetensors, e.g. the shipped
+# sparsespec/drafters/qwen2.5-coder-1.5b-dflash). After training, /root/dataparts holds the answers' tokens in
+# parts (data.safetensors, ~19 MB for 16k prompts) for a later session's --add-data. T0_DRAFTERS (e.g.
+# "ngram dflash:/root/run/drafter ngram+dflash:/root/run/drafter") and T0_LIMIT change the first run's drafters and
+# time limit; ONLY_T0=1 stops after it. Each line of progress goes to the log with the time.
 model=$1; name=$2; shift 2
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-D=/root/run/drafter; E=/root/eval; mkdir -p $E
+D=${DRAFTER:-/root/run/drafter}; E=/root/eval; mkdir -p $E
 if [ -z "$SKIP_TRAIN" ]; then
   echo "train start $(date +%T)"
   OUT= sh scripts/gpu_train_dflash.sh "$model" "$@" > /root/train.out 2>&1
   echo "train done $(date +%T)"
 fi
-[ -f $D.safetensors ] || { echo "no drafter in /root/run"; exit 1; }
-rm -rf /root/parts && python3 scripts/chunks.py split $D.safetensors /root/parts --size 15 && cp $D.json /root/parts/
+[ -f $D.safetensors ] || { echo "no drafter at $D.safetensors"; exit 1; }
+if [ -z "$SKIP_TRAIN" ]; then  # the drafter, and the answers' tokens for a later --add-data, in parts to copy back
+  rm -rf /root/parts && python3 scripts/chunks.py split $D.safetensors /root/parts --size 15 && cp $D.json /root/parts/
+  rm -rf /root/dataparts && python3 scripts/chunks.py split /root/run/data.safetensors /root/dataparts --size 15
+fi
 while pgrep -f pytest > /dev/null; do sleep 3; done
 bench() {  # NAME SECONDS DRAFTERS [bench spec options ...]
   run=$1; limit=$2; drafters=$3; shift 3
