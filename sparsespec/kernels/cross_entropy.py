@@ -2,7 +2,7 @@
 
 A training step of the 1.5B's drafter scores 7,680 block positions against 151,936 tokens: 2.3 GB of bf16 logits.
 torch's loss under autocast first copies them to fp32 (4.7 GB), runs log-softmax and its backward over that copy and
-zero-fills an fp32 gradient: a fifth of the step's time on the H200 went to those passes. Here one program per row
+zero-fills an fp32 gradient: ~17 of the step's 44 ms of kernels on the H200 went to those passes (2 ms here). Here one program per row
 streams the row in chunks (online max and sum, fp32 arithmetic) and the backward writes the gradient in the logits'
 dtype in one more pass:
 
