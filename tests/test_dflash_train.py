@@ -312,3 +312,53 @@ def test_answers_are_generated_in_device_sized_batches_unless_told():
         for extra, want in (([], 32), (["--device", "cuda"], 128), (["--gen-batch", "7", "--device", "cuda"], 7)):
             args = parser.parse_args(["train", *what, "--out", "o", *extra])
             assert _gen_batch(args) == want, (what, extra)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cuda_loss_equals_the_cpu_loss(setup):
+    """On CUDA the loss pads the batch to a multiple of 64 tokens and reads the logits through the Triton
+    cross-entropy: the loss and the drafter's gradients equal the CPU's (fp32 throughout)."""
+    import copy
+
+    target, data, _, taps = setup
+    torch.manual_seed(0)
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    rows = torch.tensor([0, 5, 9, 30])
+    anchors = train.sample_anchors(data, rows, 6, torch.Generator().manual_seed(1))
+    results = []
+    for device in ("cpu", "cuda"):
+        model = copy.deepcopy(drafter).to(device)
+        on = train.Dataset(*(getattr(data, k).to(device) for k in ("tokens", "offsets", "starts", "features")))
+        loss, _, labels = train.block_loss(model, copy.deepcopy(target.model).to(device), on, rows.to(device),
+                                           anchors.to(device))
+        loss.backward()
+        results.append((loss.detach().cpu(), [p.grad.cpu() for p in model.parameters()], labels.cpu()))
+    (cpu_loss, cpu_grads, cpu_labels), (gpu_loss, gpu_grads, gpu_labels) = results
+    assert torch.equal(cpu_labels, gpu_labels)
+    assert torch.allclose(cpu_loss, gpu_loss, rtol=1e-4, atol=1e-5), (cpu_loss, gpu_loss)
+    for a, b in zip(cpu_grads, gpu_grads):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), (a - b).abs().max()
+
+
+def test_the_loss_through_the_triton_cross_entropy_equals_the_torch_loss(setup, monkeypatch):
+    """The CUDA path of `block_ce` (the Triton kernel, here in its CPU interpreter) gives the CPU path's loss and
+    gradients."""
+    pytest.importorskip("triton")
+    import copy
+
+    target, data, _, taps = setup
+    torch.manual_seed(0)
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    rows = torch.tensor([1, 7, 40])
+    anchors = train.sample_anchors(data, rows, 5, torch.Generator().manual_seed(2))
+    results = []
+    for kernel in (False, True):
+        monkeypatch.setattr(train, "triton_ready", lambda device, kernel=kernel: kernel)
+        model = copy.deepcopy(drafter)
+        loss = train.block_loss(model, target.model, data, rows, anchors)[0]
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (ref, ref_grads), (got, got_grads) = results
+    assert torch.allclose(ref, got, rtol=1e-5), (ref, got)
+    for a, b in zip(ref_grads, got_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
