@@ -1,6 +1,7 @@
 """DFlash training: the context mask is strictly before the anchor and labels are same-position — a drafter trained
 with either off by one must accept clearly fewer tokens (the check the DFlash spec warns about)."""
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter, block_la
 from sparsespec.spec.train import TrainConfig, acceptance, fit, regenerate
 from sparsespec.generate import GenerationConfig
 
-from .conftest import byte_engine
+from .conftest import CUDA, byte_engine
 from .test_spec import tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -314,12 +315,10 @@ def test_answers_are_generated_in_device_sized_batches_unless_told():
             assert _gen_batch(args) == want, (what, extra)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_the_cuda_loss_equals_the_cpu_loss(setup):
     """On CUDA the loss pads the batch to a multiple of 64 tokens and reads the logits through the Triton
     cross-entropy: the loss and the drafter's gradients equal the CPU's (fp32 throughout)."""
-    import copy
-
     target, data, _, taps = setup
     torch.manual_seed(0)
     drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
@@ -344,8 +343,6 @@ def test_the_loss_through_the_triton_cross_entropy_equals_the_torch_loss(setup, 
     """The CUDA path of `block_ce` (the Triton kernel, here in its CPU interpreter) gives the CPU path's loss and
     gradients."""
     pytest.importorskip("triton")
-    import copy
-
     target, data, _, taps = setup
     torch.manual_seed(0)
     drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))

@@ -137,9 +137,10 @@ def sample_scores(drafter: DFlash, target, data: Dataset, rule: str, anchors: in
 
 
 def scoring_rows(anchors: int, block: int, vocab: int, device: torch.device) -> int:
-    """Samples to score at once: as many as keep their block logits ([rows, anchors, block − 1, vocab], counted at
-    4 bytes) within a quarter of the device's free memory (CUDA) or 1 GiB (CPU), 1 to 64. (Four at a time took 14 s
-    for 2,048 probes of the 1.5B on the H200, most of it per-batch overhead.)"""
+    """Samples to score at once: as many as keep their block logits within a quarter of the device's free memory
+    (CUDA) or 1 GiB (CPU), 1 to 64, counted as [rows, anchors, block, vocab] at 4 bytes (an upper bound: the loss
+    holds the block − 1 predicted positions, bf16 on CUDA). (Four at a time took 14 s for 2,048 probes of the 1.5B
+    on the H200, most of it per-batch overhead.)"""
     budget = torch.cuda.mem_get_info(device)[0] // 4 if device.type == "cuda" else 1 << 30
     return max(1, min(64, budget // (anchors * block * vocab * 4)))
 
