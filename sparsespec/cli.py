@@ -185,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: 0, the target's)")
     td.add_argument("--storage", choices=["bf16", "fp8"], default="bf16", help="the drafter file's weights: bf16, or "
                     "fp8 (its matrices in FP8 with a scale per row: half the bytes; default: %(default)s)")
-    td.add_argument("--init", default=None, help="start from this drafter's weights (same shape; e.g. one trained "
-                    "in an earlier session on other prompts: --seed picks new ones); fresh optimiser and schedule")
+    td.add_argument("--init", default=None, help="start from this drafter's weights (same shape, e.g. one trained "
+                    "in an earlier session on other prompts: --seed picks new ones; or fewer layers than --layers: "
+                    "its layers first, the added ones starting as the identity); fresh optimiser and schedule")
     td.add_argument("--lr", type=_float, default=6e-4, help="AdamW peak learning rate (default: %(default)s)")
     td.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
     td.add_argument("--seed", type=int, default=0, help="seed of the prompts and the training (default: %(default)s)")

@@ -126,9 +126,40 @@ def test_a_run_can_start_from_an_earlier_drafter_of_the_same_shape(setup, tmp_pa
     assert came == {"path": str(tmp_path / "d.safetensors"), "heldout_tau": tau, "train": {"steps": 30}}
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
     assert acceptance(again.eval(), target.model, held) == pytest.approx(acceptance(first.eval(), target.model, held))
-    wider = DFlash(DFlashConfig(target.config, layers=2, block_size=4, taps=taps))
+    longer = DFlash(DFlashConfig(target.config, layers=1, block_size=5, taps=taps))
+    with pytest.raises(SparseSpecError, match="another drafter shape \\(block_size differ\\)"):
+        train.start_from(longer, tmp_path / "d")
+    deeper = DFlash(DFlashConfig(target.config, layers=2, block_size=4, taps=taps))
+    deeper.save(tmp_path / "deep", dtype=torch.float32, meta={"heldout_tau": tau})
     with pytest.raises(SparseSpecError, match="another drafter shape \\(layers differ\\)"):
-        train.start_from(wider, tmp_path / "d")
+        train.start_from(again, tmp_path / "deep")  # fewer layers than the file: refused
+
+
+def test_a_deeper_drafter_grows_from_a_shallower_one_and_drafts_alike_until_trained(setup, tmp_path):
+    """`--init` with more --layers than the file: its layers come first, each added one starts as the identity (zero
+    output projections), so the grown drafter's block hidden states — and its loss — equal the file's; a training
+    step then moves the added layers."""
+    target, data, held, taps = setup
+    cfg = TrainConfig(steps=20, batch=4, anchors=8, block_size=4, lr=3e-3, eval_every=20)
+    torch.manual_seed(3)
+    first = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    fit(first, target.model, data, held, cfg, log=lambda *_: None)
+    first.save(tmp_path / "d", dtype=torch.float32, meta={"heldout_tau": 1.5})
+    torch.manual_seed(4)
+    grown = DFlash(DFlashConfig(target.config, layers=3, block_size=4, taps=taps))
+    came = train.start_from(grown, tmp_path / "d")
+    assert came["grown_from_layers"] == 1 and came["heldout_tau"] == 1.5
+    assert torch.equal(grown.layers[0].self_attn.qkv_proj.weight, first.layers[0].self_attn.qkv_proj.weight)
+    assert grown.layers[2].self_attn.qkv_proj.weight.abs().sum() > 0  # the added layers keep their own init ...
+    assert grown.layers[2].mlp.down_proj.weight.abs().sum() == 0  # ... but add nothing yet
+    rows = torch.tensor([0, 3, 8])
+    anchors = train.sample_anchors(data, rows, 5, torch.Generator().manual_seed(2))
+    before, _, _ = train.block_loss(first.eval(), target.model, data, rows, anchors)
+    after, _, _ = train.block_loss(grown.eval(), target.model, data, rows, anchors)
+    assert torch.allclose(before, after, rtol=1e-6, atol=1e-6), (before, after)
+    fit(grown.train(), target.model, data, held, TrainConfig(steps=2, batch=4, anchors=8, block_size=4, lr=3e-3,
+                                                              eval_every=2), log=lambda *_: None)
+    assert grown.layers[2].mlp.down_proj.weight.abs().sum() > 0
 
 
 def test_train_refuses_a_missing_init_drafter_before_any_work(tmp_path, capsys):

@@ -313,8 +313,9 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
                  log=print, init: Path | None = None, storage: torch.dtype = torch.bfloat16,
                  ranks: Ranks | None = None, add_data: tuple[Path, ...] = ()) -> dict:
     """Train (or resume) a drafter for `engine`'s model into `out`; return the final summary. `init`: a drafter
-    of the same shape (e.g. one trained in an earlier session on other prompts) whose weights the run starts from
-    (a fresh optimiser and schedule); a checkpoint in `out` takes precedence. `storage`: the drafter file's dtype
+    of the same shape (e.g. one trained in an earlier session on other prompts), or of fewer layers (grown:
+    `start_from`), whose weights the run starts from (a fresh optimiser and schedule); a checkpoint in `out` takes
+    precedence. `storage`: the drafter file's dtype
     (bf16, or float8_e4m3fn: its matrices in FP8, half the bytes). `ranks`: data-parallel training, one process of
     several (`spec.ranks.spawn`): each answers its share of the prompts and trains on it, gradients averaged; only
     the main process logs and writes the checkpoint and the drafter. `add_data`: data sets of earlier runs with this
@@ -404,19 +405,32 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
 
 
 def start_from(drafter: DFlash, path: Path) -> dict:
-    """Copy the weights of the drafter at `path` into `drafter` (same shape: target, layers, block, taps, MLP
-    width); return where they came from (path, its held-out tau, its training and what it started from)."""
+    """Copy the weights of the drafter at `path` into `drafter`; return where they came from (path, its held-out
+    tau, its training and what it started from). Same shape (target, layers, block, taps, MLP width), or a deeper
+    `drafter` of otherwise the same shape: the file's layers become its first ones, and each added layer starts as
+    the identity (its attention and MLP output projections zero, so the residual passes through it unchanged: the
+    grown drafter drafts exactly as the file's until training moves them; "grown_from_layers" says so)."""
     other = DFlash.load(path)
-    if other.cfg.to_json() != drafter.cfg.to_json():
-        mine, theirs = drafter.cfg.to_json(), other.cfg.to_json()
-        changed = sorted(k for k in mine if mine[k] != theirs.get(k))
+    mine, theirs = drafter.cfg.to_json(), other.cfg.to_json()
+    changed = sorted(k for k in mine if mine[k] != theirs.get(k))
+    grow = changed == ["layers"] and other.cfg.layers < drafter.cfg.layers
+    if changed and not grow:
         raise SparseSpecError(f"--init {path} is another drafter shape ({' / '.join(changed)} differ): start it "
-                              f"with the same --layers / --block-size / --taps / --intermediate-size and target")
+                              f"with the same --layers (or more) / --block-size / --taps / --intermediate-size and "
+                              f"target")
+    theirs_state = other.state_dict()
     with torch.no_grad():
         for name, tensor in drafter.state_dict().items():
-            tensor.copy_(other.state_dict()[name])
+            if name in theirs_state:
+                tensor.copy_(theirs_state[name])
+        for layer in drafter.layers[other.cfg.layers:]:
+            for name, module in layer.named_modules():
+                if name.split(".")[-1] in ("o_proj", "down_proj"):
+                    for param in module.parameters():
+                        param.zero_()
     meta = json.loads(drafter_files(path)[1].read_text())
-    return {"path": str(path), **{k: meta[k] for k in ("heldout_tau", "train", "train_seconds", "init") if k in meta}}
+    came = {"path": str(path), **{k: meta[k] for k in ("heldout_tau", "train", "train_seconds", "init") if k in meta}}
+    return came | ({"grown_from_layers": other.cfg.layers} if grow else {})
 
 
 def check_settings(path: Path, settings: dict) -> None:
