@@ -1,6 +1,6 @@
 #!/bin/sh
 # On the device machine: one session's DFlash pipeline for a target, run detached so that it outlasts the calls
-# (issue 13's runs of the twenty-seventh and twenty-eighth sessions):
+# (issue 13's runs of the twenty-seventh to twenty-ninth sessions):
 #   setsid nohup sh scripts/gpu_dflash_session.sh MODEL.gguf TARGET_NAME [train dflash options ...] > LOG 2>&1 &
 # 1. trains a drafter into /root/run (`scripts/gpu_train_dflash.sh`, OUT unset; e.g. --init FILE --seed N to go on
 #    from a shipped drafter), 2. splits it into 15 MiB parts in /root/parts (with its json), and the answers' tokens
@@ -13,11 +13,12 @@
 #      fp32   HumanEval, T = 0, batch 8, target in fp32, 164           batch 1, 48 (150 s)
 #             problems, no compile (300 s; greedy identity)
 #    each with DRAFTERS (default "dflash:D ngram+dflash:D", D the drafter); LIMIT (seconds) replaces every limit.
-# SKIP_TRAIN=1 benches the drafter already in /root/run, or DRAFTER (a path without .safetensors, e.g. the shipped
+# RUN: the run folder (default /root/run; passed on to gpu_train_dflash.sh). SKIP_TRAIN=1 benches the drafter
+# already in it, or DRAFTER (a path without .safetensors, e.g. the shipped
 # sparsespec/drafters/qwen2.5-coder-1.5b-dflash). Each line of progress goes to the log with the time.
 model=$1; name=$2; shift 2
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-D=${DRAFTER:-/root/run/drafter}; E=/root/eval; mkdir -p $E
+R=${RUN:-/root/run}; D=${DRAFTER:-$R/drafter}; E=/root/eval; mkdir -p $E
 if [ -z "$SKIP_TRAIN" ]; then
   echo "train start $(date +%T)"
   OUT= sh scripts/gpu_train_dflash.sh "$model" "$@" > /root/train.out 2>&1
@@ -26,7 +27,7 @@ fi
 [ -f $D.safetensors ] || { echo "no drafter at $D.safetensors"; exit 1; }
 if [ -z "$SKIP_TRAIN" ]; then  # the drafter, and the answers' tokens for a later --add-data, in parts to copy back
   rm -rf /root/parts && python3 scripts/chunks.py split $D.safetensors /root/parts --size 15 && cp $D.json /root/parts/
-  rm -rf /root/dataparts && python3 scripts/chunks.py split /root/run/data.safetensors /root/dataparts --size 15
+  rm -rf /root/dataparts && python3 scripts/chunks.py split $R/data.safetensors /root/dataparts --size 15
 fi
 while pgrep -f pytest > /dev/null; do sleep 3; done
 bench() {  # NAME SECONDS [bench spec options ...]

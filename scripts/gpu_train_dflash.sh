@@ -13,9 +13,11 @@
 # brings data.safetensors back in parts, reassembled with chunks.py). Options as `sparsespec train dflash`, e.g.
 #   --prompts 12288 --heldout 64 --gen-batch 256 --layers 3 --intermediate-size 2048 --time-limit 840
 # On a machine of several GPUs (the nvidia-h200-x2 kind), --processes 2 trains on both (one process each).
+# RUN (default /root/run): another run folder, e.g. two drafter shapes compared on the same answers — copy the first
+# run's data.safetensors and heldout.safetensors into the second's folder before it starts (it then skips answering).
 model=$1; shift
 export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-run=/root/run
+run=${RUN:-/root/run}
 mkdir -p $run
 if [ -z "$SKIP_TRAIN" ]; then
   python3 -m sparsespec train dflash --target "$model" --device cuda --out $run --progress "$@" 2>&1 \
