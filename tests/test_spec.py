@@ -322,7 +322,7 @@ def test_lookup_first_copies_where_the_history_recurs_and_drafts_elsewhere():
     # row 0 recurs (1, 2, 3 -> 4, 1, 2, 3); row 1 does not; row 2 has stopped; row 3's lookup finds one token, too few
     histories = [[1, 2, 3, 4, 1, 2, 3], [1, 2, 3, 4, 5], None, [7, 7, 7]]
     drafts, counts = d.propose_greedy(histories, [5, 5, 5, 5], torch.device("cpu"))
-    assert counts == [4, 5, 0, 5] and d.drafter.calls == 1
+    assert counts == [4, 5, 0, 5] and d.drafter.calls == 1 and d.copied() == [True, False, False, False]
     assert drafts[0, :4].tolist() == [4, 1, 2, 3] and drafts[1].tolist() == drafts[3].tolist() == [9] * 5
     # every decoding row copies: the drafter is not asked
     d.start([[0]] * 2, None, 64)
@@ -337,6 +337,30 @@ def test_lookup_first_copies_where_the_history_recurs_and_drafts_elsewhere():
     out = speculative_generate(target, [[7, 8] * 15], LookupFirst(DFlashDrafter(tiny_dflash(target, block=3),
                                                                                 target.model), min_n=2), gen, 8)[0]
     assert out.token_ids == target.generate([[7, 8] * 15], gen).token_ids[0] and max(out.committed) <= 3
+    # each verify step says which source it checked: a copy from the history, or the drafter's block (every token
+    # occurs in this prompt, so a lookup of one token copies at the first step whatever the model says)
+    prompt = list(range(64)) * 2
+    two = speculative_generate(target, [prompt], LookupFirst(DFlashDrafter(tiny_dflash(target, block=5),
+                                                                           target.model), min_n=1, min_tokens=1),
+                               gen, 5)[0]
+    assert len(two.copied) == len(two.committed) and two.copied[0]
+    assert two.token_ids == target.generate([prompt], gen).token_ids[0]
+    alone = speculative_generate(target, [[7, 8] * 15], DFlashDrafter(tiny_dflash(target, block=3), target.model),
+                                 gen, 8)[0]
+    assert alone.copied == [] and DFlashDrafter(tiny_dflash(target, block=3), target.model).copied() is None
+
+
+def test_the_report_splits_a_two_source_drafters_steps_into_copied_and_drafted():
+    from sparsespec.spec.bench import report
+
+    rows = [{"drafter": "ngram+dflash", "kind": "code", "temperature": 0.0, "tokens": 9, "steps": 4,
+             "committed": [5, 1, 2, 1], "copied": [True, False, False, True], "tokens_per_s": 9.0,
+             "plain_tokens_per_s": 3.0, "identical": True},
+            {"drafter": "dflash", "kind": "code", "temperature": 0.0, "tokens": 6, "steps": 3, "committed": [2, 2, 2],
+             "tokens_per_s": 6.0, "plain_tokens_per_s": 3.0, "identical": True}]
+    table = report(rows, None, "t")
+    assert "- ngram+dflash, code, T = 0: verify steps copied 2 (50%), τ 3.00; drafted 2 (50%), τ 1.50" in table
+    assert "- dflash" not in table
 
 
 def test_bad_drafter_requests_are_one_line_errors(tmp_path):

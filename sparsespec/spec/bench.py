@@ -156,6 +156,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                                      "batch": len(group), "tokens": len(s.token_ids), "steps": s.steps,
                                      "tau": s.tau, "committed": s.committed, "tokens_per_s": tps,
                                      "plain_tokens_per_s": plain_tps, "speedup": speedup, "identical": same,
+                                     **({"copied": s.copied} if s.copied else {}),
                                      "divergence": None if same in (None, True) else divergence(
                                          engine, prompt, ref, s.token_ids, s.committed, cfg.block_size, gen,
                                          drafter.taps, runners)})
@@ -254,8 +255,9 @@ def _output_rate(tokens: list[int], seconds: float) -> float:
 
 
 def report(rows: list[dict], out: Path | None, title: str) -> str:
-    """Markdown table per (drafter, kind, T): τ, tokens/s, plain tokens/s, speedup, identical outputs; and a
-    histogram plot of tokens committed per verify step. Rates are over the whole set (its tokens over its seconds),
+    """Markdown table per (drafter, kind, T): τ, tokens/s, plain tokens/s, speedup, identical outputs, then for a
+    drafter of two sources its copied and drafted steps (`source_line`); and a histogram plot of tokens committed
+    per verify step. Rates are over the whole set (its tokens over its seconds),
     so the speedup is the set's wall-clock ratio: a mean of per-prompt rates would weigh a prompt the drafter
     copies whole (10x) as much as one it barely helps, though it takes a fraction of the time."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -276,11 +278,25 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
             ident += f" ({ties} of {len(diverged)} at near-ties, {again} reproduced)"
         speedup = f"{tps / ptps:.2f}x" if ptps > 0 else "-"
         lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | {speedup} | {ident} |")
-    table = "\n".join(lines)
+    sources = [source_line(d, kind, T, g) for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
+               if any(r.get("copied") for r in g)]
+    table = "\n".join(lines + ([""] + sources if sources else []))
     if out is not None:
         (out / "spec.md").write_text(table + "\n")
         _plot(rows, out / "spec_histogram.png", title)
     return table
+
+
+def source_line(drafter: str, kind: str, T: float, rows: list[dict]) -> str:
+    """For a drafter of two sources (prompt lookup first): the share of verify steps that checked a copy, and τ
+    over the copied and over the drafted steps."""
+    steps = [(c, k) for r in rows for c, k in zip(r.get("copied", []), r["committed"])]
+    parts = []
+    for name, flag in (("copied", True), ("drafted", False)):
+        mine = [k for c, k in steps if c == flag]
+        parts.append(f"{name} {len(mine)} ({100 * len(mine) / max(1, len(steps)):.0f}%), τ "
+                     f"{sum(mine) / len(mine) if mine else float('nan'):.2f}")
+    return f"- {drafter}, {kind}, T = {T:g}: verify steps {'; '.join(parts)}"
 
 
 def _set_rate(rows: list[dict], key: str) -> float:

@@ -39,6 +39,8 @@ class SpecGeneration:
     ttft_s: float
     decode_s: float
     committed: list[int] = field(default_factory=list)  # tokens committed per verify step (accepted + 1)
+    copied: list[bool] = field(default_factory=list)  # per verify step: it checked a prompt lookup's copy (a
+    #                                                  drafter of two sources, `--draft ngram+...`; else empty)
 
     @property
     def steps(self) -> int:
@@ -97,6 +99,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     outs = [[f] for f in firsts]
     live = [not engine._stopped(out, gen) for out in outs]
     committed_per_step: list[list[int]] = [[] for _ in prompts]
+    copied_per_step: list[list[bool]] = [[] for _ in prompts]
     start = time.perf_counter()
     while any(live):
         lengths = runner.cache.lengths  # row r's pending token goes to slot lengths[r] (= len(history) - 1)
@@ -104,6 +107,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         # a stopped row is parked at slot 0
         commits = speculative_step(runner, drafter, [h if on else None for h, on in zip(histories, live)], ks,
                                    [gen.sampling] * len(prompts), rngs, block_size, [0] * len(prompts))
+        sources = drafter.copied()
         for r, new in enumerate(commits):
             if new is None:
                 continue
@@ -116,11 +120,13 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
                     live[r] = False
                     break
             committed_per_step[r].append(used)
+            if sources is not None:
+                copied_per_step[r].append(sources[r])
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     decode_s = time.perf_counter() - start
-    return [SpecGeneration(out, engine._text(out, gen), len(p), ttft, decode_s, steps)
-            for out, p, steps in zip(outs, prompts, committed_per_step)]
+    return [SpecGeneration(out, engine._text(out, gen), len(p), ttft, decode_s, steps, copies)
+            for out, p, steps, copies in zip(outs, prompts, committed_per_step, copied_per_step)]
 
 
 def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],

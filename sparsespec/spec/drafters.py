@@ -88,6 +88,11 @@ class Drafter(ABC):
     def commit(self, lengths: list[int | None], accepted: list[int | None], features: torch.Tensor | None) -> None:
         """Default: nothing to update (stateless drafters)."""
 
+    def copied(self) -> list[bool] | None:
+        """Per row, whether its last proposals were copied by a prompt lookup rather than drafted (a drafter of two
+        sources, `LookupFirst`); None for a drafter of one source."""
+        return None
+
 
 def _sampled(logits: torch.Tensor, cfg: SamplingConfig, rng: torch.Generator | None):
     """logits [V] -> (the drafted token [1], the distribution it came from [V] or None when greedy)."""
@@ -156,6 +161,7 @@ class LookupFirst(Drafter):
         if min_tokens < 1:
             raise SparseSpecError(f"min_tokens must be >= 1, got {min_tokens}")
         self.drafter, self.lookup, self.min_tokens = drafter, NgramDrafter(max_n, min_n), min_tokens
+        self.took: list[bool] = []  # per row: the last step's proposals are the lookup's
         self.name, self.taps, self.point_mass = f"ngram+{drafter.name}", drafter.taps, True
         # a copied block is verified, and its features reach the drafter's context, like one of the drafter's own
         self.max_proposals = drafter.max_proposals
@@ -181,6 +187,7 @@ class LookupFirst(Drafter):
         short = [k if self.max_proposals is None else min(k, self.max_proposals) for k in ks]
         looked, _ = self.lookup.propose(histories, short, [SamplingConfig()] * len(histories), [None] * len(histories))
         use = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
+        self.took = use
         if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft
             drafts, counts = torch.zeros(len(histories), 0, dtype=torch.long, device=device), [0] * len(histories)
         else:
@@ -196,6 +203,9 @@ class LookupFirst(Drafter):
 
     def commit(self, lengths, accepted, features):
         self.drafter.commit(lengths, accepted, features)
+
+    def copied(self):
+        return self.took
 
 
 class _Lookup:
