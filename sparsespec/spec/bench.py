@@ -257,9 +257,9 @@ def _output_rate(tokens: list[int], seconds: float) -> float:
 def report(rows: list[dict], out: Path | None, title: str) -> str:
     """Markdown table per (drafter, kind, T): τ, tokens/s, plain tokens/s, speedup, identical outputs, then for a
     drafter of two sources its copied and drafted steps (`source_line`); and a histogram plot of tokens committed
-    per verify step. Rates are over the whole set (its tokens over its seconds),
-    so the speedup is the set's wall-clock ratio: a mean of per-prompt rates would weigh a prompt the drafter
-    copies whole (10x) as much as one it barely helps, though it takes a fraction of the time."""
+    per verify step. Rates are over the whole set (its tokens over its seconds), so the speedup is the set's
+    wall-clock ratio: a mean of per-prompt rates would weigh a prompt the drafter copies whole (10x) as much as one
+    it barely helps, though it takes a fraction of the time."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["drafter"], r["kind"], r["temperature"])].append(r)
