@@ -315,12 +315,11 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     """Train (or resume) a drafter for `engine`'s model into `out`; return the final summary. `init`: a drafter
     of the same shape (e.g. one trained in an earlier session on other prompts), or of fewer layers (grown:
     `start_from`), whose weights the run starts from (a fresh optimiser and schedule); a checkpoint in `out` takes
-    precedence. `storage`: the drafter file's dtype
-    (bf16, or float8_e4m3fn: its matrices in FP8, half the bytes). `ranks`: data-parallel training, one process of
-    several (`spec.ranks.spawn`): each answers its share of the prompts and trains on it, gradients averaged; only
-    the main process logs and writes the checkpoint and the drafter. `add_data`: data sets of earlier runs with this
-    target (their `data.safetensors`: the tokens of its answers) added to the answers regenerated here, prompts
-    answered twice once."""
+    precedence. `storage`: the drafter file's dtype (bf16, or float8_e4m3fn: its matrices in FP8, half the
+    bytes). `ranks`: data-parallel training, one process of several (`spec.ranks.spawn`): each answers its share of
+    the prompts and trains on it, gradients averaged; only the main process logs and writes the checkpoint and the
+    drafter. `add_data`: data sets of earlier runs with this target (their `data.safetensors`: the tokens of its
+    answers) added to the answers regenerated here, prompts answered twice once."""
     ranks = ranks or Ranks.current()
     if not ranks.main:
         progress, log = False, lambda *_: None
@@ -423,11 +422,10 @@ def start_from(drafter: DFlash, path: Path) -> dict:
         for name, tensor in drafter.state_dict().items():
             if name in theirs_state:
                 tensor.copy_(theirs_state[name])
-        for layer in drafter.layers[other.cfg.layers:]:
-            for name, module in layer.named_modules():
-                if name.split(".")[-1] in ("o_proj", "down_proj"):
-                    for param in module.parameters():
-                        param.zero_()
+        for layer in drafter.layers[other.cfg.layers:]:  # added layers: their residual branches add nothing yet
+            for name, param in layer.named_parameters():
+                if name.split(".")[-2] in ("o_proj", "down_proj"):
+                    param.zero_()
     meta = json.loads(drafter_files(path)[1].read_text())
     came = {"path": str(path), **{k: meta[k] for k in ("heldout_tau", "train", "train_seconds", "init") if k in meta}}
     return came | ({"grown_from_layers": other.cfg.layers} if grow else {})
