@@ -30,6 +30,20 @@ def setup():
     return target, data, held, taps
 
 
+def test_regenerate_answers_each_prompt_in_its_place():
+    """Answered in order of length, batch by batch through one runner pool: row i is prompt i and the target's own
+    greedy answer to it, whichever batch answered it."""
+    target = tiny_engine(5, vocab=48, scale=4.0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 48, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (11,), generator=g)]
+    data = regenerate(target, prompts, (0, 1), 12, 4)
+    gen = GenerationConfig(max_new_tokens=12)
+    for i, p in enumerate(prompts):
+        start = int(data.starts[i])
+        assert data.sequence(i)[:start] == p
+        assert data.sequence(i)[start:] == target.generate([p], gen).token_ids[0], i
+
+
 def _train(setup, monkeypatch=None, mask=None, labels=None):
     target, data, held, taps = setup
     torch.manual_seed(0)

@@ -28,6 +28,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..kernels import triton_ready
 from ..progress import progress_bar
+from ..runner import RunnerPool
 from .dflash import DFlash, DFlashConfig, block_labels, block_mask, default_taps, drafter_files, loss_weights
 from .prompts import KINDS, make_prompts
 from .ranks import Ranks
@@ -194,19 +195,24 @@ def tapped_features(engine: Engine, tokens: torch.Tensor, offsets: torch.Tensor,
 @torch.no_grad()  # not inference_mode: training saves these tensors for backward
 def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], max_new: int, batch: int,
                progress: bool = False, label: str = "data") -> Dataset:
-    """The target answers every prompt (token ids) greedily; its tapped features over prompt + answer."""
+    """The target answers every prompt (token ids) greedily; its tapped features over prompt + answer. The prompts
+    are answered `batch` at a time in order of length (a batch's prompts alike, its cache one size bucket) through
+    one `RunnerPool`, so a batch of a size seen before replays the captured step instead of capturing its own; the
+    answers come back in the prompts' order."""
     gen = GenerationConfig(max_new_tokens=max_new)
-    seqs, starts = [], []
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    runners = RunnerPool()
     with progress_bar() as bar:
         task = bar.add_task(f"{label}: target answers", total=len(prompts), visible=progress)
-        for i in range(0, len(prompts), batch):
-            ids = prompts[i:i + batch]
-            out = engine.generate(ids, gen)
-            for p, r in zip(ids, out.token_ids):
-                seqs.append(p + r)
-                starts.append(len(p))
-            bar.advance(task, len(ids))
-    return packed(engine, seqs, starts, taps, batch)
+        for i in range(0, len(order), batch):
+            rows = order[i:i + batch]
+            out = engine.generate([prompts[r] for r in rows], gen, runners=runners)
+            for r, answer in zip(rows, out.token_ids):
+                answers[r] = answer
+            bar.advance(task, len(rows))
+    del runners  # their caches, before the features pass
+    return packed(engine, [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts], taps, batch)
 
 
 def packed(engine: Engine, seqs: list[list[int]], starts: list[int], taps: tuple[int, ...], batch: int) -> Dataset:
