@@ -2,6 +2,8 @@
 odd sizes (make test), on the GPU at full sizes when CUDA is there. Inputs are fresh random draws per case; where a
 float sum's order could flip a sign, the inputs are small dyadic numbers whose sums are exact in any order."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -159,12 +161,17 @@ def test_select_topk_equals_reference(S, Hkv, key_bits, spread):
         scores[0, 3] = float("-inf")
         scores[-1, 1] = float("inf")
         keys = ordered_keys(scores)
-    for tokens, k in ([(5, 9, 2), 12], [(S, S, S), S], [(1, 1, 1), 8], [(60, 2, 4), 64]):
+    widths = ([(5, 9, 2), 12], [(S, S, S), S], [(1, 1, 1), 8], [(60, 2, 4), 64])
+    forced = ((0, 0), (2, 3), (4, 40))
+    # every width with every forced set on the GPU; on the interpreter (minutes for the whole product) each width
+    # once and each forced set at least once, the many-block and candidate paths (window 3) with two widths
+    combos = (itertools.product(widths, forced) if DEVICE == "cuda" else
+              zip(widths, (forced[1], forced[2], forced[0], forced[1])))
+    for (tokens, k), (sinks, window) in combos:
         tokens = torch.tensor(tokens, dtype=torch.int32, device=DEVICE)
-        for sinks, window in ((0, 0), (2, 3), (4, 40)):
-            forced_from = positions + 1
-            _check_selection(keys, positions, tokens, forced_from, k, key_bits, sinks=sinks, window=window,
-                             blocks=(2048, 32) if window == 3 else (2048,), candidates=window == 3)
+        forced_from = positions + 1
+        _check_selection(keys, positions, tokens, forced_from, k, key_bits, sinks=sinks, window=window,
+                         blocks=(2048, 32) if window == 3 else (2048,), candidates=window == 3)
     # slots from forced_from on (BinaryPC: not yet encoded) and a policy's forced list
     forced_from = torch.tensor([S - 3, S // 2 - 1, 0], dtype=torch.int32, device=DEVICE)
     extra = torch.randint(0, S, (B * Hkv, 6), generator=g).int().to(DEVICE)
