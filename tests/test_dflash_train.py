@@ -384,6 +384,8 @@ def test_the_cuda_loss_equals_the_cpu_loss(setup):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), (a - b).abs().max()
 
 
+@pytest.mark.skipif(CUDA, reason="runs the kernel on CPU tensors (Triton's interpreter, set only without CUDA); "
+                    "test_the_cuda_loss_equals_the_cpu_loss checks it on the GPU")
 def test_the_loss_through_the_triton_cross_entropy_equals_the_torch_loss(setup, monkeypatch):
     """The CUDA path of `block_ce` (the Triton kernel, here in its CPU interpreter) gives the CPU path's loss and
     gradients."""
