@@ -21,7 +21,7 @@ export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 R=${RUN:-/root/run}; D=${DRAFTER:-$R/drafter}; E=/root/eval; mkdir -p $E
 if [ -z "$SKIP_TRAIN" ]; then
   echo "train start $(date +%T)"
-  OUT= sh scripts/gpu_train_dflash.sh "$model" "$@" > /root/train.out 2>&1
+  OUT= sh scripts/gpu_train_dflash.sh "$model" --target-name "$name" "$@" > /root/train.out 2>&1
   echo "train done $(date +%T)"
 fi
 [ -f $D.safetensors ] || { echo "no drafter at $D.safetensors"; exit 1; }

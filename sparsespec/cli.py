@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     td = trs.add_parser("dflash", help="train a DFlash block-diffusion drafter on the target's own answers")
     td.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder "
                     "(default: %(default)s)")
+    td.add_argument("--target-name", default=None, help="registry name of a --target given as a path: the name the "
+                    "drafter's json records as its target (default: --target as given)")
     td.add_argument("--out", required=True, help="folder for data, checkpoints and the drafter (resumes from it)")
     _positive_options(td, ("prompts", 512, "training prompts (half code, half text) the target answers"),
                       ("heldout", 32, "held-out prompts for the acceptance (tau) estimate"), *_DATA_OPTIONS,
@@ -614,7 +616,7 @@ def _train(args, cfg) -> None:
     progress = ranks.main and (args.progress or sys.stderr.isatty())
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     out = Path(args.out)
-    summary = train_dflash(engine, cfg, out, args.target, progress=progress,
+    summary = train_dflash(engine, cfg, out, args.target_name or args.target, progress=progress,
                            log=lambda m: print(m, file=sys.stderr, flush=True),
                            init=Path(args.init) if args.init else None,
                            storage=torch.float8_e4m3fn if args.storage == "fp8" else torch.bfloat16, ranks=ranks,
