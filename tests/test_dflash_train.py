@@ -32,7 +32,7 @@ def setup():
 
 def test_regenerate_answers_each_prompt_in_its_place():
     """Answered in order of length, batch by batch through one runner pool: row i is prompt i and the target's own
-    greedy answer to it, whichever batch answered it."""
+    greedy answer to it, whichever batch answered it, with that sequence's own features."""
     target = tiny_engine(5, vocab=48, scale=4.0)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 48, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (11,), generator=g)]
@@ -42,6 +42,11 @@ def test_regenerate_answers_each_prompt_in_its_place():
         start = int(data.starts[i])
         assert data.sequence(i)[:start] == p
         assert data.sequence(i)[start:] == target.generate([p], gen).token_ids[0], i
+        # its features (computed in passes of like lengths) are the sequence's own, as a pass of it alone gives them
+        seq = torch.tensor(data.sequence(i))
+        alone = train.tapped_features(target, seq, torch.tensor([0, len(seq)]), (0, 1), 1)
+        here = data.features[int(data.offsets[i]):int(data.offsets[i + 1])]
+        torch.testing.assert_close(here.float(), alone.float(), rtol=1e-2, atol=1e-2)
 
 
 def _train(setup, monkeypatch=None, mask=None, labels=None):

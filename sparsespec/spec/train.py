@@ -172,15 +172,17 @@ def fingerprint(engine: Engine) -> str:
 def tapped_features(engine: Engine, tokens: torch.Tensor, offsets: torch.Tensor, taps: tuple[int, ...],
                     batch: int) -> torch.Tensor:
     """The target's tapped layer outputs [S, taps * H] (bf16) over packed sequences (tokens [S], offsets [N + 1]),
-    `batch` sequences a forward pass, each pass padded only to its own longest sequence."""
+    `batch` sequences a forward pass in order of length, each pass padded only to its own longest sequence."""
     from ..cache import KVCache
 
     device = engine.device
     tokens, offsets = tokens.to(device), offsets.to(device)
     width = len(taps) * engine.config.hidden_size
     out = torch.empty(tokens.shape[0], width, dtype=torch.bfloat16, device=device)
-    for i in range(0, offsets.shape[0] - 1, batch):
-        lo, hi = offsets[i:i + batch + 1][:-1], offsets[i:i + batch + 1][1:]
+    order = torch.argsort(offsets[1:] - offsets[:-1], stable=True)  # [N] shortest first: passes of like lengths
+    for i in range(0, order.shape[0], batch):
+        rows = order[i:i + batch]
+        lo, hi = offsets[rows], offsets[rows + 1]
         lengths = hi - lo
         T = int(lengths.max())
         at = torch.arange(T, device=device)
