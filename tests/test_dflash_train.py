@@ -121,6 +121,17 @@ def test_fit_resumes_and_always_ends_with_an_evaluation(setup, tmp_path):
     assert [h["step"] for h in history2] == [12] and tau2 == pytest.approx(tau)  # nothing left to do: same weights
 
 
+def test_a_run_from_an_earlier_drafter_first_evaluates_it_on_its_held_out_prompts(setup, tmp_path):
+    target, data, held, taps = setup
+    cfg = TrainConfig(steps=3, batch=2, anchors=4, block_size=4, eval_every=5)
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps))
+    before = acceptance(copy.deepcopy(drafter).eval(), target.model, held)
+    tau, history = fit(drafter, target.model, data, held, cfg, tmp_path / "ckpt.pt", log=lambda *_: None,
+                       evaluate_first=True)
+    assert [h["step"] for h in history] == [0, 3] and tau == history[-1]["heldout_tau"]
+    assert history[0]["heldout_tau"] == pytest.approx(before)
+
+
 def test_a_run_folder_refuses_other_settings(tmp_path):
     from sparsespec.errors import SparseSpecError
 

@@ -381,7 +381,8 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         f"({data_s:.0f} s{f', {ranks.size} processes' if ranks.size > 1 else ''})")
 
     t0 = time.perf_counter()
-    tau, history = fit(drafter, engine.model, data, held, cfg, out / "checkpoint.pt", progress, log, ranks)
+    tau, history = fit(drafter, engine.model, data, held, cfg, out / "checkpoint.pt", progress, log, ranks,
+                       evaluate_first=init is not None)
     train_s = time.perf_counter() - t0
     with autocast_for(device):
         decoding_tau = decoding_acceptance(drafter.eval(), engine.model, held, ranks=ranks)[0]
@@ -504,13 +505,16 @@ def learning_rate(cfg: TrainConfig, progress: float) -> float:
 
 
 def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig, ckpt: Path | None = None,
-        progress: bool = False, log=print, ranks: Ranks = Ranks()) -> tuple[float, list[dict]]:
+        progress: bool = False, log=print, ranks: Ranks = Ranks(),
+        evaluate_first: bool = False) -> tuple[float, list[dict]]:
     """Optimise `drafter` on `data` for cfg.steps or cfg.time_limit seconds of optimisation, whichever ends first
     (resuming from `ckpt` if present, saving it at every evaluation); return (final held-out tau,
     [{step, loss, heldout_tau, seconds}]). The schedule follows the progress, max(steps done / cfg.steps, optimisation
     time / cfg.time_limit): a time limit ends training on time whatever the steps cost (evaluations not counted;
     a resumed run continues the clock it saved). Data-parallel (`ranks`): each process draws its own rows of its own
-    `data`, gradients are averaged, the clock is the slowest process's, and only the main process writes."""
+    `data`, gradients are averaged, the clock is the slowest process's, and only the main process writes.
+    `evaluate_first`: a run that starts (not resumes) from an earlier drafter evaluates it before the first step, so
+    the history's first row is that drafter on this run's held-out prompts (step 0, loss nan)."""
     device = data.tokens.device
     opt = torch.optim.AdamW(drafter.parameters(), lr=0.0, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, spent = 0, 0.0  # optimisation steps and seconds so far
@@ -540,6 +544,8 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
         return tau
 
     tau, loss_value = float("nan"), float("nan")
+    if evaluate_first and step == 0:
+        tau = evaluate(loss_value)
     with progress_bar() as bar:
         task = bar.add_task("train dflash", total=1000, completed=int(1000 * min(1.0, done())), visible=progress)
         while done() < 1:
