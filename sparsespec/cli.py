@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "in an earlier session on other prompts: --seed picks new ones; or fewer layers than --layers: "
                     "its layers first, the added ones starting as the identity); fresh optimiser and schedule")
     td.add_argument("--lr", type=_float, default=6e-4, help="AdamW peak learning rate (default: %(default)s)")
+    td.add_argument("--warmup", type=_float, default=0.04, help="share of the run over which the rate rises "
+                    "linearly to --lr before its cosine decay, in [0, 1) (default: %(default)s; a run from --init "
+                    "starts from trained weights and may want less, or a lower --lr)")
     td.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
     td.add_argument("--seed", type=int, default=0, help="seed of the prompts and the training (default: %(default)s)")
     td.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
@@ -586,7 +589,7 @@ def cmd_train(args) -> None:
     cfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
                       gen_batch=_gen_batch(args), layers=args.layers, block_size=args.block_size, taps=args.taps,
                       intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
-                      anchors=args.anchors, lr=args.lr, eval_every=args.eval_every,
+                      anchors=args.anchors, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
                       time_limit=args.time_limit, seed=args.seed,
                       kinds=tuple(k.strip() for k in args.kinds.split(",")))  # invalid options fail before any process
     _writable_folder(args.out)

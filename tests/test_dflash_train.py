@@ -192,6 +192,16 @@ def test_a_deeper_drafter_grows_from_a_shallower_one_and_drafts_alike_until_trai
     assert grown.layers[2].mlp.down_proj.weight.abs().sum() > 0
 
 
+@pytest.mark.parametrize("warmup", ["1", "-0.1", "abc"])
+def test_train_refuses_a_warmup_outside_its_range_in_one_line(tmp_path, capsys, warmup):
+    from sparsespec.cli import main
+
+    assert main(["train", "dflash", "--out", str(tmp_path / "run"), "--warmup", warmup]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("warmup" in err[0]), err
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_refuses_a_missing_init_drafter_before_any_work(tmp_path, capsys):
     from sparsespec.cli import main
 
