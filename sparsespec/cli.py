@@ -293,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--row-invariant", action="store_true", help=ROW_INVARIANT_HELP)
     sp.add_argument("--out", default=None, help="folder for spec.jsonl, spec.md and spec_histogram.png (a rerun "
                     "with the same settings resumes it)")
+    sp.add_argument("--time-limit", type=_float, default=0, help="seconds: start no prompt batch after this long "
+                    "(the first always runs) and report the prompts measured, each with every drafter and "
+                    "temperature; a rerun into the same --out goes on (default: 0, none)")
 
     for what, text in (("attention", "one sparse attention layer vs SDPA (flash), random keys in real shapes"),
                        ("decode", "the whole decode step: dense CUDA graph vs the graph-captured sparse step")):
@@ -710,6 +713,8 @@ def cmd_bench(args) -> None:
                       kinds=tuple(k.strip() for k in args.kinds.split(",")), temperatures=temps,
                       max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars,
                       batch=args.batch)
+    if args.time_limit < 0:
+        raise SparseSpecError(f"--time-limit must be >= 0 seconds, got {args.time_limit:g}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     name = args.target_name or args.target
     settings = {"target": args.target, "target_name": args.target_name, "dtype": dtype, "device": args.device,
@@ -732,7 +737,8 @@ def cmd_bench(args) -> None:
     out = _writable_folder(args.out) if args.out else None  # only now: a refused run leaves no folder behind
     if out is not None:
         record_settings(out, settings, ROW_FILES)
-    rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph, compile=args.compile)
+    rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph, compile=args.compile,
+                     time_limit=args.time_limit)
     device = torch_device_name(args.device)
     print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, real weights) on {device}, block "
                             f"{cfg.block_size}, {cfg.max_new_tokens} new tokens, held-out prompts"))

@@ -472,6 +472,35 @@ def test_bench_writes_each_row_as_measured_and_a_rerun_resumes(tmp_path):
     assert run_bench(engine, {"a": a}, cfg, tmp_path) == rows[::2] and a.starts == 0  # only the drafters asked
 
 
+def test_bench_stops_at_its_time_limit_with_whole_prompts_and_a_rerun_goes_on(tmp_path):
+    from sparsespec.spec.bench import BenchConfig, run_bench
+
+    from .conftest import byte_engine
+
+    engine = byte_engine()
+    cfg = BenchConfig(drafters=("a", "b"), prompts=3, kinds=("code",), temperatures=(0.0, 1.0), max_new_tokens=6,
+                      block_size=3)
+    said = []
+    rows = run_bench(engine, {"a": _Counted(), "b": _Counted()}, cfg, tmp_path, time_limit=1e-9, log=said.append)
+    # the first prompt always runs, with every temperature and drafter; the next is not started
+    assert sorted((r["prompt"], r["temperature"], r["drafter"]) for r in rows) == [
+        (0, T, d) for T in (0.0, 1.0) for d in ("a", "b")]
+    assert len(said) == 1 and "stopped before prompt 1, 1 of 3" in said[0]
+    a = _Counted()
+    rows = run_bench(engine, {"a": a, "b": _Counted()}, cfg, tmp_path, time_limit=1e-9, log=said.append)
+    assert a.starts == 2 and sorted({r["prompt"] for r in rows}) == [0, 1]  # one more prompt (two temperatures)
+    rows = run_bench(engine, {"a": _Counted(), "b": _Counted()}, cfg, tmp_path, log=said.append)
+    assert len(rows) == 3 * 2 * 2 and len(said) == 2 and all(r["identical"] for r in rows if r["temperature"] == 0)
+
+
+def test_bench_spec_refuses_a_negative_time_limit_in_one_line(capsys):
+    from sparsespec.cli import main
+
+    assert main(["bench", "spec", "--time-limit", "-1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--time-limit" in err[0], err
+
+
 def test_bench_decodes_batches_of_prompts_together(tmp_path):
     from sparsespec.spec.bench import BenchConfig, run_bench
 

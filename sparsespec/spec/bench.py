@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import Counter, defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -111,12 +112,16 @@ class BenchConfig:
 
 
 def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, out: Path | None = None,
-              progress: bool = False, cuda_graph: bool = True, compile: bool = False) -> list[dict]:
+              progress: bool = False, cuda_graph: bool = True, compile: bool = False, time_limit: float = 0.0,
+              log=print) -> list[dict]:
     """One row per (prompt, temperature, drafter); with `out`, each row is appended to out/spec.jsonl as it is
     measured and the rows already there are skipped (plain decoding too where every drafter's rows are there).
     Prompts run in batches of `cfg.batch` (of one kind, seeded by their first prompt): plain and speculative
     decoding each decode the batch together, and a row's tokens/s is its batch's output tokens per second.
-    Returns the rows of `drafters` and `cfg.temperatures`."""
+    `time_limit` (seconds, 0: none): no batch that still has rows to measure starts once the run has taken that
+    long (the first always runs), so every measured prompt has its rows for every temperature and drafter; `log`
+    says where it stopped (a rerun into the same `out` goes on from there). Returns the rows of `drafters` and
+    `cfg.temperatures`."""
     prompts = [(kind, [p for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed, cfg.long_chars)])
                for kind in cfg.kinds]
     groups, i = [], 0  # (index of the first prompt, prompts)
@@ -129,12 +134,19 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
     rows = read_rows(out / "spec.jsonl") if out is not None else []
     done = {(r["prompt"], r["temperature"], r["drafter"]) for r in rows}
     runners = RunnerPool()  # prompts of one capacity share their runners' captured (and compiled) steps
+    t0, measured = time.perf_counter(), 0  # batches measured by this run
     with progress_bar() as bar, open(out / "spec.jsonl", "a") if out is not None else nullcontext() as sink:
         task = bar.add_task("bench spec", total=len(groups) * len(cfg.temperatures) * (1 + len(drafters)),
                             visible=progress)
-        for first, group in groups:
-            ids = [engine.encode(p.text, chat=True) for p in group]
+        for g, (first, group) in enumerate(groups):
             members = range(first, first + len(group))
+            left = any((i, T, name) not in done for i in members for T in cfg.temperatures for name in drafters)
+            if left and measured and time_limit and time.perf_counter() - t0 >= time_limit:
+                log(f"time limit ({time_limit:g} s): stopped before prompt {first}, {g} of {len(groups)} prompt "
+                    f"batches done (a rerun into the same folder goes on from there)")
+                break
+            measured += int(left)
+            ids = [engine.encode(p.text, chat=True) for p in group]
             for T in cfg.temperatures:
                 todo = {name: d for name, d in drafters.items() if any((i, T, name) not in done for i in members)}
                 if not todo:
