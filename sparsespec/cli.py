@@ -538,6 +538,20 @@ def _serve_policy(spec: str, opts: list[str]):
     return policy
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Refuse, in one line, an address the server could not listen on (a port in use, a host that does not resolve
+    or is not this machine's), before the model loads: bind it as uvicorn will (SO_REUSEADDR), then let it go."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:  # (socket.gaierror is one)
+        raise SparseSpecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args) -> None:
     import uvicorn
 
@@ -555,6 +569,7 @@ def cmd_serve(args) -> None:
                               "--draft self:POLICY)")
     if args.block_size < 2:
         raise SparseSpecError(f"--block-size must be >= 2 (one pending token + proposals), got {args.block_size}")
+    _check_listen(args.host, args.port)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=sys.stderr.isatty())
     from .spec.bench import make_drafter
@@ -713,7 +728,7 @@ def cmd_bench(args) -> None:
                       kinds=tuple(k.strip() for k in args.kinds.split(",")), temperatures=temps,
                       max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars,
                       batch=args.batch)
-    if args.time_limit < 0:
+    if not args.time_limit >= 0:  # (nan too)
         raise SparseSpecError(f"--time-limit must be >= 0 seconds, got {args.time_limit:g}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     name = args.target_name or args.target
@@ -1005,6 +1020,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sparsespec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`... | head`): nothing more to say to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush cannot fail again)
+        return 0
     return 0
 
 

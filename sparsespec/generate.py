@@ -42,6 +42,8 @@ class GenerationConfig:
             raise SparseSpecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
             raise SparseSpecError(f"prefill chunk must be >= 1, got {self.prefill_chunk}")
+        if any(not s for s in self.stop_strings):
+            raise SparseSpecError("a stop string must not be empty")
 
 
 @dataclass

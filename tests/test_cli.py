@@ -405,3 +405,37 @@ def test_a_folder_of_rows_without_recorded_settings_is_refused(capsys, tmp_path)
 ])
 def test_row_invariant_products_are_refused_where_they_do_not_run(capsys, argv):
     assert_clear_error(*run_main(capsys, *argv)[::2], "--row-invariant runs on cuda in bfloat16 or float16")
+
+
+def test_a_closed_pipe_ends_a_command_quietly(monkeypatch, capsys, tmp_path):
+    """`sparsespec policies | head -1`: the reader goes away mid-output; no traceback, a clean exit."""
+    sink = open(tmp_path / "out", "w")
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return sink.fileno()
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["policies"]) == 0
+    assert capsys.readouterr().err == ""
+    sink.close()
+
+
+@pytest.mark.parametrize("where", ["port in use", "not this machine"])
+def test_serve_refuses_an_address_it_cannot_listen_on_in_one_line_before_loading(capsys, where):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        host = "127.0.0.1" if where == "port in use" else "192.0.2.1"  # (TEST-NET-1: no interface has it)
+        assert main(["serve", "--model", "no-such-model", "--host", host, "--port", str(port)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on {host}:{port}" in err[0], err  # (the model was never looked up)

@@ -202,6 +202,17 @@ def test_train_refuses_a_warmup_outside_its_range_in_one_line(tmp_path, capsys, 
     assert not (tmp_path / "run").exists()
 
 
+def test_train_refuses_more_taps_than_the_target_has_layers(tmp_path):
+    from sparsespec.errors import SparseSpecError
+
+    engine = byte_engine(0)  # 2 layers
+    cfg = TrainConfig(prompts=4, heldout=2, max_new_tokens=8, gen_batch=4, steps=2, batch=2, anchors=4, block_size=4,
+                      taps=3)
+    with pytest.raises(SparseSpecError, match="taps must be <= the target's 2 layers"):
+        train.train_dflash(engine, cfg, tmp_path / "run", "byte", log=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_refuses_a_missing_init_drafter_before_any_work(tmp_path, capsys):
     from sparsespec.cli import main
 

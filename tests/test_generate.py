@@ -173,3 +173,10 @@ def test_top_k_top_p_keep_the_defined_set(vocab, top_k, top_p, temperature, seed
 def test_invalid_sampling_options(bad):
     with pytest.raises(SparseSpecError):
         SamplingConfig(**bad)
+
+
+def test_an_empty_stop_string_is_refused():
+    from sparsespec.errors import SparseSpecError
+
+    with pytest.raises(SparseSpecError, match="stop string must not be empty"):
+        GenerationConfig(stop_strings=("###", ""))

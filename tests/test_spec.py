@@ -493,10 +493,11 @@ def test_bench_stops_at_its_time_limit_with_whole_prompts_and_a_rerun_goes_on(tm
     assert len(rows) == 3 * 2 * 2 and len(said) == 2 and all(r["identical"] for r in rows if r["temperature"] == 0)
 
 
-def test_bench_spec_refuses_a_negative_time_limit_in_one_line(capsys):
+@pytest.mark.parametrize("limit", ["-1", "nan"])
+def test_bench_spec_refuses_a_negative_time_limit_in_one_line(capsys, limit):
     from sparsespec.cli import main
 
-    assert main(["bench", "spec", "--time-limit", "-1"]) != 0
+    assert main(["bench", "spec", "--time-limit", limit]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--time-limit" in err[0], err
 

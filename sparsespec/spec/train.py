@@ -328,6 +328,8 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     the prompts and trains on it, gradients averaged; only the main process logs and writes the checkpoint and the
     drafter. `add_data`: data sets of earlier runs with this target (their `data.safetensors`: the tokens of its
     answers) added to the answers regenerated here, prompts answered twice once."""
+    if cfg.taps > engine.config.num_layers:
+        raise SparseSpecError(f"taps must be <= the target's {engine.config.num_layers} layers, got {cfg.taps}")
     ranks = ranks or Ranks.current()
     if not ranks.main:
         progress, log = False, lambda *_: None
@@ -562,5 +564,6 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
             if step % cfg.eval_every == 0 and done() < 1:
                 tau = evaluate(loss_value)
             bar.update(task, completed=int(1000 * min(1.0, done())),
-                       description=f"train dflash (step {step}, loss {loss_value:.2f}, tau {tau:.2f})")
+                       description=f"train dflash (step {step}, loss {loss_value:.2f}, "
+                                   f"tau {'-' if math.isnan(tau) else f'{tau:.2f}'})")
     return evaluate(loss_value), history
