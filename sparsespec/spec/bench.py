@@ -134,18 +134,18 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
     rows = read_rows(out / "spec.jsonl") if out is not None else []
     done = {(r["prompt"], r["temperature"], r["drafter"]) for r in rows}
     runners = RunnerPool()  # prompts of one capacity share their runners' captured (and compiled) steps
-    t0, measured = time.perf_counter(), 0  # batches measured by this run
+    t0, started = time.perf_counter(), False  # whether this run has measured a batch yet
     with progress_bar() as bar, open(out / "spec.jsonl", "a") if out is not None else nullcontext() as sink:
         task = bar.add_task("bench spec", total=len(groups) * len(cfg.temperatures) * (1 + len(drafters)),
                             visible=progress)
         for g, (first, group) in enumerate(groups):
             members = range(first, first + len(group))
             left = any((i, T, name) not in done for i in members for T in cfg.temperatures for name in drafters)
-            if left and measured and time_limit and time.perf_counter() - t0 >= time_limit:
+            if left and started and time_limit and time.perf_counter() - t0 >= time_limit:
                 log(f"time limit ({time_limit:g} s): stopped before prompt {first}, {g} of {len(groups)} prompt "
                     f"batches done (a rerun into the same folder goes on from there)")
                 break
-            measured += int(left)
+            started = started or left
             ids = [engine.encode(p.text, chat=True) for p in group]
             for T in cfg.temperatures:
                 todo = {name: d for name, d in drafters.items() if any((i, T, name) not in done for i in members)}
