@@ -16,7 +16,9 @@
 #   probe-loss   train eda --select loss --probe-tokens PROBE      (b") selection before regeneration: every prompt's
 #                                                                      first PROBE answer tokens scored, only the kept
 #                                                                      prompts answered in full
-#   probe-random train eda --select random --probe-tokens PROBE    (c") its control: as many prompts, at random
+#   probe-shift  train eda --select shift --probe-tokens PROBE     (b*") the shift rule on the probes: the base
+#                                                                      target's loss on each probe less the fine-tune's
+#   probe-random train eda --select random --probe-tokens PROBE    (c") their control: as many prompts, at random
 #   retrain   train dflash --target ft --kinds DOMAIN              (e) a drafter of the base's shape trained from
 #                                                                      scratch for the fine-tune, RETRAIN x EDA's time,
 #                                                                      on RETRAIN_PROMPTS answers (default PROMPTS)
@@ -63,13 +65,14 @@ reuse shift; eda shift --select shift
 reuse random; eda random --select random
 eda original --select loss --data original
 eda probe-loss --select loss --probe-tokens ${PROBE:-32}
+eda probe-shift --select shift --probe-tokens ${PROBE:-32}
 eda probe-random --select random --probe-tokens ${PROBE:-32}
 step retrain $S train dflash --target $root/ft --kinds $domain --out $root/retrain \
   --prompts ${RETRAIN_PROMPTS:-$prompts} --layers ${LAYERS:-3} --intermediate-size ${INTERMEDIATE:-2048} \
   --steps ${STEPS:-100000} --gen-batch ${GEN_BATCH:-128} --time-limit $(python3 -c "print($time * ${RETRAIN:-4})") \
   --lr 3e-4 --device $dev --progress $EXTRA
 drafters=dflash:$base
-for run in loss reducible acceptance shift random original probe-loss probe-random retrain; do
+for run in loss reducible acceptance shift random original probe-loss probe-shift probe-random retrain; do
   [ -f $root/$run/drafter.json ] && drafters="$drafters dflash:$root/$run/drafter"
 done
 step bench $S bench spec --target $root/ft --drafters $drafters --kinds $domain \
