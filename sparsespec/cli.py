@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "with FP8 copies of the weights)")
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                    "shipped drafter; a packaged model's own file is recognised)")
-    g.add_argument("--block-size", type=_positive_int, default=16, help="speculation: tokens verified per step")
+    g.add_argument("--block-size", type=_positive_int, default=None, help="with --draft: tokens verified per step "
+                   "(default: 16)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt (a line each) instead of "
                    "text")
     g.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal "
@@ -151,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
     sv.add_argument("--draft", default="none", help="lossless speculative decoding of every request: none, ngram, "
                     "dflash[:PATH], model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...] (as generate --draft)")
-    sv.add_argument("--block-size", type=_positive_int, default=8, help="with --draft: the verify block (pending "
-                    "token + up to block-size - 1 proposals)")
+    sv.add_argument("--block-size", type=_positive_int, default=None, help="with --draft: the verify block (pending "
+                    "token + up to block-size - 1 proposals; default: 8)")
     sv.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                     "shipped drafter)")
     sv.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoded together (cache slots)")
@@ -452,6 +453,8 @@ def cmd_generate(args) -> None:
 
     if args.system is not None and not args.chat:
         raise SparseSpecError("--system is a chat message: add --chat")
+    if args.block_size is not None and args.draft == "none":
+        raise SparseSpecError("--block-size applies to speculative decoding: give --draft (e.g. --draft ngram)")
     prompts = _read_prompts(args)
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -504,7 +507,7 @@ def _speculate(args, engine, ids: list[list[int]], gen, dtype, progress) -> None
     from .spec.decode import speculative_generate
 
     drafter = make_drafter(args.draft, engine, args.target_name or args.model, args.device, dtype, progress)
-    results = speculative_generate(engine, ids, drafter, gen, args.block_size)  # the prompts as one batch
+    results = speculative_generate(engine, ids, drafter, gen, args.block_size or 16)  # the prompts as one batch
     for result in results:
         tps = (len(result.token_ids) - 1) / result.decode_s if result.decode_s > 0 else float("nan")
         record = {"token_ids": result.token_ids, "text": result.text, "prompt_tokens": result.prompt_tokens,
@@ -567,7 +570,9 @@ def cmd_serve(args) -> None:
     if policy is not None and args.draft != "none":
         raise SparseSpecError("--draft with a sparse --attention policy is not supported: use one of them (or "
                               "--draft self:POLICY)")
-    if args.block_size < 2:
+    if args.block_size is not None and args.draft == "none":
+        raise SparseSpecError("--block-size applies to speculative decoding: give --draft (e.g. --draft ngram)")
+    if args.block_size is not None and args.block_size < 2:
         raise SparseSpecError(f"--block-size must be >= 2 (one pending token + proposals), got {args.block_size}")
     _check_listen(args.host, args.port)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -579,7 +584,7 @@ def cmd_serve(args) -> None:
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                 max_context=args.max_context or engine.config.max_position,
                                 prefill_chunk=args.prefill_chunk, cuda_graph=not args.no_cuda_graph,
-                                block_size=args.block_size, batch_invariant=args.batch_invariant)
+                                block_size=args.block_size or 8, batch_invariant=args.batch_invariant)
     config = ServeConfig(args.served_model_name or args.model, scheduler)
     app = create_app(engine, config, policy, drafter)  # refuses a max-context beyond the model's first
     cfg = engine.config

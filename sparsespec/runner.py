@@ -113,8 +113,7 @@ class Runner:
         self.graphed = self.cuda_graph and cuda and (policy is None or self.fixed)
         self.graph = self.reuse_graph = None  # a graph holds its policy's buffers: captured again for another one
         self.since_select = None
-        self.sparse_layers = 0 if policy is None else sum(policy.is_sparse(i) for i in
-                                                          range(self.model.cfg.num_layers))
+        self.sparse_layers = 0 if policy is None else policy.sparse_layers(self.model.cfg.num_layers)
 
     def fp8_decode(self) -> None:
         """From now on the decode steps multiply with FP8 copies of the weights (`Transformer.fp8_drafts`): for a

@@ -10,9 +10,12 @@ import torch
 from .errors import SparseSpecError
 
 
+GREEDY_BELOW = 1e-5  # a lower temperature samples greedily, as in vLLM (logits / 1e-300 overflow to nan)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: int | None = None
@@ -24,10 +27,12 @@ class SamplingConfig:
             raise SparseSpecError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise SparseSpecError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator takes
+            raise SparseSpecError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

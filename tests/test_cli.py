@@ -49,6 +49,7 @@ def tiny_folder(tmp_path_factory):
     (["generate", "--prompt", "hi", "--attention-opt", "budget=0.5"], "sparse --attention"),
     (["generate", "--prompt", "hi", "--attention", "dense:budget=0.5"], "sparse --attention"),
     (["generate", "--prompt", "hi", "--stop-token-ids", "2,x"], "comma-separated token ids"),
+    (["generate", "--prompt", "hi", "--block-size", "4"], "--block-size applies to speculative decoding"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_invalid_options(capsys, argv, needle):
@@ -390,6 +391,13 @@ def test_sparse_attention_shows_tokens_attended_and_warns_when_few(capsys, byte_
     err = run_main(capsys, *argv, "budget=1.0")[2].strip().splitlines()
     assert len(err) == 1 and "101.5 tokens attended per step]" in err[0]  # every key (contexts 101, 102): no warning
     assert "attended" not in run_main(capsys, "generate", "--prompt", "x" * 100, "--max-new-tokens", "3")[2]
+
+
+def test_more_dense_layers_than_the_model_has_are_refused(capsys, byte_model):
+    argv = ("generate", "--prompt", "x" * 20, "--max-new-tokens", "2", "--attention")
+    assert run_main(capsys, *argv, "topk:dense_layers=2")[0] == 0  # every layer of the 2 dense
+    assert_clear_error(*run_main(capsys, *argv, "topk:dense_layers=3")[::2], "dense_layers must be <= the model's 2 "
+                       "layers, got 3")
 
 
 def test_a_folder_of_rows_without_recorded_settings_is_refused(capsys, tmp_path):

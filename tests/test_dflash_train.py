@@ -202,6 +202,16 @@ def test_train_refuses_a_warmup_outside_its_range_in_one_line(tmp_path, capsys, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("bad,needle", [(dict(max_new_tokens=1), "max-new-tokens must be >= 2"),
+                                        (dict(time_limit=float("nan")), "time limit must be >= 0 seconds, got nan"),
+                                        (dict(time_limit=-1.0), "time limit must be >= 0 seconds, got -1")])
+def test_train_config_refuses_answers_too_short_for_a_block_and_a_bad_time_limit(bad, needle):
+    from sparsespec.errors import SparseSpecError
+
+    with pytest.raises(SparseSpecError, match=needle):
+        TrainConfig(**bad)
+
+
 def test_train_refuses_more_taps_than_the_target_has_layers(tmp_path):
     from sparsespec.errors import SparseSpecError
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from sparsespec import corpora
 from sparsespec.errors import SparseSpecError
 from sparsespec.generate import GenerationConfig, TextStream
-from sparsespec.sampling import SamplingConfig, filter_logits, sample
+from sparsespec.sampling import SamplingConfig, filter_logits, make_generator, sample
 
 from .conftest import byte_engine
 
@@ -169,7 +169,14 @@ def test_top_k_top_p_keep_the_defined_set(vocab, top_k, top_p, temperature, seed
         assert abs(before[token] - top_p) < 1e-5, (token, kept, ref)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)])
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    logits = torch.randn(5, 37) * 30
+    cfg = SamplingConfig(temperature=1e-300, seed=0)
+    assert torch.equal(sample(logits, cfg, make_generator(cfg, "cpu")), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
+                                 dict(seed=2**64), dict(seed=-2**63 - 1)])
 def test_invalid_sampling_options(bad):
     with pytest.raises(SparseSpecError):
         SamplingConfig(**bad)

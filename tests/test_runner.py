@@ -201,7 +201,7 @@ def test_select_every_in_the_runner_selects_then_reuses_and_selects_again_after_
     dense = Runner(model, 2, 80)
     full = Runner(model, 2, 80, make_policy("binarypc", {"budget": 1.0, "dense_layers": 0, "select_every": 3}))
     # every layer dense (no sparse layer keeps a selection): reusing steps are dense steps
-    none = Runner(model, 2, 80, make_policy("binarypc", {"budget": 0.2, "dense_layers": 8, "select_every": 3}))
+    none = Runner(model, 2, 80, make_policy("binarypc", {"budget": 0.2, "dense_layers": 2, "select_every": 3}))
     small = Runner(model, 2, 80, make_policy("binarypc", {"budget": 0.2, "dense_layers": 0, "select_every": 3,
                                                           "min_tokens": 0}))
     assert full.fixed and small.fixed  # select_every needs the fixed-width path, on CPU too

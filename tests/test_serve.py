@@ -208,6 +208,7 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
     (["--attention", "binarypc", "--attention-opt", "bits=0"], "bits must be in"),
     (["--attention", "streaming", "--draft", "ngram"], "--draft with a sparse --attention policy"),
     (["--draft", "ngram", "--block-size", "1"], "--block-size must be >= 2"),
+    (["--block-size", "4"], "--block-size applies to speculative decoding"),
 ])
 def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
     from sparsespec.cli import main
@@ -215,6 +216,24 @@ def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_a_request_the_library_refuses_is_a_400_and_a_tiny_temperature_is_greedy(one_thread):
+    from fastapi.testclient import TestClient
+
+    from sparsespec.serve.app import ServeConfig, create_app
+
+    app = create_app(byte_engine(), ServeConfig("m", SchedulerConfig(max_batch=2, max_context=256)))
+    ok = {"model": "m", "prompt": "hi", "max_tokens": 4}
+    with TestClient(app) as client:
+        for bad, message in (({"stop": [""]}, "a stop string must not be empty"),
+                             ({"stop": ""}, "a stop string must not be empty"),
+                             ({"seed": 2**64}, "seed must be in [-2**63, 2**64), got 18446744073709551616")):
+            resp = client.post("/v1/completions", json={**ok, **bad})
+            assert resp.status_code == 400 and resp.json()["error"]["message"] == message, resp.text
+        greedy = client.post("/v1/completions", json={**ok, "temperature": 0}).json()["choices"][0]["text"]
+        resp = client.post("/v1/completions", json={**ok, "temperature": 1e-30, "seed": 1})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == greedy
 
 
 def test_sample_rows_samples_each_row_as_alone():

@@ -236,6 +236,13 @@ class Policy(ABC):
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.options.dense_layers
 
+    def sparse_layers(self, num_layers: int) -> int:
+        """How many of a model's `num_layers` layers decode sparsely; a `dense_layers` beyond them is refused."""
+        if self.options.dense_layers > num_layers:
+            raise SparseSpecError(f"dense_layers must be <= the model's {num_layers} layers, got "
+                                  f"{self.options.dense_layers}")
+        return sum(self.is_sparse(i) for i in range(num_layers))
+
     def build(self, layer: int, cache: KVCache, lengths: list[int]) -> None:
         """End of prefill: `cache` holds slots [0, lengths[b]) of every row."""
 

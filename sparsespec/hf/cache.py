@@ -92,7 +92,7 @@ class SparseCache(Cache):
         self.built = False
         self.indexed = 0  # the committed length the policy's index was last brought to
         self.step: DecodeStep | None = None  # the single-token step in progress (made by `begin_decode`)
-        self.sparse_layers = sum(self.policy.is_sparse(i) for i in range(self.model_config.num_layers))
+        self.sparse_layers = self.policy.sparse_layers(self.model_config.num_layers)
         super().__init__(layers=[SparseLayer(self, i) for i in range(self.model_config.num_layers)])
 
     def allocate(self, key_states: torch.Tensor) -> None:

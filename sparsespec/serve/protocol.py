@@ -37,9 +37,6 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-NonEmpty = Annotated[str, Field(min_length=1)]
-
-
 class _GenerationRequest(_Strict):
     """The sampling and stop fields both endpoints share."""
 
@@ -49,7 +46,7 @@ class _GenerationRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="0 or -1: off (vLLM's extension)")
     seed: int | None = None
-    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=16)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # (GenerationConfig refuses "")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1

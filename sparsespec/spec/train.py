@@ -61,13 +61,15 @@ class TrainConfig:
         if unknown or not self.kinds or "humaneval" in self.kinds:
             raise SparseSpecError(f"invalid prompt kinds {sorted(unknown) or list(self.kinds)} for training (choose "
                                   f"from {', '.join(k for k in KINDS if k != 'humaneval')})")
-        for name in ("prompts", "heldout", "max_new_tokens", "gen_batch", "layers", "taps", "steps", "batch",
-                     "anchors", "eval_every"):
+        for name in ("prompts", "heldout", "gen_batch", "layers", "taps", "steps", "batch", "anchors", "eval_every"):
             if getattr(self, name) < 1:
                 raise SparseSpecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_new_tokens < 2:
+            raise SparseSpecError(f"max-new-tokens must be >= 2 (a training block is anchored at an answer token and "
+                                  f"learns the answer tokens after it), got {self.max_new_tokens}")
         if self.block_size < 2:
             raise SparseSpecError(f"block size must be >= 2, got {self.block_size}")
-        if self.time_limit < 0:
+        if not self.time_limit >= 0:  # (nan too)
             raise SparseSpecError(f"time limit must be >= 0 seconds, got {self.time_limit}")
         if not (self.lr > 0 and 0 <= self.warmup < 1 and self.clip > 0 and self.weight_decay >= 0):
             raise SparseSpecError("invalid optimiser settings (need lr > 0, 0 <= warmup < 1, clip > 0, decay >= 0)")
