@@ -200,7 +200,7 @@ def test_block_attention_over_a_tree_equals_reference_and_sdpa(B, Hkv, G, T, S, 
     """A tree verify block (a tree chosen by `spec.tree.choose` from random marginals): each query sees the context
     and its ancestors only; against the reference and SDPA with the same mask, one split and several, fixed chunks;
     a straight line as a tree is the causal block, to the bit."""
-    from sparsespec.kernels.attend import tree_mask
+    from sparsespec.attention.dense import tree_mask
     from sparsespec.spec.tree import Pool, choose
 
     gen = torch.Generator().manual_seed(B * 100 + T * 10 + D)

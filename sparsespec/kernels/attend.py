@@ -333,17 +333,11 @@ def block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.float().reshape(B, Hkv, Hq // Hkv * T, D)  # rows g * T + t
     logits = qg @ k.float().transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G*T, S]
+    from ..attention.dense import tree_mask
+
     seen = (torch.arange(S, device=q.device) <= positions[:, None, :, None].long() if tree is None
             else tree_mask(positions[:, 0], tree, S)[:, None])  # [B, 1, T, S]
     seen = seen.expand(B, Hq // Hkv, T, S).reshape(B, 1, Hq // Hkv * T, S)
     probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
     return (probs @ v.float()).view(B, Hq, T, D).to(q.dtype)
 
-
-def tree_mask(base: torch.Tensor, tree: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """base [B] (the block's first slot), tree [B, T] int64 ancestor bits -> bool [B, T, kv_len]: query t sees the
-    slots before base and the block slots base + j whose bit j is set."""
-    rel = torch.arange(kv_len, device=tree.device) - base.long()[:, None]  # [B, S]
-    bit = (tree[:, :, None] >> rel.clamp(0, 63)[:, None, :]) & 1  # [B, T, S]
-    T = tree.shape[1]
-    return (rel < 0)[:, None, :] | ((rel < T)[:, None, :] & (bit == 1))

@@ -88,7 +88,8 @@ def choose(pool: Pool, ids: torch.Tensor, logp: torch.Tensor, n: int) -> Tree:
                          f"positions and {pool.ranks_needed} choices, given {W} positions and {R} choices")
     depths = torch.arange(pool.width, device=ids.device)
     live = pool.ranks >= 0  # [P, W]
-    step = logp[:, depths, pool.ranks.clamp(min=0)]  # [B, P, W]: the log-probability of each path's choice a depth
+    # [B, P, W]: the log-probability of each path's choice at each depth (<= 0: a path never outscores its prefix)
+    step = logp[:, depths, pool.ranks.clamp(min=0)].clamp(max=0)
     score = torch.where(live, step, 0.0).sum(-1) - 1e-4 * pool.depth  # [B, P]
     chosen = score.topk(n, dim=1).indices.sort(dim=1).values  # [B, n] pool indices, parents first
     depth = pool.depth[chosen]  # [B, n]
