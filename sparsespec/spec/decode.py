@@ -58,15 +58,15 @@ class SpecGeneration:
 
 @torch.inference_mode()
 def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Drafter, gen: GenerationConfig,
-                         block_size: int = 16, runners: RunnerPool | None = None,
-                         tree: int = 0) -> list[SpecGeneration]:
+                         block_size: int = 16, runners: RunnerPool | None = None) -> list[SpecGeneration]:
     """Generate for a batch of prompts (token ids, any lengths) with `drafter` proposing up to block_size − 1 tokens
     per row and step. Each row keeps its own length (rows accept different numbers of proposals and roll back
     independently), its own random generator (seeded as a row alone), and its own proposal count (the one it
     would have alone), so each row's output is the one it gets alone; a stopped row is parked at slot 0 and rides
     along until every row has stopped. `runners`: a dense target's runner (and its captured verify steps) comes
-    from this pool, for loops of many calls. `tree` > 0: a drafter of per-position choices (DFlash) is verified as a
-    tree of that many drafted nodes (`spec.tree`: chosen per block by the drafter's marginals), greedy rows only."""
+    from this pool, for loops of many calls. A drafter with `tree_nodes` (DFlash: `--draft treeN:dflash`) is verified
+    as a tree of that many drafted nodes when every row is greedy (`spec.tree`: chosen per block by the drafter's
+    marginals); sampled rows verify its argmax line."""
     if block_size < 2:
         raise SparseSpecError(f"block size must be >= 2 (one pending token + proposals), got {block_size}")
     if engine.config.sliding_window is not None:
@@ -75,9 +75,10 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         return []
     for prompt in prompts:
         engine.check_fits(len(prompt), gen.max_new_tokens)
-    pool = tree_pool(drafter, gen, block_size, tree, engine.device)
+    pool = tree_pool(drafter, block_size, engine.device)
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
-    rooms = [min(len(p) + gen.max_new_tokens + block_size, engine.config.max_position) for p in prompts]
+    widest = max(block_size, drafter.tree_nodes + 1)  # a tree verify may be wider than the block
+    rooms = [min(len(p) + gen.max_new_tokens + widest, engine.config.max_position) for p in prompts]
     capacity = loop_capacity(max(rooms), engine.config.max_position, gen.compile, runners is not None,
                              drafter.policy is not None)
     if runners is not None and drafter.policy is None:
@@ -99,7 +100,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     if gen.cuda_graph:  # set-up, timed neither as first token nor decoding: the graphs captured (and compiled) now
         runner.capture_verify(block_size)
         if pool is not None:
-            runner.capture_verify(tree + 1, tree=True)
+            runner.capture_verify(drafter.tree_nodes + 1, tree=True)
         drafter.capture()
     histories = [list(p) + [f] for p, f in zip(prompts, firsts)]
     outs = [[f] for f in firsts]
@@ -113,7 +114,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         # a stopped row is parked at slot 0
         commits = speculative_step(runner, drafter, [h if on else None for h, on in zip(histories, live)], ks,
                                    [gen.sampling] * len(prompts), rngs, block_size, [0] * len(prompts),
-                                   None if pool is None else (pool, tree))
+                                   None if pool is None else (pool, drafter.tree_nodes))
         sources = drafter.copied()
         for r, new in enumerate(commits):
             if new is None:
@@ -136,20 +137,19 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
             for out, p, steps, copies in zip(outs, prompts, committed_per_step, copied_per_step)]
 
 
-def tree_pool(drafter: Drafter, gen: GenerationConfig, block_size: int, nodes: int,
-              device: torch.device) -> Pool | None:
-    """The candidate paths of a tree verify of `nodes` drafted nodes (None for a linear verify, nodes = 0), after
-    checking that this loop can verify a tree; the drafter set to draft choices (or its line)."""
+def tree_pool(drafter: Drafter, block_size: int, device: torch.device) -> Pool | None:
+    """The candidate paths of the drafter's tree verify (None for a line: no `tree_nodes`), after checking that it
+    can draft one; the drafter set to draft choices (or its line)."""
+    nodes = drafter.tree_nodes
     if not nodes:
         drafter.choices(0)
         return None
     if not drafter.marginals:
         raise SparseSpecError(f"a tree verify needs a drafter of per-position choices (dflash), not {drafter.name}")
-    if not gen.sampling.greedy:
-        raise SparseSpecError("a tree verify is greedy (temperature 0) only")
     pool = Pool.of(block_size - 1, device=device)
     if not 1 <= nodes <= min(MAX_NODES, pool.ranks.shape[0]):
-        raise SparseSpecError(f"tree nodes must be in 1..{min(MAX_NODES, pool.ranks.shape[0])}, got {nodes}")
+        raise SparseSpecError(f"a tree verify of block size {block_size} takes 1 to "
+                              f"{min(MAX_NODES, pool.ranks.shape[0])} nodes, got {nodes}")
     drafter.choices(pool.ranks_needed)
     return pool
 
@@ -236,9 +236,9 @@ def tree_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None
                           device_ints([src for _, src in pad], runner.device),
                           device_ints([[n0 + j for j in range(len(p))] + [n0] * (d - len(p))
                                        for (n0, _), (_, p) in zip(pad, moves)], runner.device))
-    if features is not None:
-        index = device_ints(order, runner.device)[..., None].expand(-1, -1, features.shape[-1])
-        features = features.gather(1, index)  # [B, n + 1, ·]: each row's path first, in order
+    if features is not None:  # each row's path first, in order: what a line's verify would have given
+        index = device_ints(order, runner.device)[:, :pool.width + 1, None].expand(-1, -1, features.shape[-1])
+        features = features.gather(1, index)  # [B, K + 1, ·] (a path is at most K + 1 tokens)
     accepted = [None if c is None else len(c) - 1 for c in commits]
     runner.truncate([n0 + a + 1 if a is not None else rest for n0, a, rest in zip(lengths, accepted, parked)])
     drafter.commit([None if c is None else len(h) + len(c) for h, c in zip(histories, commits)], accepted,

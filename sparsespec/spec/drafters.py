@@ -49,6 +49,7 @@ class Drafter(ABC):
     max_proposals: int | None = None  # the most proposals a row's step can take from it (None: any number)
     # drafts a distribution per position of a block (not a line): `choices` and `propose_choices` serve a tree verify
     marginals: bool = False
+    tree_nodes: int = 0  # > 0 (a drafter of `marginals`): greedy steps verify a tree of this many drafted nodes
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
