@@ -88,7 +88,7 @@ def main() -> None:
         select = time_ms(lambda: runner.graph(tokens, positions))
         reuse = time_ms(lambda: runner.reuse_graph(tokens, positions)) if runner.reuse_graph else select
         wide = positions[:, None] + torch.arange(args.block, device="cuda")
-        verify = time_ms(lambda: runner.verify_graphs[args.block](tokens[:, None].expand(-1, args.block), wide))
+        verify = time_ms(lambda: runner.verify_graphs[args.block, False](tokens[:, None].expand(-1, args.block), wide))
         runner.truncate([C] * B)
         every = runner.select_every
         selecting = -(-(args.block - 1) // every)

@@ -48,6 +48,14 @@ class KVCache:
         self.k[layer][rows, :, positions] = k.transpose(1, 2)
         self.v[layer][rows, :, positions] = v.transpose(1, 2)
 
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy, in every layer, slots src [M, N] of rows [M] to slots dst [M, N] (all sources read before any
+        destination is written: the two may overlap)."""
+        rows = rows[:, None]
+        for k, v in zip(self.k, self.v):
+            k[rows, :, dst] = k[rows, :, src]  # [M, N, Hkv, D]
+            v[rows, :, dst] = v[rows, :, src]
+
     def keys(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, kv_len, D] views of slots [0, kv_len)."""
         return self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]

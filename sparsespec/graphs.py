@@ -20,8 +20,9 @@ from .models.transformer import Transformer
 
 class CudaGraphStep:
     def __init__(self, model: Transformer, cache: KVCache, width: int = 1, taps: Sequence[int] = (),
-                 compile: bool = False, warmup: int = 3, policy: Policy | None = None):
-        """`taps`: also return the outputs of these decoder layers (drafter context features). `compile`: run the
+                 compile: bool = False, warmup: int = 3, policy: Policy | None = None, tree: bool = False):
+        """`tree`: a tree verify step (`Transformer.plan`'s tree: depths and ancestor bits are inputs too).
+        `taps`: also return the outputs of these decoder layers (drafter context features). `compile`: run the
         step through torch.compile first, which fuses the small element-wise kernels (norms, rotary, SwiGLU,
         residuals) that otherwise dominate a batch-1 step; costs a compilation per shape. `policy`: the sparse
         decode attention, in its fixed-width mode (`plan_fixed` done), captured with the step."""
@@ -36,7 +37,11 @@ class CudaGraphStep:
         # Warm-up and capture write at the last W slots of each row: never committed tokens (capacity >= length + W).
         last = torch.arange(cache.capacity - width, cache.capacity, device=device)
         self.positions = last.expand(cache.batch, -1).clone()  # [B, W]
-        args = (model, cache, self.tokens, self.positions, self.taps, policy)
+        # a tree step's inputs start as a straight line (depth = index, each node the last one's child)
+        line = torch.arange(width, device=device)
+        self.tree = (line.expand(cache.batch, -1).clone(),
+                     ((torch.ones_like(line) << (line + 1)) - 1).expand(cache.batch, -1).clone()) if tree else None
+        args = (model, cache, self.tokens, self.positions, self.taps, policy, self.tree)
         # around a sparse policy's graph breaks Dynamo compiles each decoder layer's frame once per layer index:
         # allow that many variants, or the later layers would silently fall back to eager
         config = torch._dynamo.config
@@ -46,11 +51,15 @@ class CudaGraphStep:
         with config.patch(**limits):
             self.graph, (self.logits, self.features) = capture(lambda: step(*args), device, warmup)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor):
-        """tokens, positions [B, W] -> (logits [B, W, V] fp32, features [B, W, taps * hidden] or None); views
-        reused by the next call."""
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """tokens, positions [B, W] (and a tree step's depths and ancestor bits [B, W]) -> (logits [B, W, V] fp32,
+        features [B, W, taps * hidden] or None); views reused by the next call."""
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
+        if self.tree is not None:
+            self.tree[0].copy_(tree[0])
+            self.tree[1].copy_(tree[1])
         self.graph.replay()
         return self.logits, self.features
 
@@ -92,8 +101,8 @@ def capture(fn: Callable[[], object], device: torch.device, warmup: int = 3) -> 
 
 
 def _step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, taps: tuple[int, ...],
-          policy: Policy | None):
-    hidden, features = model.forward_tapped(tokens, positions, cache, None, taps, policy)
+          policy: Policy | None, tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+    hidden, features = model.forward_tapped(tokens, positions, cache, None, taps, policy, tree=tree)
     return model.logits(hidden), features
 
 

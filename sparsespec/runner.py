@@ -97,7 +97,7 @@ class Runner:
         self.reuse_graph: CudaGraphDecodeStep | None = None  # select_every > 1: the step over the kept selections
         self.since_select: int | None = None  # steps since the last selecting step; None: the next one selects
         self.row_graphs: dict[int, CudaGraphDecodeStep] = {}  # dense decode of the first n rows (n < batch)
-        self.verify_graphs: dict[int, CudaGraphStep] = {}  # by width: dense multi-token steps
+        self.verify_graphs: dict[tuple[int, bool], CudaGraphStep] = {}  # by (width, tree): dense multi-token steps
         self.fp8 = False  # decode steps multiply with FP8 copies of the weights (`fp8_decode`)
         self._set(policy)
 
@@ -280,28 +280,35 @@ class Runner:
         return self._eager(tokens, (), observer)[0]
 
     @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, width: int | None = None):
+    def verify(self, tokens: torch.Tensor, width: int | None = None,
+               tree: tuple[torch.Tensor, torch.Tensor] | None = None):
         """A speculative verify step: tokens [B, w] at each row's length, dense attention -> (logits [B, w, V] fp32,
         features [B, w, len(taps) * H] or None). Lengths do not move: the caller commits the accepted prefix with
         `truncate` (a rejected draft's slots are simply not advanced over). With `width` >= w on CUDA the step
-        replays a graph of that width (captured once, blocks padded), where every row has room for it."""
+        replays a graph of that width (captured once, blocks padded), where every row has room for it. `tree`:
+        (depth, ancestor bits) [B, w] of a tree block (`spec.tree`; its nodes at consecutive slots, each seeing the
+        context and its ancestors)."""
         B, w = tokens.shape
-        if width is not None and self.capture_verify(width):
-            logits, features = self.verify_graphs[width](torch.cat([tokens, tokens.new_zeros(B, width - w)], 1),
-                                                         self._positions(width))
+        if width is not None and self.capture_verify(width, tree is not None):
+            pad = tokens.new_zeros(B, width - w)
+            fill = None if tree is None else (torch.cat([tree[0], pad], 1), torch.cat([tree[1], pad], 1))
+            logits, features = self.verify_graphs[width, tree is not None](torch.cat([tokens, pad], 1),
+                                                                            self._positions(width), fill)
             return logits[:, :w], None if features is None else features[:, :w]
-        hidden, features = self._eager(tokens, self.taps)
+        hidden, features = self._eager(tokens, self.taps, tree=tree)
         return self.model.logits(hidden), features
 
     @torch.inference_mode()
-    def capture_verify(self, width: int) -> bool:
-        """Capture the verify step of `width` tokens as a CUDA graph now (else at its first `verify`), where graphs
-        run and every row has room for it -> whether `verify(..., width)` replays a graph."""
+    def capture_verify(self, width: int, tree: bool = False) -> bool:
+        """Capture the verify step of `width` tokens (a tree step with `tree`) as a CUDA graph now (else at its
+        first `verify`), where graphs run and every row has room for it -> whether `verify(..., width)` replays a
+        graph."""
         room = max(self.cache.lengths) + width <= self.cache.capacity
         if not (self.cuda_graph and self.device.type == "cuda" and room):
             return False
-        if width not in self.verify_graphs:
-            self.verify_graphs[width] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile)
+        if (width, tree) not in self.verify_graphs:
+            self.verify_graphs[width, tree] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile,
+                                                            tree=tree)
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
         return True
 
@@ -309,12 +316,13 @@ class Runner:
         """[B, width]: the next `width` positions of every row, from its length on."""
         return device_ints(self.cache.lengths, self.device)[:, None] + torch.arange(width, device=self.device)
 
-    def _eager(self, tokens: torch.Tensor, taps: tuple[int, ...], observer: Callable | None = None):
+    def _eager(self, tokens: torch.Tensor, taps: tuple[int, ...], observer: Callable | None = None,
+               tree: tuple[torch.Tensor, torch.Tensor] | None = None):
         """tokens [B, W] at each row's length, dense attention, eager -> (hidden [B, W, H], features or None)."""
         kv_len = max(self.cache.lengths) + tokens.shape[1]  # on the host: no read-back
         with self._eager_attention():
             return self.model.forward_tapped(tokens, self._positions(tokens.shape[1]), self.cache, kv_len, taps,
-                                             observer=observer)
+                                             observer=observer, tree=tree)
 
     @contextmanager
     def _reusing(self):

@@ -180,10 +180,12 @@ def test_pooled_graphed_runs_reuse_their_graphs_and_stay_identical_to_plain_gree
 
 
 @cuda
-@pytest.mark.parametrize("drafter", ["self:binarypc", "self:binarypc:fp8", "self:streaming", "dflash", "model"])
+@pytest.mark.parametrize("drafter", ["self:binarypc", "self:binarypc:fp8", "self:streaming", "dflash", "tree9:dflash",
+                                     "model"])
 def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, monkeypatch):
     """Graphed speculation with each drafter that keeps its drafts on the device (the target drafting for itself
-    through graphed sparse steps, DFlash, a draft model): a batch's greedy output equals plain decoding, and a
+    through graphed sparse steps, DFlash as a line and as a tree of 9 nodes, a draft model): a batch's greedy
+    output equals plain decoding, and a
     draft-verify step waits for the GPU once (the verify's accepted lengths) and nowhere else — no read-back of the
     drafts, and no host-to-device copy of positions, blocks or lengths synchronises the stream."""
     import warnings
@@ -205,8 +207,9 @@ def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, mo
     if drafter.startswith("self:"):
         d = self_drafter(drafter.split(":")[1])
         d.fp8 = drafter.endswith(":fp8")
-    elif drafter == "dflash":
+    elif drafter.endswith("dflash"):
         d = DFlashDrafter(tiny_dflash(target, block=6).cuda(), target.model)
+        d.tree_nodes = 9 if drafter.startswith("tree") else 0
     else:
         small = tiny_engine(100, layers=1)
         small.model.cuda()

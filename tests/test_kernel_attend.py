@@ -193,6 +193,36 @@ def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
     assert torch.equal(block_attention(q, k, v, positions, splits=3), out)  # (the loop's last: 3 splits)
 
 
+@pytest.mark.parametrize("B,Hkv,G,T,S,D,dtype", [
+    (2, 2, 3, 5, 77, 64, torch.bfloat16), (1, 1, 4, 16, 40, 32, torch.float32), (3, 2, 1, 9, 130, 16, torch.float16),
+    (2, 1, 7, 32, 70, 128, torch.float32)])
+def test_block_attention_over_a_tree_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
+    """A tree verify block (a tree chosen by `spec.tree.choose` from random marginals): each query sees the context
+    and its ancestors only; against the reference and SDPA with the same mask, one split and several, fixed chunks;
+    a straight line as a tree is the causal block, to the bit."""
+    from sparsespec.attention.dense import tree_mask
+    from sparsespec.spec.tree import Pool, choose
+
+    gen = torch.Generator().manual_seed(B * 100 + T * 10 + D)
+    q = torch.randn(B, T, Hkv * G, D, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    base = torch.randint(0, S - T + 1, (B,), generator=gen)
+    base[0] = S - T
+    positions = (base[:, None] + torch.arange(T)).to(DEVICE)
+    logp, ids = torch.randn(B, T - 1, 50, generator=gen).log_softmax(-1).topk(3, -1)
+    tree = choose(Pool.of(T - 1), ids, logp, T - 1).ancestors.to(DEVICE)
+    ref = block_attention_ref(q, k, v, positions, tree=tree)
+    mask = tree_mask(positions[:, 0], tree, S)[:, None]
+    sdpa = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=G > 1)
+    assert torch.allclose(ref.float(), sdpa, atol=TOL[dtype], rtol=TOL[dtype])
+    for splits, chunk in ((None, 0), (1, 0), (3, 0), (None, 64)):
+        out = block_attention(q, k, v, positions, splits=splits, chunk=chunk, tree=tree)
+        assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), (splits, chunk)
+    line = ((torch.ones(T, dtype=torch.long) << torch.arange(1, T + 1)) - 1).to(DEVICE).expand(B, -1)
+    assert torch.equal(block_attention(q, k, v, positions, tree=line), block_attention(q, k, v, positions))
+
+
 @pytest.mark.parametrize("D,dtype", [(64, torch.bfloat16), (32, torch.float32), (128, torch.float16)])
 def test_block_attention_in_fixed_chunks_is_bitwise_the_same_over_any_capacity_batch_and_block(D, dtype):
     """With `chunk` the splits sit at fixed slots: a query's output is bitwise the same whether the cache holds

@@ -214,11 +214,11 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # ---------------------------------------------------------------------------------------------- block queries
 
 @triton.jit
-def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale, chunk,
+def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk_scale, chunk,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                          stride_vs, stride_pb,
+                          stride_vs, stride_pb, stride_tb,
                           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr):
     tile = tl.program_id(0)  # fastest: the row tiles of one KV head's split run side by side (its K/V read once)
     pid = tl.program_id(1)
     split = tl.program_id(2)
@@ -232,6 +232,10 @@ def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale
     q_ptrs = q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :]
     q_tile = tl.load(q_ptrs, mask=live[:, None], other=0.0).to(DOT)  # [BLOCK_R, D]
     pos = tl.load(positions + b * stride_pb + t, mask=live, other=-1)  # [BLOCK_R]: row r sees slots <= pos
+    if TREE:  # the block's slots from its first query's on: only those of the query's ancestor bits
+        base = tl.load(positions + b * stride_pb)
+        anc = tl.load(tree + b * stride_tb + t, mask=live, other=0)  # [BLOCK_R] int64
+        pos = tl.where(live, base + T - 1, -1)
     k_base = k + b * stride_kb + h * stride_kh
     v_base = v + b * stride_vb + h * stride_vh
     lo = split * chunk
@@ -246,6 +250,10 @@ def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale
         k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
         seen = valid[None, :] & (slots[None, :] <= pos[:, None])
+        if TREE:
+            rel = slots - base  # [BLOCK_N]: block index, negative in the context
+            bit = (anc[:, None] >> tl.maximum(rel, 0).to(tl.int64)[None, :]) & 1
+            seen = seen & ((rel < 0)[None, :] | (bit == 1))
         s = tl.where(seen, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
 
@@ -256,13 +264,17 @@ def _block_partial_kernel(q, k, v, positions, m_part, l_part, acc_part, qk_scale
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    scale: float | None = None, splits: int | None = None, chunk: int = 0) -> torch.Tensor:
+                    scale: float | None = None, splits: int | None = None, chunk: int = 0,
+                    tree: torch.Tensor | None = None) -> torch.Tensor:
     """A few query positions per row over the KV cache (a speculative verify block, GQA), split-K in Triton: every
     query head of a KV head and every position of the block in one tile, so each K/V row is read once per KV head.
 
     q          [B, Hq, T, D]   bf16/fp16/fp32 (any strides but the last); query head h uses KV head h // (Hq // Hkv)
     k, v       [B, Hkv, S, D]  q's dtype; slots [0, max(positions[b]) + 1) of row b are read
     positions  [B, T]          int; query t of row b sees slots 0..positions[b, t] (causal over the cache)
+    tree       [B, T] int64 or None: a tree of queries (a tree verify): query t of row b sees the slots before its
+               block's, positions[b, 0] (the context), and of the block's slots positions[b, 0] + j those whose bit j
+               is set in tree[b, t] (its ancestors and itself); `positions` then only places the block (T <= 63)
     -> out     [B, Hq, T, D]   q's dtype (contiguous), fp32 accumulation
     chunk      0: split S for the device's parallelism (`num_splits`); else slots a split, a multiple of the key
                block: splits at fixed slots whatever S, B and T are, and the (head, query) rows in tiles of
@@ -276,6 +288,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     G = Hq // Hkv
     assert Hq == G * Hkv and k.shape == v.shape and k.shape[0] == B and k.shape[-1] == D
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and positions.shape == (B, T)
+    assert tree is None or (tree.shape == (B, T) and tree.dtype == torch.int64 and T < 64)
     scale = D**-0.5 if scale is None else scale
     block_n = _block_n(D)
     fixed = chunk > 0
@@ -298,12 +311,14 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     acc_part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
+    tree_arg = positions if tree is None else tree.contiguous()
     _block_partial_kernel[(tiles, B * Hkv, splits)](
-        q, k, v, positions, m_part, l_part, acc_part, scale * LOG2E, chunk,
+        q, k, v, positions, tree_arg, m_part, l_part, acc_part, scale * LOG2E, chunk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), positions.stride(0),
+        v.stride(2), positions.stride(0), tree_arg.stride(0),
         HKV=Hkv, G=G, T=T, D=D, BLOCK_R=block_r, BLOCK_N=block_n,
-        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=stages)
+        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=stages,
+        TREE=tree is not None)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     # (fixed chunks: a fixed merge tile too, so that a cache with more, empty, splits merges alike)
     block_s = MERGE_BLOCK_S if fixed else min(MERGE_BLOCK_S, triton.next_power_of_2(splits))
@@ -312,13 +327,17 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 
 def block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                        scale: float | None = None) -> torch.Tensor:
-    """Torch reference of `block_attention` (fp32 math, the causal mask over slots)."""
+                        scale: float | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of `block_attention` (fp32 math, the causal or tree mask over slots)."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.float().reshape(B, Hkv, Hq // Hkv * T, D)  # rows g * T + t
     logits = qg @ k.float().transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G*T, S]
-    seen = torch.arange(S, device=q.device) <= positions[:, None, :, None].long()  # [B, 1, T, S]
+    from ..attention.dense import tree_mask
+
+    seen = (torch.arange(S, device=q.device) <= positions[:, None, :, None].long() if tree is None
+            else tree_mask(positions[:, 0], tree, S)[:, None])  # [B, 1, T, S]
     seen = seen.expand(B, Hq // Hkv, T, S).reshape(B, 1, Hq // Hkv * T, S)
     probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
     return (probs @ v.float()).view(B, Hq, T, D).to(q.dtype)
+

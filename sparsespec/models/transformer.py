@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.dense import causal_mask, dense_attention
+from ..attention.dense import causal_mask, dense_attention, tree_mask
 from ..attention.policy import Policy
 from ..cache import KVCache
 from ..config import ModelConfig
@@ -127,6 +127,8 @@ class StepPlan:
     block: bool = False  # a few queries a row (a speculative verify block): the Triton block attention
     seen: torch.Tensor | None = None  # [B, T]: the last slot each query sees, if not its own position (a drafter's
     #                                   block sees all of itself); `mask` must agree
+    tree: torch.Tensor | None = None  # [B, T] int64: a tree verify's ancestor bits (`kernels.attend.block_attention`);
+    #                                   `mask` must agree
 
 
 class Attention(nn.Module):
@@ -177,7 +179,8 @@ class Attention(nn.Module):
             out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
         elif plan.block:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
-            out = block_attention(q, keys, values, plan.positions if plan.seen is None else plan.seen, self.chunk)
+            out = block_attention(q, keys, values, plan.positions if plan.seen is None else plan.seen, self.chunk,
+                                  plan.tree)
         else:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]
@@ -203,14 +206,14 @@ INVARIANT_CHUNK = 512  # slots a split of the block attention in row-invariant s
 
 @torch.library.custom_op("sparsespec::block_attention", mutates_args=())
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    chunk: int = 0) -> torch.Tensor:
+                    chunk: int = 0, tree: torch.Tensor | None = None) -> torch.Tensor:
     from ..kernels.attend import block_attention as kernel
 
-    return kernel(q, k, v, positions, chunk=chunk)
+    return kernel(q, k, v, positions, chunk=chunk, tree=tree)
 
 
 @block_attention.register_fake
-def _(q, k, v, positions, chunk=0):
+def _(q, k, v, positions, chunk=0, tree=None):
     return q.new_empty(q.shape)
 
 
@@ -322,15 +325,21 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def plan(self, positions: torch.Tensor, kv_len: int, policy: Policy | None = None,
-             observer: Callable | None = None) -> StepPlan:
+             observer: Callable | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepPlan:
+        """`tree`: (depth [B, T], ancestors [B, T] int64) of a tree verify block written at slots `positions`
+        (consecutive from positions[:, 0]): rotary positions positions[:, 0] + depth, each query seeing the context
+        and its ancestors (`spec.tree`)."""
         dtype = self.embed_tokens.weight.dtype
         if policy is not None and policy.fixed is not None and positions.shape[1] == 1:
             begin_sparse_step(policy, positions[:, 0])  # the sparse layers' per-step metadata, built once
-        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
-        mask = causal_mask(positions, kv_len, self.cfg.sliding_window)
+        rope = positions if tree is None else positions[:, :1] + tree[0]
+        cos, sin = rope_cos_sin(rope, self.inv_freq, dtype)
+        mask = (causal_mask(positions, kv_len, self.cfg.sliding_window) if tree is None
+                else tree_mask(positions[:, 0], tree[1], kv_len)[:, None])
         block = (positions.shape[1] <= self.block_queries and self.cfg.sliding_window is None
                  and triton_ready(positions.device))
-        return StepPlan(positions, kv_len, cos, sin, mask, policy, observer, block)
+        return StepPlan(positions, kv_len, cos, sin, mask, policy, observer, block,
+                        tree=None if tree is None else tree[1])
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 kv_len: int | None = None, policy: Policy | None = None,
@@ -344,10 +353,11 @@ class Transformer(nn.Module):
         return self.forward_tapped(tokens, positions, cache, kv_len, (), policy, observer)[0]
 
     def forward_tapped(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int | None,
-                       taps: Sequence[int], policy: Policy | None = None, observer: Callable | None = None):
+                       taps: Sequence[int], policy: Policy | None = None, observer: Callable | None = None,
+                       tree: tuple[torch.Tensor, torch.Tensor] | None = None):
         """As `forward`, also returning the outputs of decoder layers `taps` (0-based), concatenated in that order:
-        (hidden [B, T, hidden], features [B, T, len(taps) * hidden] or None without taps)."""
-        plan = self.plan(positions, cache.capacity if kv_len is None else kv_len, policy, observer)
+        (hidden [B, T, hidden], features [B, T, len(taps) * hidden] or None without taps). `tree`: as `plan`."""
+        plan = self.plan(positions, cache.capacity if kv_len is None else kv_len, policy, observer, tree)
         x = self.embed_tokens(tokens)
         tapped = {}
         for i, block in enumerate(self.layers):

@@ -42,7 +42,8 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
     """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME" |
     "ngram+dflash[:PATH]" (prompt lookup where the history recurs, the DFlash drafter otherwise: `LookupFirst`) |
     "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy; the key
-    weights=fp8 drafts with FP8 copies of the target's weights)."""
+    weights=fp8 drafts with FP8 copies of the target's weights) | "treeN:DRAFTER" (a drafter of per-position
+    choices, dflash, whose greedy steps verify a tree of N drafted nodes: `spec.tree`)."""
     from ..models.loading import DTYPES
     from .dflash import DFlash, DFlashDrafter
     from .registry import drafter_path
@@ -53,6 +54,15 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
             raise SparseSpecError(f"{spec}: name the drafter that drafts where the lookup finds nothing (ngram+dflash)")
         return LookupFirst(inner)
     kind, _, arg = spec.partition(":")
+    if kind.startswith("tree") and arg:  # the drafter after the colon, verified as a tree
+        if not kind[4:].isdigit() or int(kind[4:]) < 1:
+            raise SparseSpecError(f"{spec}: treeN:DRAFTER takes a number of tree nodes N >= 1 (e.g. tree15:dflash)")
+        inner = make_drafter(arg, engine, target_name, device, dtype, progress, cuda_graph)
+        if inner is None or not inner.marginals:
+            raise SparseSpecError(f"{spec}: a tree verify needs a drafter of per-position choices (dflash), not "
+                                  f"{arg}")
+        inner.tree_nodes, inner.name = int(kind[4:]), spec
+        return inner
     if kind == "none" and not arg:
         return None
     if kind == "ngram" and not arg:
@@ -77,7 +87,7 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
         policy = make_policy(name, [o for o in options if o.partition("=")[0] != "weights"])
         return SelfDrafter(policy, f"self:{arg}", fp8=weights == ["fp8"])
     raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME, "
-                          "ngram+dflash[:PATH], self:POLICY[:key=value,...])")
+                          "ngram+dflash[:PATH], self:POLICY[:key=value,...], treeN:dflash[:PATH])")
 
 
 @dataclass(frozen=True)

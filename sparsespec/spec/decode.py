@@ -28,6 +28,7 @@ from ..generate import Engine, GenerationConfig
 from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig, make_generator, sample
 from .drafters import Drafter
+from .tree import MAX_NODES, Pool, accept, choose, path
 from .verify import verify_greedy_rows, verify_sampling, verify_sampling_rows
 
 
@@ -63,7 +64,9 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     independently), its own random generator (seeded as a row alone), and its own proposal count (the one it
     would have alone), so each row's output is the one it gets alone; a stopped row is parked at slot 0 and rides
     along until every row has stopped. `runners`: a dense target's runner (and its captured verify steps) comes
-    from this pool, for loops of many calls."""
+    from this pool, for loops of many calls. A drafter with `tree_nodes` (DFlash: `--draft treeN:dflash`) is verified
+    as a tree of that many drafted nodes when every row is greedy (`spec.tree`: chosen per block by the drafter's
+    marginals); sampled rows verify its argmax line."""
     if block_size < 2:
         raise SparseSpecError(f"block size must be >= 2 (one pending token + proposals), got {block_size}")
     if engine.config.sliding_window is not None:
@@ -72,8 +75,10 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         return []
     for prompt in prompts:
         engine.check_fits(len(prompt), gen.max_new_tokens)
+    pool = tree_pool(drafter, block_size, engine.device)
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
-    rooms = [min(len(p) + gen.max_new_tokens + block_size, engine.config.max_position) for p in prompts]
+    widest = max(block_size, drafter.tree_nodes + 1)  # a tree verify may be wider than the block
+    rooms = [min(len(p) + gen.max_new_tokens + widest, engine.config.max_position) for p in prompts]
     capacity = loop_capacity(max(rooms), engine.config.max_position, gen.compile, runners is not None,
                              drafter.policy is not None)
     if runners is not None and drafter.policy is None:
@@ -94,6 +99,8 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
 
     if gen.cuda_graph:  # set-up, timed neither as first token nor decoding: the graphs captured (and compiled) now
         runner.capture_verify(block_size)
+        if pool is not None:
+            runner.capture_verify(drafter.tree_nodes + 1, tree=True)
         drafter.capture()
     histories = [list(p) + [f] for p, f in zip(prompts, firsts)]
     outs = [[f] for f in firsts]
@@ -106,7 +113,8 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         ks = [min(block_size - 1, room - n - 1) if on else 0 for room, n, on in zip(rooms, lengths, live)]
         # a stopped row is parked at slot 0
         commits = speculative_step(runner, drafter, [h if on else None for h, on in zip(histories, live)], ks,
-                                   [gen.sampling] * len(prompts), rngs, block_size, [0] * len(prompts))
+                                   [gen.sampling] * len(prompts), rngs, block_size, [0] * len(prompts),
+                                   None if pool is None else (pool, drafter.tree_nodes))
         sources = drafter.copied()
         for r, new in enumerate(commits):
             if new is None:
@@ -129,9 +137,26 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
             for out, p, steps, copies in zip(outs, prompts, committed_per_step, copied_per_step)]
 
 
+def tree_pool(drafter: Drafter, block_size: int, device: torch.device) -> Pool | None:
+    """The candidate paths of the drafter's tree verify (None for a line: no `tree_nodes`), after checking that it
+    can draft one; the drafter set to draft choices (or its line)."""
+    nodes = drafter.tree_nodes
+    if not nodes:
+        drafter.choices(0)
+        return None
+    if not drafter.marginals:
+        raise SparseSpecError(f"a tree verify needs a drafter of per-position choices (dflash), not {drafter.name}")
+    pool = Pool.of(block_size - 1, device=device)
+    if not 1 <= nodes <= min(MAX_NODES, pool.ranks.shape[0]):
+        raise SparseSpecError(f"a tree verify of block size {block_size} takes 1 to "
+                              f"{min(MAX_NODES, pool.ranks.shape[0])} nodes, got {nodes}")
+    drafter.choices(pool.ranks_needed)
+    return pool
+
+
 def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],
                      cfgs: list[SamplingConfig], rngs: list[torch.Generator | None], block_size: int,
-                     parked: list[int]) -> list[list[int] | None]:
+                     parked: list[int], tree: tuple[Pool, int] | None = None) -> list[list[int] | None]:
     """One draft-verify-commit step of every row of the runner's batch. histories[r]: row r's committed tokens, the
     last one pending (its slot is the row's length), or None for a row that does not decode now (it rides along at
     parked[r] slots and is left there); up to ks[r] proposals drawn under cfgs[r] with rngs[r]. -> per row the tokens
@@ -149,6 +174,8 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     pending = [h[-1] if on else 0 for h, on in zip(histories, live)]
     # drafts drawn on the device stay there (the verify is queued right behind them) when they do not depend on
     # the sampling: every row greedy, or a drafter of point-mass proposals
+    if tree is not None and greedy and room > tree[1] and all(k >= tree[0].width for k, on in zip(ks, live) if on):
+        return tree_step(runner, drafter, histories, ks, tree, lengths, pending, parked)
     point = greedy or drafter.point_mass
     if point:
         drafts, counts = drafter.propose_greedy(histories, ks, runner.device)  # [B, K], row r's first counts[r]
@@ -174,4 +201,46 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     runner.truncate([n + a + 1 if a is not None else rest for n, a, rest in zip(lengths, accepted, parked)])
     drafter.commit([None if c is None else len(h) + len(c) for h, c in zip(histories, commits)], accepted,
                    features)  # [B, width, taps * hidden] or None
+    return commits
+
+
+def tree_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],
+              tree: tuple[Pool, int], lengths: list[int], pending: list[int], parked: list[int]) -> list[list[int] | None]:
+    """`speculative_step` of greedy rows as a tree verify (every decoding row with room for a whole block): the
+    drafter's choices -> a tree of n nodes a row (`tree.choose`) -> one verify of the n + 1 tokens -> the deepest
+    node each row's target agrees with (`tree.accept`), one read-back; its path's K/V (and features) are moved to
+    the slots after the row's pending token, as a line verify would have left them."""
+    pool, n = tree
+    ids, logp, _ = drafter.propose_choices(histories, ks, runner.device)  # [B, K, R] each
+    t = choose(pool, ids[:, :pool.width], logp[:, :pool.width], n)
+    block = torch.cat([device_ints(pending, runner.device)[:, None], t.tokens], 1)  # [B, n + 1]
+    logits, features = runner.verify(block, n + 1, tree=(t.depth, t.ancestors))
+    best = logits.argmax(-1)  # [B, n + 1]: the target's token after each node
+    out = torch.cat([t.ancestors.gather(1, accept(t, best)[:, None]), best, t.tokens], 1).tolist()  # one sync
+    commits: list[list[int] | None] = []
+    order, moves = [], []  # per row the block indices in commit order; rows whose path is not a straight line
+    for r, (h, row) in enumerate(zip(histories, out)):
+        if h is None:
+            commits.append(None)
+            order.append(list(range(n + 1)))
+            continue
+        p = path(row[0])  # the accepted path's block indices, the root first
+        commits.append([row[n + 1 + j] for j in p[1:]] + [row[1 + p[-1]]])
+        order.append(p + [j for j in range(n + 1) if j not in p])
+        if p != list(range(len(p))):
+            moves.append((r, p))
+    if moves:
+        d = max(len(p) for _, p in moves)
+        pad = [(lengths[r], [lengths[r] + j for j in p] + [lengths[r]] * (d - len(p))) for r, p in moves]
+        runner.cache.move(device_ints([r for r, _ in moves], runner.device),
+                          device_ints([src for _, src in pad], runner.device),
+                          device_ints([[n0 + j for j in range(len(p))] + [n0] * (d - len(p))
+                                       for (n0, _), (_, p) in zip(pad, moves)], runner.device))
+    if features is not None:  # each row's path first, in order: what a line's verify would have given
+        index = device_ints(order, runner.device)[:, :pool.width + 1, None].expand(-1, -1, features.shape[-1])
+        features = features.gather(1, index)  # [B, K + 1, ·] (a path is at most K + 1 tokens)
+    accepted = [None if c is None else len(c) - 1 for c in commits]
+    runner.truncate([n0 + a + 1 if a is not None else rest for n0, a, rest in zip(lengths, accepted, parked)])
+    drafter.commit([None if c is None else len(h) + len(c) for h, c in zip(histories, commits)], accepted,
+                   features)
     return commits

@@ -14,6 +14,7 @@ slots s..s+B−1, past the committed context, and overwritten when those tokens'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,14 @@ class DFlash(nn.Module):
         hidden = self.draft_hidden(target, tokens, start, cache, kv_len)
         return target.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype)).argmax(-1)
 
+    def draft_choices(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
+                      kv_len: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `draft_hidden` -> each block position's `ranks` likeliest tokens [N, B − 1, ranks], best first, and
+        their log-probabilities [N, B − 1, ranks] fp32 (what a tree verify chooses from: `spec.tree`)."""
+        hidden = self.draft_hidden(target, tokens, start, cache, kv_len)
+        logp, ids = target.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype)).log_softmax(-1).topk(ranks, -1)
+        return ids, logp
+
     # --- training: many blocks per sequence, one masked attention --------------------------------------------
 
     def train_hidden(self, target: Transformer, features: torch.Tensor, tokens: torch.Tensor,
@@ -276,8 +285,10 @@ class DraftGraphs:
     (norms, rotary, SwiGLU, residuals) between a layer's products: a 16-position block is launch-bound as a decode
     step is."""
 
-    def __init__(self, model: DFlash, target: Transformer, cache: KVCache, park: int, compile: bool = False):
+    def __init__(self, model: DFlash, target: Transformer, cache: KVCache, park: int, compile: bool = False,
+                 ranks: int = 0):
         N, B, dev = cache.batch, model.cfg.block_size, cache.device
+        self.ranks = ranks
         self.park = park
         self.tokens = torch.zeros(N, dtype=torch.long, device=dev)
         self.starts = torch.full((N,), park, dtype=torch.long, device=dev)
@@ -290,6 +301,9 @@ class DraftGraphs:
         capacity = cache.capacity
         draft, ingest = ((torch.compile(f, fullgraph=True, dynamic=False) for f in (_draft, _ingest)) if compile
                          else (_draft, _ingest))
+        if ranks:  # a tree verify's drafts: each position's likeliest tokens and their log-probabilities
+            choices = _choices if not compile else torch.compile(_choices, fullgraph=True, dynamic=False)
+            draft = functools.partial(choices, ranks=ranks)
         # each drafter shape and cache size compiles its own variant (a benchmark's sizes, a test's models): allow
         # more than Dynamo's default, past which it would silently run them eagerly
         with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
@@ -297,8 +311,9 @@ class DraftGraphs:
                 lambda: draft(model, target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
             self.ingest_graph, _ = capture(lambda: ingest(model, features, at[:, None] + offsets, cache), dev)
 
-    def propose(self, tokens: list[int], starts: list[int]) -> torch.Tensor:
-        """-> the proposals [N, B − 1] on the device (the graph's output: the next replay overwrites it)."""
+    def propose(self, tokens: list[int], starts: list[int]):
+        """-> the proposals [N, B − 1] on the device, or with `ranks` (ids, log-probabilities) [N, B − 1, ranks] (the
+        graph's output: the next replay overwrites it)."""
         self.tokens.copy_(device_ints(tokens, self.tokens.device))
         self.starts.copy_(device_ints(starts, self.starts.device))
         self.propose_graph.replay()
@@ -316,6 +331,10 @@ def _draft(model: DFlash, target: Transformer, tokens, starts, cache: KVCache, c
     return model.draft_tokens(target, tokens, starts, cache, capacity)
 
 
+def _choices(model: DFlash, target: Transformer, tokens, starts, cache: KVCache, capacity: int, ranks: int):
+    return model.draft_choices(target, tokens, starts, cache, capacity, ranks)
+
+
 def _ingest(model: DFlash, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
     model.ingest(features, positions, cache)
 
@@ -328,6 +347,7 @@ class DFlashDrafter(Drafter):
 
     name = "dflash"
     point_mass = True
+    marginals = True
 
     def __init__(self, model: DFlash, target: Transformer):
         self.model = model
@@ -337,6 +357,14 @@ class DFlashDrafter(Drafter):
         self.cache: KVCache | None = None
         self.cuda_graph = self.compile = False  # the runner's settings (`bind`): graphed, and compiled, drafts
         self.graphs: DraftGraphs | None = None
+        self.ranks = 0  # > 0: a tree verify's drafts (`propose_choices`), this many choices a position
+
+    def choices(self, ranks: int) -> None:
+        """Before `start`: draft each position's `ranks` likeliest tokens (`propose_choices`, for a tree verify), or
+        with 0 the argmax line (`propose_greedy`)."""
+        if ranks != self.ranks:
+            self.graphs = None  # captured for the other output
+        self.ranks = ranks
 
     def bind(self, runner):
         cuda_graph, compile = runner.cuda_graph and runner.device.type == "cuda", runner.compile
@@ -363,7 +391,7 @@ class DFlashDrafter(Drafter):
             self._ingest(features, [0] * len(prompts))
         self.cache.truncate([len(p) for p in prompts])
         if self.cuda_graph and not keep:
-            self.graphs = DraftGraphs(self.model, self.target, self.cache, capacity, self.compile)
+            self.graphs = DraftGraphs(self.model, self.target, self.cache, capacity, self.compile, self.ranks)
 
     @torch.inference_mode()
     def start_row(self, row, prompt, features):
@@ -392,6 +420,9 @@ class DFlashDrafter(Drafter):
 
     @torch.inference_mode()
     def propose_greedy(self, histories, ks, device):
+        if self.ranks:  # drafting choices for a tree verify: a step that verifies a line takes the best of each
+            ids, _, counts = self.propose_choices(histories, ks, device)
+            return ids[..., 0], counts
         B = self.model.cfg.block_size
         counts = [0 if h is None else max(min(k, B - 1), 0) for h, k in zip(histories, ks)]
         device = self.model.fc.weight.device
@@ -405,6 +436,21 @@ class DFlashDrafter(Drafter):
         starts = [0 if h is None else len(h) - 1 for h in histories]
         return self.model.draft_tokens(self.target, device_ints(tokens, device), device_ints(starts, device),
                                        self.cache, max(starts) + B), counts
+
+    @torch.inference_mode()
+    def propose_choices(self, histories, ks, device):
+        assert self.ranks, "choices(ranks) first"
+        B = self.model.cfg.block_size
+        counts = [0 if h is None else max(min(k, B - 1), 0) for h, k in zip(histories, ks)]
+        tokens = [0 if h is None else h[-1] for h in histories]
+        if self.graphs is not None:
+            ids, logp = self.graphs.propose(tokens, [self.park if h is None else len(h) - 1 for h in histories])
+            return ids, logp, counts
+        device = self.model.fc.weight.device
+        starts = [0 if h is None else len(h) - 1 for h in histories]
+        ids, logp = self.model.draft_choices(self.target, device_ints(tokens, device), device_ints(starts, device),
+                                             self.cache, max(starts) + B, self.ranks)
+        return ids, logp, counts
 
     @torch.inference_mode()
     def commit(self, lengths, accepted, features):

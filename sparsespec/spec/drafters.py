@@ -47,6 +47,9 @@ class Drafter(ABC):
     # `propose_greedy` serves sampled rows too: the drafts stay on the device and a step reads back once
     point_mass: bool = False
     max_proposals: int | None = None  # the most proposals a row's step can take from it (None: any number)
+    # drafts a distribution per position of a block (not a line): `choices` and `propose_choices` serve a tree verify
+    marginals: bool = False
+    tree_nodes: int = 0  # > 0 (a drafter of `marginals`): greedy steps verify a tree of this many drafted nodes
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
@@ -84,6 +87,17 @@ class Drafter(ABC):
         (one read-back), with no distributions."""
         drafts, counts = self.propose_greedy(histories, ks, device)
         return [row[:n] for row, n in zip(drafts.tolist(), counts)], [None] * len(histories)
+
+    def choices(self, ranks: int) -> None:
+        """A drafter of `marginals`, before `start`: draft `ranks` choices a position (0: the argmax line)."""
+        if ranks:
+            raise SparseSpecError(f"the {self.name} drafter drafts a line, not choices a position: no tree verify")
+
+    def propose_choices(self, histories: Rows, ks: list[int], device: torch.device):
+        """A drafter of `marginals` after `choices(R)`, every decoding row greedy -> (ids [B, K, R] long, log-probs
+        [B, K, R] fp32 on `device`: each of the block's K positions' R likeliest tokens, best first; counts as
+        `propose_greedy`'s)."""
+        raise SparseSpecError(f"the {self.name} drafter drafts a line, not choices a position: no tree verify")
 
     def commit(self, lengths: list[int | None], accepted: list[int | None], features: torch.Tensor | None) -> None:
         """Default: nothing to update (stateless drafters)."""

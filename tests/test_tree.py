@@ -1,0 +1,181 @@
+"""Tree verification of a DFlash block: the tree's choice and acceptance against brute force, and the loop's output
+against plain greedy decoding (every node's path, K/V and drafter context as a line verify would leave them)."""
+
+import random
+
+import pytest
+import torch
+
+from sparsespec.errors import SparseSpecError
+from sparsespec.generate import GenerationConfig
+from sparsespec.sampling import SamplingConfig
+from sparsespec.spec.bench import make_drafter
+from sparsespec.spec.decode import speculative_generate
+from sparsespec.spec.dflash import DFlashDrafter
+from sparsespec.spec.drafters import Drafter
+from sparsespec.spec.tree import Pool, accept, choose, path, pool_paths
+
+from .test_spec import tiny_dflash, tiny_engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50))]
+
+
+def node_paths(tree, ids, b: int) -> list[tuple[int, ...]]:
+    """Row b's nodes as paths of ranks (read back through their ancestor bits and tokens)."""
+    out = []
+    for j in range(1, tree.tokens.shape[1] + 1):
+        nodes = path(int(tree.ancestors[b, j]))[1:]
+        assert nodes[-1] == j and int(tree.depth[b, j]) == len(nodes)
+        assert int(tree.parent[b, j]) == (nodes[-2] if len(nodes) > 1 else 0)
+        out.append(tuple(int((ids[b, int(tree.depth[b, k]) - 1] == tree.tokens[b, k - 1]).nonzero()[0])
+                         for k in nodes))
+    return out
+
+
+@pytest.mark.parametrize("width,n", [(1, 1), (4, 3), (7, 12), (15, 15), (15, 31)])
+def test_the_tree_is_the_top_paths_of_the_pool_and_accepts_the_deepest_agreeing_node(width, n):
+    """`choose` against a sort of every pool path by its total log-probability; `accept` against a walk of every
+    node's path, with targets that follow a random choice at each depth."""
+    gen = torch.Generator().manual_seed(width * 100 + n)
+    pool = Pool.of(width)
+    assert pool_paths(1) == [(0,), (1,), (2,)] and len(pool_paths(15)) == 815
+    logp, ids = torch.randn(3, width, 40, generator=gen).log_softmax(-1).topk(3, -1)
+    tree = choose(pool, ids, logp, n)
+    for b in range(3):
+        score = {p: sum(float(logp[b, d, r]) for d, r in enumerate(p)) - 1e-4 * len(p) for p in pool_paths(width)}
+        assert set(node_paths(tree, ids, b)) == set(sorted(score, key=lambda p: -score[p])[:n])
+    truth = torch.stack([ids[b, torch.arange(width), torch.randint(0, 3, (width,), generator=gen)] for b in range(3)])
+    truth[0] = ids[0, :, 0]  # a row whose target follows the argmax line
+    best = truth.gather(1, tree.depth.clamp(max=width - 1))  # the target's token after each node, if on its path
+    got = accept(tree, best)
+    for b in range(3):
+        deepest, depth = 0, 0
+        for j in range(1, n + 1):
+            tokens = [int(tree.tokens[b, k - 1]) for k in path(int(tree.ancestors[b, j]))[1:]]
+            if tokens == truth[b, :len(tokens)].tolist() and len(tokens) > depth:
+                deepest, depth = j, len(tokens)
+        assert int(got[b]) == deepest
+
+
+def test_a_pool_path_never_outscores_its_prefix_even_with_positive_scores():
+    """Scores above 0 (not log-probabilities) are clipped: the chosen nodes still form a tree."""
+    ids = torch.arange(12).view(1, 4, 3)
+    logp = torch.tensor([[[-5.0, -6, -7], [3, 2, 1], [3, 2, 1], [3, 2, 1]]])
+    tree = choose(Pool.of(4), ids, logp, 6)
+    assert all(len(p) == 1 or p[:-1] in node_paths(tree, ids, 0) for p in node_paths(tree, ids, 0))
+
+
+class Oracle(Drafter):
+    """Knows each prompt's greedy answer: at every block position that answer's token at a random rank (0 most
+    often), other tokens at the other ranks: its trees accept deep paths that are not the argmax line."""
+    name = "oracle"
+    point_mass = marginals = True
+
+    def __init__(self, answers: list[list[int]], seed: int = 0):
+        self.answers, self.rng, self.ranks, self.width = answers, random.Random(seed), 0, 7
+
+    def start(self, prompts, features, capacity):
+        pass
+
+    def choices(self, ranks):
+        self.ranks = ranks
+
+    def propose(self, histories, ks, cfgs, rngs):
+        raise AssertionError("greedy rows only")
+
+    def propose_choices(self, histories, ks, device):
+        B, K, R = len(histories), self.width, self.ranks
+        logp = torch.sort(torch.rand(B, K, R), -1, descending=True).values.log()
+        ids = torch.zeros(B, K, R, dtype=torch.long)
+        for b, h in enumerate(histories):
+            full = next((a for a in self.answers if h is not None and a[:len(h)] == h), None)
+            for j in range(K):
+                token = full[len(h) + j] if full is not None and len(h) + j < len(full) else 0
+                r = self.rng.choice([0, 0, 0, 1, 2])
+                ids[b, j] = torch.tensor([(token + 1 + x) % 64 for x in range(R)])
+                ids[b, j, r] = token
+        return ids, logp, [0 if h is None else min(k, K) for h, k in zip(histories, ks)]
+
+    def propose_greedy(self, histories, ks, device):
+        ids, _, counts = self.propose_choices(histories, ks, device)
+        return ids[..., 0], counts
+
+
+@pytest.mark.parametrize("nodes", [1, 6, 20])
+def test_a_tree_verify_of_deep_side_paths_is_token_identical_to_plain_greedy(nodes):
+    """An oracle drafter whose answer tokens often sit at ranks 1-2: the accepted paths leave the argmax line, so
+    their K/V are moved after the pending token; a batch of rows of different lengths, each row as plain greedy."""
+    target = tiny_engine(0)
+    gen = GenerationConfig(max_new_tokens=40)
+    plain = target.generate(PROMPTS, gen).token_ids
+    drafter = Oracle([p + a for p, a in zip(PROMPTS, plain)])
+    drafter.tree_nodes = nodes
+    out = speculative_generate(target, PROMPTS, drafter, gen, 8)
+    assert [o.token_ids for o in out] == plain
+    if nodes > 1:
+        assert all(o.tau > 2 for o in out)  # deep paths were accepted
+
+
+@pytest.mark.parametrize("block,nodes", [(5, 1), (5, 4), (8, 9), (8, 31)])
+def test_dflash_verified_as_a_tree_is_token_identical_and_keeps_its_context(block, nodes):
+    """The DFlash drafter as a tree (its choices through `draft_choices`): greedy output equals plain greedy for a
+    batch; after every step its context cache holds what ingesting the target's features over each row's committed
+    tokens gives (the accepted path's features, reordered into a line)."""
+    target = tiny_engine(0)
+    gen = GenerationConfig(max_new_tokens=30)
+    plain = target.generate(PROMPTS, gen).token_ids
+    seqs = [p + a for p, a in zip(PROMPTS, plain)]
+    features = [target.model.forward_tapped(torch.tensor([s]), torch.arange(len(s))[None], _fresh_cache(target),
+                                            len(s), tiny_dflash(target, block=block).cfg.taps)[1][0] for s in seqs]
+    checked = []
+
+    class Checked(DFlashDrafter):
+        def commit(self, lengths, accepted, feats):
+            super().commit(lengths, accepted, feats)
+            fresh = DFlashDrafter(self.model, target.model)
+            for r, a in enumerate(accepted):
+                if a is None:
+                    continue
+                n = self.cache.lengths[r]
+                fresh.start([seqs[r][:n]], [features[r][:n]], len(seqs[r]) + block)
+                for k_loop, k_fresh in zip(self.cache.k, fresh.cache.k):
+                    assert torch.allclose(k_loop[r, :, :n], k_fresh[0, :, :n], atol=1e-5), (r, n)
+                checked.append(a)
+
+    drafter = Checked(tiny_dflash(target, block=block), target.model)
+    drafter.tree_nodes = nodes
+    out = speculative_generate(target, PROMPTS, drafter, gen, block)
+    assert [o.token_ids for o in out] == plain and checked
+
+
+def _fresh_cache(engine):
+    from sparsespec.cache import KVCache
+
+    return KVCache(engine.config, 1, 256, torch.float32, "cpu")
+
+
+def test_sampled_rows_of_a_tree_drafter_verify_its_argmax_line():
+    """At T = 1 a tree drafter proposes its line: the same tokens as the linear drafter with the same seed."""
+    target = tiny_engine(0)
+    gen = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=3))
+    tree = DFlashDrafter(tiny_dflash(target, block=5), target.model)
+    tree.tree_nodes = 4
+    line = DFlashDrafter(tiny_dflash(target, block=5), target.model)
+    assert ([o.token_ids for o in speculative_generate(target, PROMPTS, tree, gen, 5)]
+            == [o.token_ids for o in speculative_generate(target, PROMPTS, line, gen, 5)])
+
+
+def test_tree_drafter_specs(tmp_path):
+    target = tiny_engine(0)
+    tiny_dflash(target).save(tmp_path / "d")
+    drafter = make_drafter(f"tree9:dflash:{tmp_path / 'd'}", target, "tiny")
+    assert drafter.tree_nodes == 9 and drafter.name == f"tree9:dflash:{tmp_path / 'd'}"
+    for spec, match in (("tree9:ngram", "per-position choices"), ("treex:dflash", "number of tree nodes"),
+                        ("tree0:dflash", "number of tree nodes")):
+        with pytest.raises(SparseSpecError, match=match):
+            make_drafter(spec, target, "tiny")
+    drafter.tree_nodes = 900
+    with pytest.raises(SparseSpecError, match="takes 1 to"):
+        speculative_generate(target, PROMPTS[:1], drafter, GenerationConfig(max_new_tokens=4), 5)
