@@ -16,7 +16,8 @@ acceptance side of that trade, not its cost:
                   rank at each depth, counted on the first half of the prompts, measured on the second half
     top-N of S    per block the N most probable paths by the marginals among the nodes of the static tree of S nodes
                   (a child never outscores its parent, so they form a tree: one top-k, capturable in a graph)
-    top-N of rank-sum <= 2   the same among every path whose ranks sum to at most 2 (no calibration)
+    top-N of rank-sum <= 2   the same among every path whose ranks sum to at most 2 (no calibration): what the
+                  loop's tree verify does (`--draft treeN:dflash`, `sparsespec.spec.tree`)
 
     python bench/tree_accept.py --target qwen2.5-coder-1.5b --drafter sparsespec/drafters/qwen2.5-coder-1.5b-dflash \
         --prompts 24 --max-new-tokens 128 [--nodes 15,31,63] [--out DIR]
@@ -38,6 +39,7 @@ from sparsespec.generate import Engine
 from sparsespec.spec.dflash import DFlash
 from sparsespec.spec.prompts import make_prompts
 from sparsespec.spec.train import block_loss, regenerate
+from sparsespec.spec.tree import pool_paths
 
 RANKS = 8  # choices kept per position
 
@@ -127,7 +129,7 @@ def shapes(calibration, width: int, nodes: list[int]) -> dict:
         tree = {(r,) + (0,) * d for r in range(c) for d in range(width)}
         out[f"top-{c} ({c * width} nodes)"] = lambda ids, lps, lab, t=tree: depth(t, truth_ranks(ids, lab))
     rates = rank_rates(calibration, width).clamp(min=1e-9).log()
-    near = rank_sum_pool(width)
+    near = pool_paths(width)  # the loop's pool (`spec.tree`)
     for n in nodes:
         out[f"best-first {n}"] = lambda ids, lps, lab, n=n: depth(
             set(best_first(lambda d, r: float(lps[d, r]), n, width)), truth_ranks(ids, lab))
@@ -140,14 +142,6 @@ def shapes(calibration, width: int, nodes: list[int]) -> dict:
             top_of(near, lps, n), truth_ranks(ids, lab))
     return out
 
-
-def rank_sum_pool(width: int, most: int = 2) -> list[tuple[int, ...]]:
-    """Every path of ranks of at most `width` depths whose ranks sum to at most `most`, parents first."""
-    pool, frontier = [], [()]
-    while frontier:
-        frontier = [p + (r,) for p in frontier if len(p) < width for r in range(most + 1) if sum(p) + r <= most]
-        pool += frontier
-    return pool
 
 
 def top_of(pool: list[tuple[int, ...]], lps: torch.Tensor, n: int) -> set[tuple[int, ...]]:

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "ngram+dflash[:PATH] (prompt lookup where the text recurs, DFlash elsewhere), "
                    "self:POLICY[:key=value,...] (the model drafts for itself with sparse attention, e.g. "
                    "self:binarypc:budget=0.02; the dense model verifies; weights=fp8 among the options drafts "
-                   "with FP8 copies of the weights)")
+                   "with FP8 copies of the weights), treeN:dflash[:PATH] (DFlash's greedy steps verify a tree of N "
+                   "drafted tokens chosen from its per-position choices, e.g. tree15:dflash)")
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                    "shipped drafter; a packaged model's own file is recognised)")
     g.add_argument("--block-size", type=_positive_int, default=None, help="with --draft: tokens verified per step "
@@ -151,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "policy (binarypc, topk, quest, streaming, doublesparse; see `sparsespec policies`)")
     sv.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
     sv.add_argument("--draft", default="none", help="lossless speculative decoding of every request: none, ngram, "
-                    "dflash[:PATH], model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...] (as generate --draft)")
+                    "dflash[:PATH], model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...], treeN:dflash[:PATH] "
+                    "(as generate --draft)")
     sv.add_argument("--block-size", type=_positive_int, default=None, help="with --draft: the verify block (pending "
                     "token + up to block-size - 1 proposals; default: 8)")
     sv.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
@@ -274,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target-name", default=None, help="registry name of a --target given as a path (to find "
                     "its shipped drafter)")
     sp.add_argument("--drafters", nargs="+", default=["ngram", "dflash"],
-                    help="ngram, dflash[:PATH], model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...]")
+                    help="ngram, dflash[:PATH], model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...], "
+                    "treeN:dflash[:PATH] (as generate --draft)")
     sp.add_argument("--prompts", type=_positive_int, default=8, help="held-out prompts per kind")
     sp.add_argument("--kinds", default="code,text", help="prompt kinds: code, text, long-code (repository-level "
                     "completion), long-text (questions on long documents), humaneval (the 164 HumanEval problems, "

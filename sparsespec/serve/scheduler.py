@@ -33,7 +33,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig, RowOutput
 from ..runner import Runner
 from ..sampling import SamplingConfig, make_generator, sample, sample_rows
-from ..spec.decode import speculative_step
+from ..spec.decode import speculative_step, tree_pool
 from ..spec.drafters import Drafter
 from .metrics import Metrics
 
@@ -142,8 +142,10 @@ class Scheduler:
             raise SparseSpecError("speculative decoding does not support sliding-window models yet")
         self.engine, self.config, self.drafter = engine, config, drafter
         self.metrics = Metrics(self.queue_length, self.running_rows, config.max_batch)
-        # with a drafter, room for a verify block past every row's last position
-        capacity = min(config.max_context + (config.block_size if drafter else 0), engine.config.max_position)
+        # with a drafter, room for a verify block (or tree: `spec.tree`) past every row's last position
+        self.tree = None if drafter is None else tree_pool(drafter, config.block_size, engine.device)
+        widest = 0 if drafter is None else max(config.block_size, drafter.tree_nodes + 1)
+        capacity = min(config.max_context + widest, engine.config.max_position)
         self.runner = Runner(engine.model, config.max_batch, capacity, drafter.policy if drafter else policy,
                              config.cuda_graph, taps=drafter.taps if drafter else (),
                              row_graphs=not config.batch_invariant)
@@ -306,7 +308,8 @@ class Scheduler:
             self.runner, self.drafter, histories, ks,
             [s.job.gen.sampling if d else _GREEDY for s, d in zip(self.slots, decoding)],
             [s.generator if d else None for s, d in zip(self.slots, decoding)], block,
-            [s.prefilled if s is not None else 0 for s in self.slots])
+            [s.prefilled if s is not None else 0 for s in self.slots],
+            None if self.tree is None else (self.tree, self.drafter.tree_nodes))
         self.metrics.step.observe(time.perf_counter() - start)
         self.metrics.tokens(sum(len(c) for c in commits if c is not None))
         for i, new in enumerate(commits):
