@@ -173,7 +173,8 @@ def test_tree_drafter_specs(tmp_path):
     drafter = make_drafter(f"tree9:dflash:{tmp_path / 'd'}", target, "tiny")
     assert drafter.tree_nodes == 9 and drafter.name == f"tree9:dflash:{tmp_path / 'd'}"
     for spec, match in (("tree9:ngram", "per-position choices"), ("treex:dflash", "number of tree nodes"),
-                        ("tree0:dflash", "number of tree nodes")):
+                        ("tree0:dflash", "number of tree nodes"), (f"ngram+tree9:dflash:{tmp_path / 'd'}",
+                                                                    "prompt lookup in front of a tree verify")):
         with pytest.raises(SparseSpecError, match=match):
             make_drafter(spec, target, "tiny")
     drafter.tree_nodes = 900

@@ -52,6 +52,9 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
         inner = make_drafter(spec[len("ngram+"):], engine, target_name, device, dtype, progress, cuda_graph)
         if inner is None:
             raise SparseSpecError(f"{spec}: name the drafter that drafts where the lookup finds nothing (ngram+dflash)")
+        if inner.tree_nodes:
+            raise SparseSpecError(f"{spec}: prompt lookup in front of a tree verify is not supported (a copy is a "
+                                  f"line): use ngram+dflash or {spec[len('ngram+'):]}")
         return LookupFirst(inner)
     kind, _, arg = spec.partition(":")
     if kind.startswith("tree") and arg:  # the drafter after the colon, verified as a tree
