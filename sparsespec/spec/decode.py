@@ -172,10 +172,10 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     # every row's block is written from its length on: near the context's end the widest block must fit too
     room = runner.cache.capacity - max(lengths)
     pending = [h[-1] if on else 0 for h, on in zip(histories, live)]
-    # drafts drawn on the device stay there (the verify is queued right behind them) when they do not depend on
-    # the sampling: every row greedy, or a drafter of point-mass proposals
     if tree is not None and greedy and room > tree[1] and all(k >= tree[0].width for k, on in zip(ks, live) if on):
         return tree_step(runner, drafter, histories, ks, tree, lengths, pending, parked)
+    # drafts drawn on the device stay there (the verify is queued right behind them) when they do not depend on
+    # the sampling: every row greedy, or a drafter of point-mass proposals
     point = greedy or drafter.point_mass
     if point:
         drafts, counts = drafter.propose_greedy(histories, ks, runner.device)  # [B, K], row r's first counts[r]
@@ -205,7 +205,8 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
 
 
 def tree_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],
-              tree: tuple[Pool, int], lengths: list[int], pending: list[int], parked: list[int]) -> list[list[int] | None]:
+              tree: tuple[Pool, int], lengths: list[int], pending: list[int],
+              parked: list[int]) -> list[list[int] | None]:
     """`speculative_step` of greedy rows as a tree verify (every decoding row with room for a whole block): the
     drafter's choices -> a tree of n nodes a row (`tree.choose`) -> one verify of the n + 1 tokens -> the deepest
     node each row's target agrees with (`tree.accept`), one read-back; its path's K/V (and features) are moved to
@@ -229,13 +230,11 @@ def tree_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None
         order.append(p + [j for j in range(n + 1) if j not in p])
         if p != list(range(len(p))):
             moves.append((r, p))
-    if moves:
-        d = max(len(p) for _, p in moves)
-        pad = [(lengths[r], [lengths[r] + j for j in p] + [lengths[r]] * (d - len(p))) for r, p in moves]
-        runner.cache.move(device_ints([r for r, _ in moves], runner.device),
-                          device_ints([src for _, src in pad], runner.device),
-                          device_ints([[n0 + j for j in range(len(p))] + [n0] * (d - len(p))
-                                       for (n0, _), (_, p) in zip(pad, moves)], runner.device))
+    if moves:  # slot n + p[j] -> n + j (n: the row's pending slot), padded with the pending slot onto itself
+        d, dev = max(len(p) for _, p in moves), runner.device
+        src = [[lengths[r] + j for j in p] + [lengths[r]] * (d - len(p)) for r, p in moves]
+        dst = [[lengths[r] + j for j in range(len(p))] + [lengths[r]] * (d - len(p)) for r, p in moves]
+        runner.cache.move(device_ints([r for r, _ in moves], dev), device_ints(src, dev), device_ints(dst, dev))
     if features is not None:  # each row's path first, in order: what a line's verify would have given
         index = device_ints(order, runner.device)[:, :pool.width + 1, None].expand(-1, -1, features.shape[-1])
         features = features.gather(1, index)  # [B, K + 1, ·] (a path is at most K + 1 tokens)
