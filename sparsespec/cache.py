@@ -17,6 +17,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import SparseSpecError
+from .kernels.compact import address_table, compact_path, compact_path_ref
 
 
 class KVCache:
@@ -32,6 +33,7 @@ class KVCache:
         self.capacity = capacity
         self.lengths = [0] * batch  # committed tokens per row; the rollback point
         self.policy_state: list[Any] = [None] * cfg.num_layers
+        self._addresses: torch.Tensor | None = None  # the layers' addresses, for `compact`
 
     @property
     def batch(self) -> int:
@@ -48,13 +50,16 @@ class KVCache:
         self.k[layer][rows, :, positions] = k.transpose(1, 2)
         self.v[layer][rows, :, positions] = v.transpose(1, 2)
 
-    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy, in every layer, slots src [M, N] of rows [M] to slots dst [M, N] (all sources read before any
-        destination is written: the two may overlap)."""
-        rows = rows[:, None]
-        for k, v in zip(self.k, self.v):
-            k[rows, :, dst] = k[rows, :, src]  # [M, N, Hkv, D]
-            v[rows, :, dst] = v[rows, :, src]
+    def compact(self, starts: torch.Tensor, bits: torch.Tensor, width: int) -> None:
+        """A tree verify's accepted paths, in every layer: row b's slots starts[b] + j whose bit j is set in bits[b]
+        (j < width; bit 0 always), ascending, to slots starts[b], starts[b] + 1, ... (`kernels.compact`; one launch
+        on a GPU, torch on a CPU). starts, bits [B] int64 on the cache's device: no read-back."""
+        if self.device.type == "cuda":
+            if self._addresses is None:
+                self._addresses = address_table(self.k, self.v)
+            compact_path(self.k, self.v, starts, bits, width, self._addresses)
+        else:
+            compact_path_ref(self.k, self.v, starts, bits, width)
 
     def keys(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, kv_len, D] views of slots [0, kv_len)."""
@@ -65,6 +70,7 @@ class KVCache:
         policy index yet."""
         view = copy.copy(self)
         view.k = [k[start:stop] for k in self.k]
+        view._addresses = None
         view.v = [v[start:stop] for v in self.v]
         view.lengths = self.lengths[start:stop]
         view.policy_state = [None] * len(view.k)

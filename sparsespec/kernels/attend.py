@@ -305,7 +305,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         chunk = triton.cdiv(triton.cdiv(max(S, 1), block_n), splits) * block_n
         # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
         # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3
-        block_r, stages = max(16, triton.next_power_of_2(G * T)), 2 if T == 1 else 3
+        # (a tile's queries at most 64 KiB, so that they and 3 stages of K/V fit in shared memory: an fp32 block of
+        # 7 x 32 rows at head_dim 128 asked 321 KiB of the H200's 227)
+        cap = max(16, 65536 // (D * q.element_size()))
+        block_r, stages = min(max(16, triton.next_power_of_2(G * T)), cap), 2 if T == 1 else 3
     tiles = triton.cdiv(G * T, block_r)
     positions = positions.contiguous()
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)

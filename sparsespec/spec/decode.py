@@ -217,27 +217,19 @@ def tree_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None
     block = torch.cat([device_ints(pending, runner.device)[:, None], t.tokens], 1)  # [B, n + 1]
     logits, features = runner.verify(block, n + 1, tree=(t.depth, t.ancestors))
     best = logits.argmax(-1)  # [B, n + 1]: the target's token after each node
-    out = torch.cat([t.ancestors.gather(1, accept(t, best)[:, None]), best, t.tokens], 1).tolist()  # one sync
-    commits: list[list[int] | None] = []
-    order, moves = [], []  # per row the block indices in commit order; rows whose path is not a straight line
-    for r, (h, row) in enumerate(zip(histories, out)):
-        if h is None:
-            commits.append(None)
-            order.append(list(range(n + 1)))
-            continue
-        p = path(row[0])  # the accepted path's block indices, the root first
-        commits.append([row[n + 1 + j] for j in p[1:]] + [row[1 + p[-1]]])
-        order.append(p + [j for j in range(n + 1) if j not in p])
-        if p != list(range(len(p))):
-            moves.append((r, p))
-    if moves:  # slot n + p[j] -> n + j (n: the row's pending slot), padded with the pending slot onto itself
-        d, dev = max(len(p) for _, p in moves), runner.device
-        src = [[lengths[r] + j for j in p] + [lengths[r]] * (d - len(p)) for r, p in moves]
-        dst = [[lengths[r] + j for j in range(len(p))] + [lengths[r]] * (d - len(p)) for r, p in moves]
-        runner.cache.move(device_ints([r for r, _ in moves], dev), device_ints(src, dev), device_ints(dst, dev))
+    live = device_ints([h is not None for h in histories], runner.device, torch.bool)
+    bits = torch.where(live, t.ancestors.gather(1, accept(t, best)[:, None])[:, 0], -1)  # [B]; all bits: no move
+    # the accepted path's K/V to the slots after each row's pending token, as a line verify would have left them
+    runner.cache.compact(device_ints(lengths, runner.device), bits, n + 1)
     if features is not None:  # each row's path first, in order: what a line's verify would have given
-        index = device_ints(order, runner.device)[:, :pool.width + 1, None].expand(-1, -1, features.shape[-1])
-        features = features.gather(1, index)  # [B, K + 1, ·] (a path is at most K + 1 tokens)
+        j = torch.arange(n + 1, device=bits.device)
+        order = torch.where((bits[:, None] >> j & 1) != 0, j, j + n + 1).argsort(1)[:, :pool.width + 1]
+        features = features.gather(1, order[..., None].expand(-1, -1, features.shape[-1]))  # [B, K + 1, ·]
+    out = torch.cat([bits[:, None], best, t.tokens], 1).tolist()  # the step's one read-back
+    commits: list[list[int] | None] = []
+    for h, row in zip(histories, out):
+        p = path(row[0])  # the accepted path's block indices, the root first
+        commits.append(None if h is None else [row[n + 1 + j] for j in p[1:]] + [row[1 + p[-1]]])
     accepted = [None if c is None else len(c) - 1 for c in commits]
     runner.truncate([n0 + a + 1 if a is not None else rest for n0, a, rest in zip(lengths, accepted, parked)])
     drafter.commit([None if c is None else len(h) + len(c) for h, c in zip(histories, commits)], accepted,

@@ -40,10 +40,13 @@ def pool_paths(width: int, most: int = 2) -> list[tuple[int, ...]]:
 @dataclass(frozen=True)
 class Pool:
     """A pool of candidate paths as tensors: ranks [P, W] (the path's rank at each depth, −1 past its end), depth [P],
-    ancestors [P, W] (the pool index of the path's prefix of each depth, −1 past its end; the last is the path)."""
+    ancestors [P, W] (the pool index of the path's prefix of each depth, −1 past its end; the last is the path);
+    ranks_needed: the drafter's choices per position the pool reads (its highest rank + 1; kept on the host, so that
+    a step on the GPU never reads it back)."""
     ranks: torch.Tensor
     depth: torch.Tensor
     ancestors: torch.Tensor
+    ranks_needed: int
 
     @classmethod
     def of(cls, width: int, most: int = 2, device=None) -> "Pool":
@@ -55,16 +58,11 @@ class Pool:
             ranks[i, :len(p)] = torch.tensor(p)
             ancestors[i, :len(p)] = torch.tensor([index[p[:d + 1]] for d in range(len(p))])
         depth = (ranks >= 0).sum(1)
-        return cls(ranks.to(device), depth.to(device), ancestors.to(device))
+        return cls(ranks.to(device), depth.to(device), ancestors.to(device), int(ranks.max()) + 1)
 
     @property
     def width(self) -> int:
         return self.ranks.shape[1]
-
-    @property
-    def ranks_needed(self) -> int:
-        """The drafter's choices per position the pool reads (its highest rank + 1)."""
-        return int(self.ranks.max()) + 1
 
 
 @dataclass
