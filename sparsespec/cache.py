@@ -55,11 +55,15 @@ class KVCache:
         (j < width; bit 0 always), ascending, to slots starts[b], starts[b] + 1, ... (`kernels.compact`; one launch
         on a GPU, torch on a CPU). starts, bits [B] int64 on the cache's device: no read-back."""
         if self.device.type == "cuda":
-            if self._addresses is None:
-                self._addresses = address_table(self.k, self.v)
-            compact_path(self.k, self.v, starts, bits, width, self._addresses)
+            compact_path(self.k, self.v, starts, bits, width, self.addresses())
         else:
             compact_path_ref(self.k, self.v, starts, bits, width)
+
+    def addresses(self) -> torch.Tensor:
+        """[2L] int64 on the device: the layers' K then V addresses (`compact`'s table; uploaded once)."""
+        if self._addresses is None:
+            self._addresses = address_table(self.k, self.v)
+        return self._addresses
 
     def keys(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, kv_len, D] views of slots [0, kv_len)."""

@@ -13,8 +13,9 @@ from sparsespec.spec.bench import make_drafter
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlashDrafter
 from sparsespec.spec.drafters import Drafter
-from sparsespec.spec.tree import Pool, accept, choose, path, pool_paths
+from sparsespec.spec.tree import Pool, TreeVerify, accept, choose, path, pool_paths
 
+from .conftest import CUDA
 from .test_spec import tiny_dflash, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -180,3 +181,37 @@ def test_tree_drafter_specs(tmp_path):
     drafter.tree_nodes = 900
     with pytest.raises(SparseSpecError, match="takes 1 to"):
         speculative_generate(target, PROMPTS[:1], drafter, GenerationConfig(max_new_tokens=4), 5)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_a_captured_tree_verify_equals_the_eager_one_over_several_replays():
+    """`TreeVerify` captured as two CUDA graphs gives, replay after replay with new inputs, the eager one's block,
+    tree, read-back table, path-ordered features and cache (the accepted paths' K/V moved; rows not live untouched)."""
+    from sparsespec.cache import KVCache
+    from sparsespec.config import ModelConfig
+
+    B, n, F, dev = 3, 9, 24, torch.device("cuda")
+    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=32, intermediate_size=8, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position=64)
+    caches = [KVCache(cfg, B, 48, torch.bfloat16, dev) for _ in range(2)]
+    gen = torch.Generator().manual_seed(3)
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        a.copy_(torch.randn(a.shape, generator=gen))
+        b.copy_(a)
+    pool = Pool.of(7, device=dev)
+    graphed, eager = TreeVerify(pool, n), TreeVerify(pool, n)
+    graphed.capture(caches[0], (F, torch.bfloat16))
+    for step in range(4):
+        logp, ids = torch.randn(B, 7, 5, generator=gen).log_softmax(-1).topk(pool.ranks_needed, -1)
+        ids, logp = (ids % 3).to(dev), logp.to(dev)  # few distinct tokens: paths get accepted
+        pending = torch.randint(0, 3, (B,), generator=gen).to(dev)
+        best = torch.randint(0, 3, (B, n + 1), generator=gen).to(dev)
+        features = torch.randn(B, n + 1, F, generator=gen).to(dev, torch.bfloat16)
+        live = torch.tensor([True, step % 2 == 0, True], device=dev)
+        starts = torch.randint(0, 48 - n - 1, (B,), generator=gen).to(dev)
+        drafted = [t.draft(ids, logp, pending) for t in (graphed, eager)]
+        assert torch.equal(drafted[0][0], drafted[1][0])
+        assert all(torch.equal(a, b) for a, b in zip(drafted[0][1], drafted[1][1]))
+        settled = [t.settle(best, features, live, starts, c) for t, c in zip((graphed, eager), caches)]
+        assert torch.equal(settled[0][0], settled[1][0]) and torch.equal(settled[0][1], settled[1][1])
+        assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))

@@ -33,7 +33,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig, RowOutput
 from ..runner import Runner
 from ..sampling import SamplingConfig, make_generator, sample, sample_rows
-from ..spec.decode import speculative_step, tree_pool
+from ..spec.decode import speculative_step, tree_verify
 from ..spec.drafters import Drafter
 from .metrics import Metrics
 
@@ -143,7 +143,7 @@ class Scheduler:
         self.engine, self.config, self.drafter = engine, config, drafter
         self.metrics = Metrics(self.queue_length, self.running_rows, config.max_batch)
         # with a drafter, room for a verify block (or tree: `spec.tree`) past every row's last position
-        self.tree = None if drafter is None else tree_pool(drafter, config.block_size, engine.device)
+        self.tree = None if drafter is None else tree_verify(drafter, config.block_size, engine.device)
         widest = 0 if drafter is None else max(config.block_size, drafter.tree_nodes + 1)
         capacity = min(config.max_context + widest, engine.config.max_position)
         self.runner = Runner(engine.model, config.max_batch, capacity, drafter.policy if drafter else policy,
@@ -309,7 +309,7 @@ class Scheduler:
             [s.job.gen.sampling if d else _GREEDY for s, d in zip(self.slots, decoding)],
             [s.generator if d else None for s, d in zip(self.slots, decoding)], block,
             [s.prefilled if s is not None else 0 for s in self.slots],
-            None if self.tree is None else (self.tree, self.drafter.tree_nodes))
+            self.tree)
         self.metrics.step.observe(time.perf_counter() - start)
         self.metrics.tokens(sum(len(c) for c in commits if c is not None))
         for i, new in enumerate(commits):

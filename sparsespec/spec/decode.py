@@ -28,7 +28,7 @@ from ..generate import Engine, GenerationConfig
 from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig, make_generator, sample
 from .drafters import Drafter
-from .tree import MAX_NODES, Pool, accept, choose, path
+from .tree import MAX_NODES, Pool, TreeVerify, path
 from .verify import verify_greedy_rows, verify_sampling, verify_sampling_rows
 
 
@@ -75,7 +75,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         return []
     for prompt in prompts:
         engine.check_fits(len(prompt), gen.max_new_tokens)
-    pool = tree_pool(drafter, block_size, engine.device)
+    tree = tree_verify(drafter, block_size, engine.device)
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
     widest = max(block_size, drafter.tree_nodes + 1)  # a tree verify may be wider than the block
     rooms = [min(len(p) + gen.max_new_tokens + widest, engine.config.max_position) for p in prompts]
@@ -99,8 +99,9 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
 
     if gen.cuda_graph:  # set-up, timed neither as first token nor decoding: the graphs captured (and compiled) now
         runner.capture_verify(block_size)
-        if pool is not None:
-            runner.capture_verify(drafter.tree_nodes + 1, tree=True)
+        if tree is not None:
+            runner.capture_verify(tree.n + 1, tree=True)
+            tree.bind(runner)
         drafter.capture()
     histories = [list(p) + [f] for p, f in zip(prompts, firsts)]
     outs = [[f] for f in firsts]
@@ -114,7 +115,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         # a stopped row is parked at slot 0
         commits = speculative_step(runner, drafter, [h if on else None for h, on in zip(histories, live)], ks,
                                    [gen.sampling] * len(prompts), rngs, block_size, [0] * len(prompts),
-                                   None if pool is None else (pool, drafter.tree_nodes))
+                                   tree)
         sources = drafter.copied()
         for r, new in enumerate(commits):
             if new is None:
@@ -137,9 +138,9 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
             for out, p, steps, copies in zip(outs, prompts, committed_per_step, copied_per_step)]
 
 
-def tree_pool(drafter: Drafter, block_size: int, device: torch.device) -> Pool | None:
-    """The candidate paths of the drafter's tree verify (None for a line: no `tree_nodes`), after checking that it
-    can draft one; the drafter set to draft choices (or its line)."""
+def tree_verify(drafter: Drafter, block_size: int, device: torch.device) -> TreeVerify | None:
+    """The drafter's tree verify (None for a line: no `tree_nodes`), after checking that it can draft one; the
+    drafter set to draft choices (or its line)."""
     nodes = drafter.tree_nodes
     if not nodes:
         drafter.choices(0)
@@ -151,12 +152,12 @@ def tree_pool(drafter: Drafter, block_size: int, device: torch.device) -> Pool |
         raise SparseSpecError(f"a tree verify of block size {block_size} takes 1 to "
                               f"{min(MAX_NODES, pool.ranks.shape[0])} nodes, got {nodes}")
     drafter.choices(pool.ranks_needed)
-    return pool
+    return TreeVerify(pool, nodes)
 
 
 def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],
                      cfgs: list[SamplingConfig], rngs: list[torch.Generator | None], block_size: int,
-                     parked: list[int], tree: tuple[Pool, int] | None = None) -> list[list[int] | None]:
+                     parked: list[int], tree: TreeVerify | None = None) -> list[list[int] | None]:
     """One draft-verify-commit step of every row of the runner's batch. histories[r]: row r's committed tokens, the
     last one pending (its slot is the row's length), or None for a row that does not decode now (it rides along at
     parked[r] slots and is left there); up to ks[r] proposals drawn under cfgs[r] with rngs[r]. -> per row the tokens
@@ -172,7 +173,7 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     # every row's block is written from its length on: near the context's end the widest block must fit too
     room = runner.cache.capacity - max(lengths)
     pending = [h[-1] if on else 0 for h, on in zip(histories, live)]
-    if tree is not None and greedy and room > tree[1] and all(k >= tree[0].width for k, on in zip(ks, live) if on):
+    if tree is not None and greedy and room > tree.n and all(k >= tree.pool.width for k, on in zip(ks, live) if on):
         return tree_step(runner, drafter, histories, ks, tree, lengths, pending, parked)
     # drafts drawn on the device stay there (the verify is queued right behind them) when they do not depend on
     # the sampling: every row greedy, or a drafter of point-mass proposals
@@ -205,29 +206,21 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
 
 
 def tree_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],
-              tree: tuple[Pool, int], lengths: list[int], pending: list[int],
+              tree: TreeVerify, lengths: list[int], pending: list[int],
               parked: list[int]) -> list[list[int] | None]:
     """`speculative_step` of greedy rows as a tree verify (every decoding row with room for a whole block): the
     drafter's choices -> a tree of n nodes a row (`tree.choose`) -> one verify of the n + 1 tokens -> the deepest
     node each row's target agrees with (`tree.accept`), one read-back; its path's K/V (and features) are moved to
     the slots after the row's pending token, as a line verify would have left them."""
-    pool, n = tree
-    ids, logp, _ = drafter.propose_choices(histories, ks, runner.device)  # [B, K, R] each
-    t = choose(pool, ids[:, :pool.width], logp[:, :pool.width], n)
-    block = torch.cat([device_ints(pending, runner.device)[:, None], t.tokens], 1)  # [B, n + 1]
-    logits, features = runner.verify(block, n + 1, tree=(t.depth, t.ancestors))
-    best = logits.argmax(-1)  # [B, n + 1]: the target's token after each node
-    live = device_ints([h is not None for h in histories], runner.device, torch.bool)
-    bits = torch.where(live, t.ancestors.gather(1, accept(t, best)[:, None])[:, 0], -1)  # [B]; all bits: no move
-    # the accepted path's K/V to the slots after each row's pending token, as a line verify would have left them
-    runner.cache.compact(device_ints(lengths, runner.device), bits, n + 1)
-    if features is not None:  # each row's path first, in order: what a line's verify would have given
-        j = torch.arange(n + 1, device=bits.device)
-        order = torch.where((bits[:, None] >> j & 1) != 0, j, j + n + 1).argsort(1)[:, :pool.width + 1]
-        features = features.gather(1, order[..., None].expand(-1, -1, features.shape[-1]))  # [B, K + 1, ·]
-    out = torch.cat([bits[:, None], best, t.tokens], 1).tolist()  # the step's one read-back
+    n, width, dev = tree.n, tree.pool.width, runner.device
+    tree.bind(runner)  # (a scheduler's first tree step; a loop's set-up did it)
+    ids, logp, _ = drafter.propose_choices(histories, ks, dev)  # [B, K, R] each
+    block, plan = tree.draft(ids[:, :width], logp[:, :width], device_ints(pending, dev))  # [B, n + 1]
+    logits, features = runner.verify(block, n + 1, tree=plan)
+    live = device_ints([h is not None for h in histories], dev, torch.bool)
+    out, features = tree.settle(logits.argmax(-1), features, live, device_ints(lengths, dev), runner.cache)
     commits: list[list[int] | None] = []
-    for h, row in zip(histories, out):
+    for h, row in zip(histories, out.tolist()):  # the step's one read-back
         p = path(row[0])  # the accepted path's block indices, the root first
         commits.append(None if h is None else [row[n + 1 + j] for j in p[1:]] + [row[1 + p[-1]]])
     accepted = [None if c is None else len(c) - 1 for c in commits]

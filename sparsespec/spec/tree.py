@@ -16,7 +16,8 @@ tokens is committed, then the target's token after it: lossless at T = 0 (`bench
     accept   the tree and the target's argmax at every block index -> per row the deepest node whose path the
              target agrees with (every row at once, on the device)
 
-Everything is a fixed-shape tensor computation (one top-k, gathers): capturable in a CUDA graph.
+Everything is a fixed-shape tensor computation (one top-k, gathers): `TreeVerify` runs it around the target's
+verify step, eagerly or as two CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..cache import KVCache
+from ..graphs import capture
+from ..runner import Runner
 
 MAX_NODES = 62  # drafted nodes of a tree: with the root, one bit each of an int64 ancestor mask
 
@@ -118,3 +123,87 @@ def accept(tree: Tree, best: torch.Tensor) -> torch.Tensor:
 def path(ancestors: int) -> list[int]:
     """An ancestor bit mask -> the block indices it holds, root first (parents precede children in block order)."""
     return [j for j in range(ancestors.bit_length()) if ancestors >> j & 1]
+
+
+class TreeVerify:
+    """A tree verify of n nodes a row from `pool`: the work on either side of the target's verify step.
+
+        draft   ids, logp [B, W, R] (the drafter's choices), pending [B] -> the verify block [B, n + 1] (each row's
+                pending token, then its nodes) and its tree (depths, ancestor bits [B, n + 1])
+        settle  the target's argmax after each block index [B, n + 1], its features [B, n + 1, F] or None, live [B]
+                bool (the rows that decode), starts [B] (each row's pending slot) -> (a table [B, 2n + 2] for the
+                host's one read-back: the accepted path's ancestor bits, the argmax, the node tokens; the features
+                of each row's path first, in order, [B, W + 1, F] or None). The path's K/V move in the cache to the
+                slots after the pending token, as a line verify would have left them (`KVCache.compact`); rows not
+                live keep theirs.
+
+    Eager, or after `capture` two CUDA graphs over static buffers (about 50 small kernels a step otherwise, each
+    launched from Python beside a verify that is one graph replay)."""
+
+    def __init__(self, pool: Pool, n: int):
+        self.pool, self.n = pool, n
+        self.graphs: tuple | None = None
+        self.cache: KVCache | None = None  # the cache the graphs move K/V in
+        self._tree: Tree | None = None  # the eager draft's tree, for its settle
+
+    def bind(self, runner: Runner) -> None:
+        """Capture both graphs for the runner's cache, where its steps run as graphs (once per cache; a loop's
+        set-up calls this, so that the capture is not timed as decoding)."""
+        if runner.cuda_graph and runner.device.type == "cuda" and self.cache is not runner.cache:
+            width = runner.model.cfg.hidden_size * len(runner.taps)
+            self.capture(runner.cache, (width, runner.model.embed_tokens.weight.dtype) if runner.taps else None)
+
+    def capture(self, cache: KVCache, features: tuple[int, torch.dtype] | None) -> None:
+        """Capture both graphs for `cache`'s batch (`features`: the verify's feature width and dtype, or None).
+        Warm-up and capture run on zero inputs: no row live, so no K/V moves."""
+        B, W, R, n, dev = cache.batch, self.pool.width, self.pool.ranks_needed, self.n, cache.device
+        ids, logp = torch.zeros(B, W, R, dtype=torch.long, device=dev), torch.zeros(B, W, R, device=dev)
+        pending, best = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, n + 1, dtype=torch.long,
+                                                                                     device=dev)
+        feats = None if features is None else torch.zeros(B, n + 1, features[0], dtype=features[1], device=dev)
+        live, starts = torch.zeros(B, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
+        cache.addresses()  # (an upload: before any capture)
+        pool = self.pool
+        self.graphs = None  # (the old graphs freed before the new ones are captured)
+        draft_graph, (tree, block) = capture(lambda: _draft(pool, n, ids, logp, pending), dev, warmup=1)
+        settle_graph, settled = capture(lambda: _settle(pool, tree, best, feats, live, starts, cache), dev, warmup=1)
+        graphs = (draft_graph, (ids, logp, pending), tree, block, settle_graph, (best, feats, live, starts), settled)
+        self.graphs, self.cache = graphs, cache
+
+    def draft(self, ids: torch.Tensor, logp: torch.Tensor, pending: torch.Tensor):
+        if self.graphs is None:
+            self._tree, block = _draft(self.pool, self.n, ids, logp, pending)
+            return block, (self._tree.depth, self._tree.ancestors)
+        graph, inputs, tree, block = self.graphs[:4]
+        for static, x in zip(inputs, (ids, logp, pending)):
+            static.copy_(x)
+        graph.replay()
+        return block, (tree.depth, tree.ancestors)
+
+    def settle(self, best: torch.Tensor, features: torch.Tensor | None, live: torch.Tensor, starts: torch.Tensor,
+               cache: KVCache):
+        if self.graphs is None or cache is not self.cache:
+            assert self._tree is not None, "draft first"
+            return _settle(self.pool, self._tree, best, features, live, starts, cache)
+        graph, inputs, (out, feats) = self.graphs[4:]
+        for static, x in zip(inputs, (best, features, live, starts)):
+            if static is not None:
+                static.copy_(x)
+        graph.replay()
+        return out, feats
+
+
+def _draft(pool: Pool, n: int, ids, logp, pending) -> tuple[Tree, torch.Tensor]:
+    tree = choose(pool, ids, logp, n)
+    return tree, torch.cat([pending[:, None], tree.tokens], 1)  # [B, n + 1]
+
+
+def _settle(pool: Pool, tree: Tree, best, features, live, starts, cache: KVCache):
+    n = tree.tokens.shape[1]
+    bits = torch.where(live, tree.ancestors.gather(1, accept(tree, best)[:, None])[:, 0], -1)  # [B]; all: no move
+    cache.compact(starts, bits, n + 1)
+    if features is not None:  # each row's path first, in order: what a line's verify would have given
+        j = torch.arange(n + 1, device=bits.device)
+        order = torch.where((bits[:, None] >> j & 1) != 0, j, j + n + 1).argsort(1)[:, :pool.width + 1]
+        features = features.gather(1, order[..., None].expand(-1, -1, features.shape[-1]))  # [B, W + 1, F]
+    return torch.cat([bits[:, None], best, tree.tokens], 1), features  # [B, 2n + 2]
