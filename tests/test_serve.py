@@ -109,6 +109,48 @@ def test_scheduler_interleaves_prefill_chunks_with_decode_steps(one_thread):
         assert events[k][-1].finish_reason == "length" and events[k][-1].completion_tokens == 24
 
 
+def test_a_request_whose_set_up_fails_ends_alone_and_the_scheduler_serves_on(one_thread, monkeypatch):
+    """A request whose own set-up raises (here its sampler's generator) ends with an error event; the requests
+    around it are answered as `generate` answers them alone, and the scheduler stays healthy."""
+    from sparsespec.serve import scheduler as module
+
+    engine = byte_engine()
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=1, max_context=256, prefill_chunk=16))
+    make = module.make_generator
+
+    def fragile(sampling, device):
+        if sampling.seed == 13:
+            raise RuntimeError("no generator today")
+        return make(sampling, device)
+
+    monkeypatch.setattr(module, "make_generator", fragile)
+    gen = GenerationConfig(max_new_tokens=6, stop_on_eos=False)
+    bad = GenerationConfig(max_new_tokens=6, stop_on_eos=False, sampling=SamplingConfig(temperature=1.0, seed=13))
+    prompts = [engine.encode("one"), engine.encode("two"), engine.encode("three")]
+    events = {k: [] for k in range(3)}
+    finished = threading.Event()
+
+    def deliver(k):
+        def on(event):  # (the scheduler thread)
+            events[k].append(event)
+            if all(e and e[-1].finish_reason for e in events.values()):
+                finished.set()
+        return on
+
+    scheduler.start()
+    try:
+        for k, (prompt, g) in enumerate(zip(prompts, (gen, bad, gen))):
+            scheduler.submit(Job(prompt, g, deliver(k)))
+        assert finished.wait(60)
+        assert scheduler.alive
+    finally:
+        scheduler.stop()
+    assert events[1][-1].finish_reason == "error" and "no generator today" in events[1][-1].error
+    for k in (0, 2):
+        assert "".join(e.text for e in events[k]) == engine.generate([prompts[k]], gen).texts[0]
+        assert events[k][-1].finish_reason == "length"
+
+
 def serve_all(scheduler: Scheduler, prompts: list[list[int]], gen: GenerationConfig) -> list[str]:
     """Submit every prompt at once to a started-here scheduler (more requests than slots: they queue), wait for
     all to finish, stop it -> each request's whole text."""

@@ -245,8 +245,14 @@ class Scheduler:
             if slot is not None and slot.job.cancelled:
                 self._free(i, "cancelled")
         for i, slot in enumerate(self.slots):
-            if slot is None and self._waiting:
-                self.slots[i] = _Slot(self._waiting.popleft(), self.engine, self.runner.device)
+            while self.slots[i] is None and self._waiting:
+                job = self._waiting.popleft()
+                try:
+                    self.slots[i] = _Slot(job, self.engine, self.runner.device)
+                except Exception as e:  # this request's own set-up failed: it alone ends, the batch serves on
+                    log.exception("request set-up failed")
+                    self.metrics.requests.labels("error").inc()
+                    job.deliver(Event("", 0, "error", f"generation failed: {type(e).__name__}: {e}"))
 
     def _step(self) -> None:
         prefilling = [i for i, s in enumerate(self.slots) if s is not None and not s.decoding]
