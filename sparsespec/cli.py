@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "ngram+dflash[:PATH] (prompt lookup where the text recurs, DFlash elsewhere), "
                    "self:POLICY[:key=value,...] (the model drafts for itself with sparse attention, e.g. "
                    "self:binarypc:budget=0.02; the dense model verifies; weights=fp8 among the options drafts "
-                   "with FP8 copies of the weights), treeN:dflash[:PATH] (DFlash's greedy steps verify a tree of N "
+                   "with FP8 copies of the weights), treeN:dflash[:PATH] (DFlash's steps verify a tree of N "
                    "drafted tokens chosen from its per-position choices, e.g. tree15:dflash)")
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                    "shipped drafter; a packaged model's own file is recognised)")

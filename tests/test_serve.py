@@ -218,7 +218,7 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
         torch.manual_seed(5)
         model = DFlash(DFlashConfig(engine.config, layers=1, block_size=4, taps=(0, 1)))
         dflash = DFlashDrafter(model.eval().requires_grad_(False), engine.model)
-        dflash.tree_nodes = 5 if drafter == "tree" else 0  # a tree verify of greedy steps (sampled: the line)
+        dflash.tree_nodes = 5 if drafter == "tree" else 0  # a tree verify, greedy and sampled rows alike
         return LookupFirst(dflash, min_n=2, min_tokens=1) if drafter == "lookup" else dflash
 
     texts = ["abc abc abc abc abc abc", "Hello", "The cat sat on the mat. The cat sat on the", "xyzxyzxyz"]

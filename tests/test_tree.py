@@ -8,7 +8,7 @@ import torch
 
 from sparsespec.errors import SparseSpecError
 from sparsespec.generate import GenerationConfig
-from sparsespec.sampling import SamplingConfig
+from sparsespec.sampling import SamplingConfig, sample
 from sparsespec.spec.bench import make_drafter
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlashDrafter
@@ -24,9 +24,11 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50))]
 
 
 def node_paths(tree, ids, b: int) -> list[tuple[int, ...]]:
-    """Row b's nodes as paths of ranks (read back through their ancestor bits and tokens)."""
+    """Row b's usable nodes as paths of ranks (read back through their ancestor bits and tokens)."""
     out = []
     for j in range(1, tree.tokens.shape[1] + 1):
+        if not tree.usable[b, j]:
+            continue
         nodes = path(int(tree.ancestors[b, j]))[1:]
         assert nodes[-1] == j and int(tree.depth[b, j]) == len(nodes)
         assert int(tree.parent[b, j]) == (nodes[-2] if len(nodes) > 1 else 0)
@@ -58,6 +60,26 @@ def test_the_tree_is_the_top_paths_of_the_pool_and_accepts_the_deepest_agreeing_
             if tokens == truth[b, :len(tokens)].tolist() and len(tokens) > depth:
                 deepest, depth = j, len(tokens)
         assert int(got[b]) == deepest
+
+
+def test_a_depth_limit_keeps_the_best_shallow_paths_and_never_accepts_a_deeper_node():
+    """With a row's limit d, its usable nodes are the top paths of depth <= d (as `choose` of the pool cut at d);
+    nodes past it fill the tree but are never accepted, even where the target follows them; d = 0 accepts the
+    root alone."""
+    gen = torch.Generator().manual_seed(9)
+    width, n = 6, 10
+    logp, ids = torch.randn(3, width, 30, generator=gen).log_softmax(-1).topk(3, -1)
+    limit = torch.tensor([0, 2, width])
+    tree = choose(Pool.of(width), ids, logp, n, limit)
+    assert not tree.usable[0, 1:].any() and tree.usable[2].all()
+    score = {p: sum(float(logp[1, d, r]) for d, r in enumerate(p)) - 1e-4 * len(p) for p in pool_paths(width)}
+    shallow = sorted((p for p in score if len(p) <= 2), key=lambda p: -score[p])
+    assert set(node_paths(tree, ids, 1)) == set(shallow[:n]) and int(tree.usable[1].sum()) == 1 + min(n, len(shallow))
+    best = ids[:, :, 0].gather(1, tree.depth.clamp(max=width - 1))  # targets that follow the argmax line
+    got = accept(tree, best)
+    free = choose(Pool.of(width), ids, logp, n)  # no limit: row 2's tree and its acceptance alike
+    assert torch.equal(free.tokens[2], tree.tokens[2]) and torch.equal(free.ancestors[2], tree.ancestors[2])
+    assert int(got[0]) == 0 and int(tree.depth[1, got[1]]) == 2 and int(got[2]) == int(accept(free, best)[2])
 
 
 def test_a_pool_path_never_outscores_its_prefix_even_with_positive_scores():
@@ -157,15 +179,56 @@ def _fresh_cache(engine):
     return KVCache(engine.config, 1, 256, torch.float32, "cpu")
 
 
-def test_sampled_rows_of_a_tree_drafter_verify_its_argmax_line():
-    """At T = 1 a tree drafter proposes its line: the same tokens as the linear drafter with the same seed."""
+def test_sampled_tree_speculation_is_distributed_as_plain_sampling(monkeypatch):
+    """At T = 1 a tree verify draws the target's token after every node and walks the nodes it matches: its
+    sequences are distributed as plain sampling's (chi-square homogeneity over the 64 three-token sequences of a
+    4-token vocabulary, the reference shared with the line's test), and a wrong rule (the target's argmax at the
+    nodes, a draw only at the root) fails the same test."""
+    from sparsespec.spec import decode
+
+    from .test_spec import SAMPLES, SAMPLING_PROMPT, _chi2_pvalue, _plain_sampling_counts, _sequence_counts
+
+    target = tiny_engine(3, vocab=4, scale=4.0)
+    dflash = tiny_dflash(target, block=3)
+    steps = []
+
+    def spec(i):
+        drafter = DFlashDrafter(dflash, target.model)
+        drafter.tree_nodes = 3  # of the 3 x 2 pool paths: a branching tree
+        g = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=20_000 + i),
+                             stop_on_eos=False)
+        out = speculative_generate(target, [SAMPLING_PROMPT], drafter, g, 3)[0]
+        steps.append(len(out.committed))
+        return out.token_ids
+
+    ref = _plain_sampling_counts()
+    calls, step = [], decode.tree_step
+    monkeypatch.setattr(decode, "tree_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    assert _chi2_pvalue(_sequence_counts(spec, SAMPLES), ref) > 1e-3
+    assert calls and sum(steps) < 2 * SAMPLES  # the tree verified, and accepted drafts
+
+    def root_only(logits, cfg, generator):  # a wrong rule: the argmax after every node but the root
+        drawn = logits.argmax(-1)
+        drawn[0] = sample(logits[:1], cfg, generator)[0]
+        return drawn
+
+    monkeypatch.setattr(decode, "sample", root_only)
+    assert _chi2_pvalue(_sequence_counts(spec, 300), ref) < 1e-6
+
+
+def test_sampled_tree_rows_in_a_batch_get_what_they_get_alone():
+    """At T = 1 each row of a batch draws with its own generator and limits its tree by its own proposal budget:
+    batched output equals each prompt run alone (rows of different lengths reach their ends at different steps)."""
     target = tiny_engine(0)
-    gen = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=3))
-    tree = DFlashDrafter(tiny_dflash(target, block=5), target.model)
-    tree.tree_nodes = 4
-    line = DFlashDrafter(tiny_dflash(target, block=5), target.model)
-    assert ([o.token_ids for o in speculative_generate(target, PROMPTS, tree, gen, 5)]
-            == [o.token_ids for o in speculative_generate(target, PROMPTS, line, gen, 5)])
+    dflash = tiny_dflash(target, block=5)
+
+    def run(prompts):
+        drafter = DFlashDrafter(dflash, target.model)
+        drafter.tree_nodes = 6
+        gen = GenerationConfig(max_new_tokens=21, sampling=SamplingConfig(temperature=1.0, seed=7))
+        return [o.token_ids for o in speculative_generate(target, prompts, drafter, gen, 5)]
+
+    assert run(PROMPTS) == [run([p])[0] for p in PROMPTS]
 
 
 def test_tree_drafter_specs(tmp_path):
@@ -209,7 +272,8 @@ def test_a_captured_tree_verify_equals_the_eager_one_over_several_replays():
         features = torch.randn(B, n + 1, F, generator=gen).to(dev, torch.bfloat16)
         live = torch.tensor([True, step % 2 == 0, True], device=dev)
         starts = torch.randint(0, 48 - n - 1, (B,), generator=gen).to(dev)
-        drafted = [t.draft(ids, logp, pending) for t in (graphed, eager)]
+        limit = torch.randint(0, 8, (B,), generator=gen).to(dev)
+        drafted = [t.draft(ids, logp, pending, limit) for t in (graphed, eager)]
         assert torch.equal(drafted[0][0], drafted[1][0])
         assert all(torch.equal(a, b) for a, b in zip(drafted[0][1], drafted[1][1]))
         settled = [t.settle(best, features, live, starts, c) for t, c in zip((graphed, eager), caches)]

@@ -65,8 +65,8 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     would have alone), so each row's output is the one it gets alone; a stopped row is parked at slot 0 and rides
     along until every row has stopped. `runners`: a dense target's runner (and its captured verify steps) comes
     from this pool, for loops of many calls. A drafter with `tree_nodes` (DFlash: `--draft treeN:dflash`) is verified
-    as a tree of that many drafted nodes when every row is greedy (`spec.tree`: chosen per block by the drafter's
-    marginals); sampled rows verify its argmax line."""
+    as a tree of that many drafted nodes (`spec.tree`: chosen per block by the drafter's marginals), greedy or
+    sampled rows alike (`tree_step`)."""
     if block_size < 2:
         raise SparseSpecError(f"block size must be >= 2 (one pending token + proposals), got {block_size}")
     if engine.config.sliding_window is not None:
@@ -173,8 +173,8 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
     # every row's block is written from its length on: near the context's end the widest block must fit too
     room = runner.cache.capacity - max(lengths)
     pending = [h[-1] if on else 0 for h, on in zip(histories, live)]
-    if tree is not None and greedy and room > tree.n and all(k >= tree.pool.width for k, on in zip(ks, live) if on):
-        return tree_step(runner, drafter, histories, ks, tree, lengths, pending, parked)
+    if tree is not None and room > tree.n:  # (a row's proposal budget limits its tree's depth: `choose`)
+        return tree_step(runner, drafter, histories, ks, cfgs, rngs, tree, lengths, pending, parked)
     # drafts drawn on the device stay there (the verify is queued right behind them) when they do not depend on
     # the sampling: every row greedy, or a drafter of point-mass proposals
     point = greedy or drafter.point_mass
@@ -206,19 +206,32 @@ def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int]
 
 
 def tree_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],
-              tree: TreeVerify, lengths: list[int], pending: list[int],
-              parked: list[int]) -> list[list[int] | None]:
-    """`speculative_step` of greedy rows as a tree verify (every decoding row with room for a whole block): the
-    drafter's choices -> a tree of n nodes a row (`tree.choose`) -> one verify of the n + 1 tokens -> the deepest
-    node each row's target agrees with (`tree.accept`), one read-back; its path's K/V (and features) are moved to
-    the slots after the row's pending token, as a line verify would have left them."""
+              cfgs: list[SamplingConfig], rngs: list[torch.Generator | None], tree: TreeVerify,
+              lengths: list[int], pending: list[int], parked: list[int]) -> list[list[int] | None]:
+    """`speculative_step` as a tree verify: the drafter's choices -> a tree of n nodes a row, no deeper than its
+    ks[r] proposals (`tree.choose`) -> one verify of the n + 1 tokens -> the target's token after every
+    node -> the deepest node whose path the target's tokens follow (`tree.accept`), one read-back; its path's K/V
+    (and features) are moved to the slots after the row's pending token, as a line verify would have left them.
+
+    The target's token after a node is its argmax for a greedy row, and for a sampled row a draw from its
+    distribution there (cfgs[r]: temperature, top-k, top-p; rngs[r]), each node's draw independent. Walking from
+    the root, every committed token is then a draw from the target given the tokens before it, whatever the tree
+    (chosen before the verify, from the drafter alone): sampled output is distributed as plain sampling's. A node
+    is entered with the probability the target gives its token, as speculative sampling accepts a point-mass
+    proposal, so a tree commits more than the line at T > 0 as at T = 0; draws at nodes off the walked path are
+    dropped (independent of it, they bias nothing)."""
     n, width, dev = tree.n, tree.pool.width, runner.device
     tree.bind(runner)  # (a scheduler's first tree step; a loop's set-up did it)
     ids, logp, _ = drafter.propose_choices(histories, ks, dev)  # [B, K, R] each
-    block, plan = tree.draft(ids[:, :width], logp[:, :width], device_ints(pending, dev))  # [B, n + 1]
+    limit = device_ints([min(k, width) for k in ks], dev)  # [B]: each row's deepest path (its proposal budget)
+    block, plan = tree.draft(ids[:, :width], logp[:, :width], device_ints(pending, dev), limit)  # [B, n + 1]
     logits, features = runner.verify(block, n + 1, tree=plan)
     live = device_ints([h is not None for h in histories], dev, torch.bool)
-    out, features = tree.settle(logits.argmax(-1), features, live, device_ints(lengths, dev), runner.cache)
+    targets = logits.argmax(-1)  # [B, n + 1]: the target's token after each node
+    for r, (h, cfg, rng) in enumerate(zip(histories, cfgs, rngs)):
+        if h is not None and not cfg.greedy:
+            targets[r] = sample(logits[r], cfg, rng)  # [n + 1] independent draws
+    out, features = tree.settle(targets, features, live, device_ints(lengths, dev), runner.cache)
     commits: list[list[int] | None] = []
     for h, row in zip(histories, out.tolist()):  # the step's one read-back
         p = path(row[0])  # the accepted path's block indices, the root first

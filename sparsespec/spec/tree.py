@@ -4,16 +4,17 @@ A DFlash drafter predicts each position of its block from the context and MASK s
 it: per position it gives a distribution (its marginals). The linear verify checks one path, the argmax at every
 position. A tree of the same number of nodes spends them where the marginals are unsure (a second choice at an early
 position before an unlikely last one); the target verifies every node in one forward (each node sees the context and
-its ancestors, at the position of its depth), and the deepest node whose whole path equals the target's greedy
-tokens is committed, then the target's token after it: lossless at T = 0 (`bench/tree_accept.py` measured τ 4.18 ->
-4.92 at 15 drafted nodes for the 1.5B's shipped drafter on HumanEval, CPU).
+its ancestors, at the position of its depth), and the deepest node whose whole path equals the target's tokens
+(its argmax, or at T > 0 its draws: `decode.tree_step`) is committed, then the target's token after it: lossless
+(`bench/tree_accept.py` measured τ 4.18 -> 4.92 at 15 drafted nodes for the 1.5B's shipped drafter on HumanEval,
+CPU; the H200 4.55 against the line's 3.90 over 153 problems).
 
     pool     every path of ranks (r_1, .., r_d), d <= W, whose ranks sum to at most `most`; parents first
     choose   ids, logp [B, W, R] (the drafter's top-R choices per position) -> the n pool paths of highest
              Σ logp (a child never outscores its parent, so the chosen paths form a tree): its node tokens, depths,
              parents and ancestor bit masks, block index 0 the root (the pending token), nodes 1..n after it in
              pool order (parents first)
-    accept   the tree and the target's argmax at every block index -> per row the deepest node whose path the
+    accept   the tree and the target's token (argmax or draw) after every block index -> per row the deepest node whose path the
              target agrees with (every row at once, on the device)
 
 Everything is a fixed-shape tensor computation (one top-k, gathers): `TreeVerify` runs it around the target's
@@ -31,6 +32,7 @@ from ..graphs import capture
 from ..runner import Runner
 
 MAX_NODES = 62  # drafted nodes of a tree: with the root, one bit each of an int64 ancestor mask
+_UNUSABLE = -1e9  # the score of a path deeper than its row's limit (log-probabilities sum to well above it)
 
 
 def pool_paths(width: int, most: int = 2) -> list[tuple[int, ...]]:
@@ -74,17 +76,21 @@ class Pool:
 class Tree:
     """A batch of trees, block index 0 the root (the pending token), 1..n the drafted nodes (parents first).
     tokens [B, n] (node i's token at column i − 1), depth [B, n + 1] (the root 0), parent [B, n + 1] (the root's own
-    index 0), ancestors [B, n + 1] int64 (bit j set: block index j is the node or one of its ancestors)."""
+    index 0), ancestors [B, n + 1] int64 (bit j set: block index j is the node or one of its ancestors), usable
+    [B, n + 1] bool (False: a node past its row's depth limit, verified but never accepted)."""
     tokens: torch.Tensor
     depth: torch.Tensor
     parent: torch.Tensor
     ancestors: torch.Tensor
+    usable: torch.Tensor
 
 
-def choose(pool: Pool, ids: torch.Tensor, logp: torch.Tensor, n: int) -> Tree:
+def choose(pool: Pool, ids: torch.Tensor, logp: torch.Tensor, n: int, limit: torch.Tensor | None = None) -> Tree:
     """ids, logp [B, W, R] (R >= pool.ranks_needed: the drafter's choices per position, best first, and their
     log-probabilities) -> the tree of the n pool paths of highest total log-probability, each path's score lowered by
-    a hair per depth so that a child never ties its parent (the chosen set is then always prefix-closed)."""
+    a hair per depth so that a child never ties its parent (the chosen set is then always prefix-closed).
+    limit [B] (or None: W): the deepest a row's accepted path may go (a row near its end drafts fewer tokens);
+    deeper paths score below every other and, chosen to fill a small tree's n nodes, are marked not usable."""
     B, W, R = ids.shape
     if not 1 <= n <= min(MAX_NODES, pool.ranks.shape[0]) or W < pool.width or R < pool.ranks_needed:
         raise ValueError(f"a tree of {n} nodes from a pool of {pool.ranks.shape[0]} paths over {pool.width} "
@@ -94,6 +100,8 @@ def choose(pool: Pool, ids: torch.Tensor, logp: torch.Tensor, n: int) -> Tree:
     # [B, P, W]: the log-probability of each path's choice at each depth (<= 0: a path never outscores its prefix)
     step = logp[:, depths, pool.ranks.clamp(min=0)].clamp(max=0)
     score = torch.where(live, step, 0.0).sum(-1) - 1e-4 * pool.depth  # [B, P]
+    if limit is not None:
+        score = torch.where(pool.depth <= limit[:, None], score, _UNUSABLE)
     chosen = score.topk(n, dim=1).indices.sort(dim=1).values  # [B, n] pool indices, parents first
     depth = pool.depth[chosen]  # [B, n]
     rank = pool.ranks[chosen, depth - 1]  # [B, n]: each node's choice at its own depth
@@ -106,15 +114,19 @@ def choose(pool: Pool, ids: torch.Tensor, logp: torch.Tensor, n: int) -> Tree:
     parent_pool = torch.where(depth > 1, anc.gather(2, (depth - 2).clamp(min=0)[..., None])[..., 0], -1)
     parent = torch.where(parent_pool >= 0, block.gather(1, parent_pool.clamp(min=0)), 0)  # [B, n]
     zero = torch.zeros(B, 1, dtype=torch.long, device=ids.device)
-    return Tree(tokens, torch.cat([zero, depth], 1), torch.cat([zero, parent], 1), torch.cat([zero + 1, bits], 1))
+    usable = torch.ones(B, n + 1, dtype=torch.bool, device=ids.device)
+    if limit is not None:
+        usable[:, 1:] = depth <= limit[:, None]
+    return Tree(tokens, torch.cat([zero, depth], 1), torch.cat([zero, parent], 1), torch.cat([zero + 1, bits], 1),
+                usable)
 
 
 def accept(tree: Tree, best: torch.Tensor) -> torch.Tensor:
-    """best [B, n + 1]: the target's argmax after each block index -> [B] the block index of each row's deepest node
+    """best [B, n + 1]: the target's token after each block index -> [B] the block index of each row's deepest node
     whose path the target agrees with (0: none, the root)."""
     B, width = best.shape
     agree = torch.ones(B, width, dtype=torch.bool, device=best.device)
-    agree[:, 1:] = tree.tokens == best.gather(1, tree.parent[:, 1:])
+    agree[:, 1:] = (tree.tokens == best.gather(1, tree.parent[:, 1:])) & tree.usable[:, 1:]
     agreed = (agree.long() << torch.arange(width, device=best.device)).sum(1)  # [B] bit j: node j agrees
     whole = (tree.ancestors & ~agreed[:, None]) == 0  # [B, n + 1]: every node of the path agrees
     return torch.where(whole, tree.depth, -1).argmax(1)
@@ -128,11 +140,13 @@ def path(ancestors: int) -> list[int]:
 class TreeVerify:
     """A tree verify of n nodes a row from `pool`: the work on either side of the target's verify step.
 
-        draft   ids, logp [B, W, R] (the drafter's choices), pending [B] -> the verify block [B, n + 1] (each row's
-                pending token, then its nodes) and its tree (depths, ancestor bits [B, n + 1])
-        settle  the target's argmax after each block index [B, n + 1], its features [B, n + 1, F] or None, live [B]
-                bool (the rows that decode), starts [B] (each row's pending slot) -> (a table [B, 2n + 2] for the
-                host's one read-back: the accepted path's ancestor bits, the argmax, the node tokens; the features
+        draft   ids, logp [B, W, R] (the drafter's choices), pending [B], limit [B] (each row's deepest path: its
+                proposal budget) -> the verify block [B, n + 1] (each row's pending token, then its nodes) and its
+                tree (depths, ancestor bits [B, n + 1])
+        settle  the target's token after each block index [B, n + 1] (argmax or draw), its features
+                [B, n + 1, F] or None, live [B] bool (the rows that decode), starts [B] (each row's pending slot)
+                -> (a table [B, 2n + 2] for the host's one read-back: the accepted path's ancestor bits, the
+                target's tokens, the node tokens; the features
                 of each row's path first, in order, [B, W + 1, F] or None). The path's K/V move in the cache to the
                 slots after the pending token, as a line verify would have left them (`KVCache.compact`); rows not
                 live keep theirs.
@@ -165,17 +179,19 @@ class TreeVerify:
         cache.addresses()  # (an upload: before any capture)
         pool = self.pool
         self.graphs = None  # (the old graphs freed before the new ones are captured)
-        draft_graph, (tree, block) = capture(lambda: _draft(pool, n, ids, logp, pending), dev, warmup=1)
+        limit = torch.zeros(B, dtype=torch.long, device=dev)
+        draft_graph, (tree, block) = capture(lambda: _draft(pool, n, ids, logp, pending, limit), dev, warmup=1)
         settle_graph, settled = capture(lambda: _settle(pool, tree, best, feats, live, starts, cache), dev, warmup=1)
-        graphs = (draft_graph, (ids, logp, pending), tree, block, settle_graph, (best, feats, live, starts), settled)
+        graphs = (draft_graph, (ids, logp, pending, limit), tree, block, settle_graph, (best, feats, live, starts),
+                  settled)
         self.graphs, self.cache = graphs, cache
 
-    def draft(self, ids: torch.Tensor, logp: torch.Tensor, pending: torch.Tensor):
+    def draft(self, ids: torch.Tensor, logp: torch.Tensor, pending: torch.Tensor, limit: torch.Tensor):
         if self.graphs is None:
-            self._tree, block = _draft(self.pool, self.n, ids, logp, pending)
+            self._tree, block = _draft(self.pool, self.n, ids, logp, pending, limit)
             return block, (self._tree.depth, self._tree.ancestors)
         graph, inputs, tree, block = self.graphs[:4]
-        for static, x in zip(inputs, (ids, logp, pending)):
+        for static, x in zip(inputs, (ids, logp, pending, limit)):
             static.copy_(x)
         graph.replay()
         return block, (tree.depth, tree.ancestors)
@@ -193,8 +209,8 @@ class TreeVerify:
         return out, feats
 
 
-def _draft(pool: Pool, n: int, ids, logp, pending) -> tuple[Tree, torch.Tensor]:
-    tree = choose(pool, ids, logp, n)
+def _draft(pool: Pool, n: int, ids, logp, pending, limit) -> tuple[Tree, torch.Tensor]:
+    tree = choose(pool, ids, logp, n, limit)
     return tree, torch.cat([pending[:, None], tree.tokens], 1)  # [B, n + 1]
 
 
