@@ -127,25 +127,8 @@ def test_a_request_whose_set_up_fails_ends_alone_and_the_scheduler_serves_on(one
     gen = GenerationConfig(max_new_tokens=6, stop_on_eos=False)
     bad = GenerationConfig(max_new_tokens=6, stop_on_eos=False, sampling=SamplingConfig(temperature=1.0, seed=13))
     prompts = [engine.encode("one"), engine.encode("two"), engine.encode("three")]
-    events = {k: [] for k in range(3)}
-    finished = threading.Event()
-
-    def deliver(k):
-        def on(event):  # (the scheduler thread)
-            events[k].append(event)
-            if all(e and e[-1].finish_reason for e in events.values()):
-                finished.set()
-        return on
-
-    scheduler.start()
-    try:
-        for k, (prompt, g) in enumerate(zip(prompts, (gen, bad, gen))):
-            scheduler.submit(Job(prompt, g, deliver(k)))
-        assert finished.wait(60)
-        assert scheduler.alive
-    finally:
-        scheduler.stop()
-    assert events[1][-1].finish_reason == "error" and "no generator today" in events[1][-1].error
+    events, alive = serve_events(scheduler, list(zip(prompts, (gen, bad, gen))))
+    assert alive and events[1][-1].finish_reason == "error" and "no generator today" in events[1][-1].error
     for k in (0, 2):
         assert "".join(e.text for e in events[k]) == engine.generate([prompts[k]], gen).texts[0]
         assert events[k][-1].finish_reason == "length"
@@ -154,7 +137,14 @@ def test_a_request_whose_set_up_fails_ends_alone_and_the_scheduler_serves_on(one
 def serve_all(scheduler: Scheduler, prompts: list[list[int]], gen: GenerationConfig) -> list[str]:
     """Submit every prompt at once to a started-here scheduler (more requests than slots: they queue), wait for
     all to finish, stop it -> each request's whole text."""
-    events = {k: [] for k in range(len(prompts))}
+    events, _ = serve_events(scheduler, [(prompt, gen) for prompt in prompts])
+    return ["".join(e.text for e in events[k]) for k in range(len(prompts))]
+
+
+def serve_events(scheduler: Scheduler, requests: list[tuple[list[int], GenerationConfig]]):
+    """`serve_all` of (prompt, settings) requests -> (each request's events, whether the scheduler was still
+    alive when the last one ended)."""
+    events = {k: [] for k in range(len(requests))}
     finished = threading.Event()
 
     def deliver(k):
@@ -166,12 +156,13 @@ def serve_all(scheduler: Scheduler, prompts: list[list[int]], gen: GenerationCon
 
     scheduler.start()
     try:
-        for k, prompt in enumerate(prompts):
+        for k, (prompt, gen) in enumerate(requests):
             scheduler.submit(Job(prompt, gen, deliver(k)))
         assert finished.wait(120)
+        alive = scheduler.alive
     finally:
         scheduler.stop()
-    return ["".join(e.text for e in events[k]) for k in range(len(prompts))]
+    return events, alive
 
 
 @pytest.mark.parametrize("spec", ["binarypc:budget=0.3,min_tokens=4,sinks=2,window=4,dense_layers=0",
