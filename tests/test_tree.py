@@ -12,7 +12,7 @@ from sparsespec.sampling import SamplingConfig, sample
 from sparsespec.spec.bench import make_drafter
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlashDrafter
-from sparsespec.spec.drafters import Drafter
+from sparsespec.spec.drafters import Drafter, LookupFirst
 from sparsespec.spec.tree import Pool, TreeVerify, accept, choose, path, pool_paths
 
 from .conftest import CUDA
@@ -173,13 +173,27 @@ def test_dflash_verified_as_a_tree_is_token_identical_and_keeps_its_context(bloc
     assert [o.token_ids for o in out] == plain and checked
 
 
+def test_prompt_lookup_in_front_of_a_tree_copies_and_stays_token_identical():
+    """`ngram+treeN:dflash`: rows whose history recurs put the lookup's copy in their trees (its line first), the
+    others the drafter's choices; greedy output equals plain greedy for a batch, and some steps copied."""
+    target = tiny_engine(0)
+    prompts = [[5, 6, 7, 8] * 6, [3, 1, 4, 1, 5, 9, 2, 6], [9, 8] * 10]
+    gen = GenerationConfig(max_new_tokens=30)
+    drafter = DFlashDrafter(tiny_dflash(target, block=5), target.model)
+    drafter.tree_nodes = 6
+    out = speculative_generate(target, prompts, LookupFirst(drafter, min_n=2, min_tokens=1), gen, 5)
+    assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
+    assert any(any(o.copied) for o in out) and not all(all(o.copied) for o in out)
+
+
 def _fresh_cache(engine):
     from sparsespec.cache import KVCache
 
     return KVCache(engine.config, 1, 256, torch.float32, "cpu")
 
 
-def test_sampled_tree_speculation_is_distributed_as_plain_sampling(monkeypatch):
+@pytest.mark.parametrize("lookup", [False, True])
+def test_sampled_tree_speculation_is_distributed_as_plain_sampling(monkeypatch, lookup):
     """At T = 1 a tree verify draws the target's token after every node and walks the nodes it matches: its
     sequences are distributed as plain sampling's (chi-square homogeneity over the 64 three-token sequences of a
     4-token vocabulary, the reference shared with the line's test), and a wrong rule (the target's argmax at the
@@ -195,6 +209,8 @@ def test_sampled_tree_speculation_is_distributed_as_plain_sampling(monkeypatch):
     def spec(i):
         drafter = DFlashDrafter(dflash, target.model)
         drafter.tree_nodes = 3  # of the 3 x 2 pool paths: a branching tree
+        if lookup:  # 2-grams over 4 tokens recur: most steps copy into the tree
+            drafter = LookupFirst(drafter, min_n=2, min_tokens=1)
         g = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=20_000 + i),
                              stop_on_eos=False)
         out = speculative_generate(target, [SAMPLING_PROMPT], drafter, g, 3)[0]
@@ -236,9 +252,10 @@ def test_tree_drafter_specs(tmp_path):
     tiny_dflash(target).save(tmp_path / "d")
     drafter = make_drafter(f"tree9:dflash:{tmp_path / 'd'}", target, "tiny")
     assert drafter.tree_nodes == 9 and drafter.name == f"tree9:dflash:{tmp_path / 'd'}"
+    both = make_drafter(f"ngram+tree9:dflash:{tmp_path / 'd'}", target, "tiny")
+    assert isinstance(both, LookupFirst) and both.tree_nodes == 9 and both.marginals
     for spec, match in (("tree9:ngram", "per-position choices"), ("treex:dflash", "number of tree nodes"),
-                        ("tree0:dflash", "number of tree nodes"), (f"ngram+tree9:dflash:{tmp_path / 'd'}",
-                                                                    "prompt lookup in front of a tree verify")):
+                        ("tree0:dflash", "number of tree nodes")):
         with pytest.raises(SparseSpecError, match=match):
             make_drafter(spec, target, "tiny")
     drafter.tree_nodes = 900

@@ -43,7 +43,8 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
     "ngram+dflash[:PATH]" (prompt lookup where the history recurs, the DFlash drafter otherwise: `LookupFirst`) |
     "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy; the key
     weights=fp8 drafts with FP8 copies of the target's weights) | "treeN:DRAFTER" (a drafter of per-position
-    choices, dflash, whose greedy steps verify a tree of N drafted nodes: `spec.tree`)."""
+    choices, dflash, whose steps verify a tree of N drafted nodes: `spec.tree`; ngram+treeN:dflash puts prompt
+    lookup's copies in its trees)."""
     from ..models.loading import DTYPES
     from .dflash import DFlash, DFlashDrafter
     from .registry import drafter_path
@@ -52,10 +53,7 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
         inner = make_drafter(spec[len("ngram+"):], engine, target_name, device, dtype, progress, cuda_graph)
         if inner is None:
             raise SparseSpecError(f"{spec}: name the drafter that drafts where the lookup finds nothing (ngram+dflash)")
-        if inner.tree_nodes:
-            raise SparseSpecError(f"{spec}: prompt lookup in front of a tree verify is not supported (a copy is a "
-                                  f"line): use ngram+dflash or {spec[len('ngram+'):]}")
-        return LookupFirst(inner)
+        return LookupFirst(inner)  # (in front of a tree verify too: a copy is its first choices)
     kind, _, arg = spec.partition(":")
     if kind.startswith("tree") and arg:  # the drafter after the colon, verified as a tree
         if not kind[4:].isdigit() or int(kind[4:]) < 1:

@@ -49,7 +49,7 @@ class Drafter(ABC):
     max_proposals: int | None = None  # the most proposals a row's step can take from it (None: any number)
     # drafts a distribution per position of a block (not a line): `choices` and `propose_choices` serve a tree verify
     marginals: bool = False
-    tree_nodes: int = 0  # > 0 (a drafter of `marginals`): greedy steps verify a tree of this many drafted nodes
+    tree_nodes: int = 0  # > 0 (a drafter of `marginals`): its steps verify a tree of this many drafted nodes
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
@@ -94,9 +94,8 @@ class Drafter(ABC):
             raise SparseSpecError(f"the {self.name} drafter drafts a line, not choices a position: no tree verify")
 
     def propose_choices(self, histories: Rows, ks: list[int], device: torch.device):
-        """A drafter of `marginals` after `choices(R)`, every decoding row greedy -> (ids [B, K, R] long, log-probs
-        [B, K, R] fp32 on `device`: each of the block's K positions' R likeliest tokens, best first; counts as
-        `propose_greedy`'s)."""
+        """A drafter of `marginals` after `choices(R)` -> (ids [B, K, R] long, log-probs [B, K, R] fp32 on `device`:
+        each of the block's K positions' R likeliest tokens, best first; counts as `propose_greedy`'s)."""
         raise SparseSpecError(f"the {self.name} drafter drafts a line, not choices a position: no tree verify")
 
     def commit(self, lengths: list[int | None], accepted: list[int | None], features: torch.Tensor | None) -> None:
@@ -163,6 +162,9 @@ class LookupFirst(Drafter):
     every other row takes `drafter`'s. Answers that copy from their prompt (a signature and docstring restated, a
     quoted passage) commit a whole block a step where a block drafter commits a few; elsewhere the drafter drafts as
     alone. Both draft point masses, so the output is exactly the target's (greedy) or its distribution (sampled).
+    In front of a tree verify (a drafter of `marginals`, `tree_nodes`), a copying row's copy becomes the first
+    choice at each position it covers, with log-probability 0: its tree holds the copy's whole line, then the
+    drafter's alternatives.
 
     The drafter's state follows every row whatever proposed: its context takes the verified features of each step
     (`commit`), and when any row takes its drafts it drafts for every decoding row (its block is written past each
@@ -177,6 +179,7 @@ class LookupFirst(Drafter):
         self.drafter, self.lookup, self.min_tokens = drafter, NgramDrafter(max_n, min_n), min_tokens
         self.took: list[bool] = []  # per row: the last step's proposals are the lookup's
         self.name, self.taps, self.point_mass = f"ngram+{drafter.name}", drafter.taps, True
+        self.marginals, self.tree_nodes = drafter.marginals, drafter.tree_nodes
         # a copied block is verified, and its features reach the drafter's context, like one of the drafter's own
         self.max_proposals = drafter.max_proposals
 
@@ -214,6 +217,26 @@ class LookupFirst(Drafter):
         chosen = device_ints(use, drafts.device, torch.bool)[:, None]
         return (torch.where(chosen, copies, torch.nn.functional.pad(drafts, (0, width - drafts.shape[1]))),
                 [len(p) if u else c for p, u, c in zip(looked, use, counts)])
+
+    def choices(self, ranks):
+        self.drafter.choices(ranks)
+
+    def propose_choices(self, histories, ks, device):
+        short = [k if self.max_proposals is None else min(k, self.max_proposals) for k in ks]
+        looked, _ = self.lookup.propose(histories, short, [SamplingConfig()] * len(histories), [None] * len(histories))
+        use = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
+        self.took = use
+        ids, logp, counts = self.drafter.propose_choices(histories, ks, device)  # [B, K, R] each
+        if not any(use):
+            return ids, logp, counts
+        B, K, _ = ids.shape
+        looked = [p[:K] if u else [] for p, u in zip(looked, use)]
+        copies = device_ints([p + [0] * (K - len(p)) for p in looked], ids.device).view(B, K, 1)
+        covered = device_ints([[j < len(p) for j in range(K)] for p in looked], ids.device, torch.bool)[..., None]
+        # [B, K, R]: a copied position's copy first (certain), then the drafter's choices but its last
+        ids = torch.where(covered, torch.cat([copies, ids[..., :-1]], -1), ids)
+        logp = torch.where(covered, torch.cat([torch.zeros_like(logp[..., :1]), logp[..., :-1]], -1), logp)
+        return ids, logp, [len(p) if u else c for p, u, c in zip(looked, use, counts)]
 
     def commit(self, lengths, accepted, features):
         self.drafter.commit(lengths, accepted, features)
