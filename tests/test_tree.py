@@ -175,15 +175,18 @@ def test_dflash_verified_as_a_tree_is_token_identical_and_keeps_its_context(bloc
 
 def test_prompt_lookup_in_front_of_a_tree_copies_and_stays_token_identical():
     """`ngram+treeN:dflash`: rows whose history recurs put the lookup's copy in their trees (its line first), the
-    others the drafter's choices; greedy output equals plain greedy for a batch, and some steps copied."""
+    others the drafter's choices, and a step where every row copies skips the drafter; greedy output equals plain
+    greedy for a batch of both kinds of rows and for one of copying rows (some of its steps copy in every row)."""
     target = tiny_engine(0)
-    prompts = [[5, 6, 7, 8] * 6, [3, 1, 4, 1, 5, 9, 2, 6], [9, 8] * 10]
     gen = GenerationConfig(max_new_tokens=30)
     drafter = DFlashDrafter(tiny_dflash(target, block=5), target.model)
     drafter.tree_nodes = 6
-    out = speculative_generate(target, prompts, LookupFirst(drafter, min_n=2, min_tokens=1), gen, 5)
-    assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
-    assert any(any(o.copied) for o in out) and not all(all(o.copied) for o in out)
+    for prompts in ([[5, 6, 7, 8] * 6, [3, 1, 4, 1, 5, 9, 2, 6], [9, 8] * 10], [[5, 6, 7, 8] * 6, [9, 8] * 10]):
+        out = speculative_generate(target, prompts, LookupFirst(drafter, min_n=2, min_tokens=1), gen, 5)
+        assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
+        steps = list(zip(*(o.copied for o in out)))  # per step (while every row ran): which rows copied
+        assert any(any(s) for s in steps) and not all(all(s) for s in steps)
+    assert any(all(s) for s in steps)  # (the second batch) steps where every row copied: no drafter ran
 
 
 def _fresh_cache(engine):

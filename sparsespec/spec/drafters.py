@@ -156,6 +156,9 @@ class NgramDrafter(Drafter):
             [None] * len(histories)
 
 
+_UNLIKELY = -1e4  # the log-probability of a choice that is not one (a step every row copies: no drafter ran)
+
+
 class LookupFirst(Drafter):
     """Prompt lookup first, a model drafter otherwise: a row whose history's last tokens recur earlier (an n-gram of
     at least `min_n` tokens) and whose lookup proposes at least `min_tokens` takes the lookup's proposals this step;
@@ -164,7 +167,7 @@ class LookupFirst(Drafter):
     alone. Both draft point masses, so the output is exactly the target's (greedy) or its distribution (sampled).
     In front of a tree verify (a drafter of `marginals`, `tree_nodes`), a copying row's copy becomes the first
     choice at each position it covers, with log-probability 0: its tree holds the copy's whole line, then the
-    drafter's alternatives.
+    drafter's alternatives (none on a step where every row copies: the drafter is skipped as for a line).
 
     The drafter's state follows every row whatever proposed: its context takes the verified features of each step
     (`commit`), and when any row takes its drafts it drafts for every decoding row (its block is written past each
@@ -179,7 +182,7 @@ class LookupFirst(Drafter):
         self.drafter, self.lookup, self.min_tokens = drafter, NgramDrafter(max_n, min_n), min_tokens
         self.took: list[bool] = []  # per row: the last step's proposals are the lookup's
         self.name, self.taps, self.point_mass = f"ngram+{drafter.name}", drafter.taps, True
-        self.marginals, self.tree_nodes = drafter.marginals, drafter.tree_nodes
+        self.marginals, self.tree_nodes, self.ranks = drafter.marginals, drafter.tree_nodes, 0
         # a copied block is verified, and its features reach the drafter's context, like one of the drafter's own
         self.max_proposals = drafter.max_proposals
 
@@ -220,15 +223,22 @@ class LookupFirst(Drafter):
 
     def choices(self, ranks):
         self.drafter.choices(ranks)
+        self.ranks = ranks
 
     def propose_choices(self, histories, ks, device):
         short = [k if self.max_proposals is None else min(k, self.max_proposals) for k in ks]
         looked, _ = self.lookup.propose(histories, short, [SamplingConfig()] * len(histories), [None] * len(histories))
         use = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
         self.took = use
-        ids, logp, counts = self.drafter.propose_choices(histories, ks, device)  # [B, K, R] each
-        if not any(use):
-            return ids, logp, counts
+        if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft
+            B, R = len(histories), self.ranks
+            K = max(ks, default=0) if self.max_proposals is None else self.max_proposals  # the drafter's width
+            ids = torch.zeros(B, K, R, dtype=torch.long, device=device)
+            logp, counts = torch.full((B, K, R), _UNLIKELY, device=device), [0] * B  # rows' copies go in below
+        else:
+            ids, logp, counts = self.drafter.propose_choices(histories, ks, device)  # [B, K, R] each
+            if not any(use):
+                return ids, logp, counts
         B, K, _ = ids.shape
         looked = [p[:K] if u else [] for p, u in zip(looked, use)]
         copies = device_ints([p + [0] * (K - len(p)) for p in looked], ids.device).view(B, K, 1)
