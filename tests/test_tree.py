@@ -189,6 +189,43 @@ def test_prompt_lookup_in_front_of_a_tree_copies_and_stays_token_identical():
     assert any(all(s) for s in steps)  # (the second batch) steps where every row copied: no drafter ran
 
 
+def test_a_copy_fills_its_tree_before_a_confident_drafter_s_alternatives():
+    """A copying row's tree holds the copy's whole line even where the drafter is sure of another token at every
+    position; its leftover nodes extend the copy with the drafter's choices past it."""
+    class Sure(Drafter):  # per position: token 40 + j certain (log-probability ~0), then 50 + j, 60 + j
+        name, point_mass, marginals = "sure", True, True
+        max_proposals = 6
+
+        def start(self, prompts, features, capacity):
+            pass
+
+        def propose(self, histories, ks, cfgs, rngs):
+            raise AssertionError
+
+        def choices(self, ranks):
+            pass
+
+        def propose_choices(self, histories, ks, device):
+            j = torch.arange(6)
+            ids = torch.stack([40 + j, 50 + j, 60 + j], -1).expand(len(histories), -1, -1)
+            logp = torch.tensor([-1e-7, -18.0, -19.0]).expand(len(histories), 6, -1)
+            return ids, logp, [6] * len(histories)
+
+    lookup = LookupFirst(Sure(), min_n=2, min_tokens=1)
+    lookup.start([[1, 2, 3, 7, 8, 1, 2], [9, 9, 5]], None, 64)
+    lookup.choices(3)
+    ids, logp, _ = lookup.propose_choices([[1, 2, 3, 7, 8, 1, 2], [9, 9, 5]], [6, 6], torch.device("cpu"))
+    tree = choose(Pool.of(6), ids, logp, 5)
+    copy = [3, 7, 8, 1, 2]  # what follows the last earlier "1 2"
+    lines = [[int(tree.tokens[0, k - 1]) for k in path(int(tree.ancestors[0, j]))[1:]] for j in range(1, 6)]
+    assert sorted(lines, key=len) == [copy[:d] for d in range(1, 6)]
+    assert [int(t) for t in tree.tokens[1]] != copy and set(int(t) for t in tree.tokens[1]) <= {40, 41, 42, 43, 44,
+                                                                                               45, 50, 51}
+    more = choose(Pool.of(6), ids, logp, 7)  # two nodes over the copy's five: its line extended by the drafter
+    lines = [[int(more.tokens[0, k - 1]) for k in path(int(a))[1:]] for a in more.ancestors[0, 1:]]
+    assert sorted(line for line in lines if len(line) == 6) == [copy + [45], copy + [55]]
+
+
 def _fresh_cache(engine):
     from sparsespec.cache import KVCache
 

@@ -156,7 +156,7 @@ class NgramDrafter(Drafter):
             [None] * len(histories)
 
 
-_UNLIKELY = -1e4  # the log-probability of a choice that is not one (a step every row copies: no drafter ran)
+_UNLIKELY = -1e4  # added to a choice's log-probability: below every path of a copy (or the choice is not one)
 
 
 class LookupFirst(Drafter):
@@ -243,9 +243,11 @@ class LookupFirst(Drafter):
         looked = [p[:K] if u else [] for p, u in zip(looked, use)]
         copies = device_ints([p + [0] * (K - len(p)) for p in looked], ids.device).view(B, K, 1)
         covered = device_ints([[j < len(p) for j in range(K)] for p in looked], ids.device, torch.bool)[..., None]
-        # [B, K, R]: a copied position's copy first (certain), then the drafter's choices but its last
+        # [B, K, R]: a copied position's copy first (certain), then the drafter's choices but its last, pushed below
+        # every path of the copy (a confident drafter's choice would otherwise outrank the copy's deepest nodes):
+        # nodes left over extend the copy with the drafter's choices past it first
         ids = torch.where(covered, torch.cat([copies, ids[..., :-1]], -1), ids)
-        logp = torch.where(covered, torch.cat([torch.zeros_like(logp[..., :1]), logp[..., :-1]], -1), logp)
+        logp = torch.where(covered, torch.cat([torch.zeros_like(logp[..., :1]), logp[..., :-1] + _UNLIKELY], -1), logp)
         return ids, logp, [len(p) if u else c for p, u, c in zip(looked, use, counts)]
 
     def commit(self, lengths, accepted, features):
