@@ -131,11 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "self:POLICY[:key=value,...] (the model drafts for itself with sparse attention, e.g. "
                    "self:binarypc:budget=0.02; the dense model verifies; weights=fp8 among the options drafts "
                    "with FP8 copies of the weights), treeN:dflash[:PATH] (DFlash's steps verify a tree of N "
-                   "drafted tokens chosen from its per-position choices, e.g. tree15:dflash)")
+                   "drafted tokens chosen from its per-position choices, greedy or sampled, e.g. tree15:dflash; "
+                   "ngram+treeN:dflash puts prompt lookup's copies in the trees)")
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                    "shipped drafter; a packaged model's own file is recognised)")
     g.add_argument("--block-size", type=_positive_int, default=None, help="with --draft: tokens verified per step "
-                   "(default: 16)")
+                   "(default: 16; a tree drafter verifies N + 1 and its paths are at most block-size - 1 deep)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt (a line each) instead of "
                    "text")
     g.add_argument("--progress", action="store_true", help="show progress on stderr even when it is not a terminal "
@@ -492,7 +493,8 @@ def cmd_generate(args) -> None:
         for b, text in enumerate(result.texts):
             print(json.dumps({"token_ids": result.token_ids[b], "text": text,
                               "prompt_tokens": result.prompt_tokens[b], "ttft_s": round(result.ttft_s, 6),
-                              "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)}))
+                              "decode_tokens_per_s": _finite(round(result.decode_tokens_per_s, 3)
+                                                             if result.decode_steps else float("nan"))}))
     else:
         print("" if stream else "\n".join(result.texts))  # (streamed: end its line)
         counts = ((f"{len(ids)} prompts, " if len(ids) > 1 else "") + f"{sum(result.prompt_tokens)} prompt tokens, "
@@ -505,6 +507,12 @@ def cmd_generate(args) -> None:
               "the budget (--attention-opt budget=...) or min_tokens", file=sys.stderr)
 
 
+def _finite(x: float) -> float | None:
+    """A rate or mean for --json: null where nothing was measured (a single new token: no decode or verify step;
+    JSON has no NaN)."""
+    return None if x != x else x
+
+
 def _speculate(args, engine, ids: list[list[int]], gen, dtype, progress) -> None:
     from .spec.bench import make_drafter
     from .spec.decode import speculative_generate
@@ -512,10 +520,11 @@ def _speculate(args, engine, ids: list[list[int]], gen, dtype, progress) -> None
     drafter = make_drafter(args.draft, engine, args.target_name or args.model, args.device, dtype, progress)
     results = speculative_generate(engine, ids, drafter, gen, args.block_size or 16)  # the prompts as one batch
     for result in results:
-        tps = (len(result.token_ids) - 1) / result.decode_s if result.decode_s > 0 else float("nan")
+        steps = len(result.token_ids) - 1  # tokens after the first
+        tps = steps / result.decode_s if steps and result.decode_s > 0 else float("nan")
         record = {"token_ids": result.token_ids, "text": result.text, "prompt_tokens": result.prompt_tokens,
-                  "ttft_s": round(result.ttft_s, 6), "decode_tokens_per_s": round(tps, 3), "tau": result.tau,
-                  "committed_histogram": result.histogram()}
+                  "ttft_s": round(result.ttft_s, 6), "decode_tokens_per_s": _finite(round(tps, 3)),
+                  "tau": _finite(result.tau), "committed_histogram": result.histogram()}
         if args.json:
             print(json.dumps(record))
         else:

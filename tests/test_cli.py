@@ -134,6 +134,21 @@ def test_generate_json(capsys):
     assert "Paris" in record["text"]
 
 
+@pytest.mark.slow
+def test_generate_json_of_a_single_token_is_strict_json(capsys):
+    """One new token: no decode or verify step, so no rate and no tau: null, not NaN (which JSON does not have),
+    plain and speculative."""
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+
+    for draft in ([], ["--draft", "ngram"]):
+        code, out, err = run_main(capsys, "generate", "--prompt", "Hi", "--max-new-tokens", "1", "--json", *draft)
+        assert code == 0, err
+        record = strict(out)
+        assert record["decode_tokens_per_s"] is None and len(record["token_ids"]) == 1
+        assert record.get("tau", None) is None
+
+
 def test_models_json(capsys):
     code, out, _ = run_main(capsys, "models", "--json")
     rows = {r["name"]: r for r in json.loads(out)}

@@ -272,6 +272,18 @@ def test_sampled_tree_speculation_is_distributed_as_plain_sampling(monkeypatch, 
     assert _chi2_pvalue(_sequence_counts(spec, 300), ref) < 1e-6
 
 
+def test_a_block_wider_than_the_drafter_s_keeps_the_tree_within_the_drafter_s_block():
+    """--block-size above the DFlash drafter's own block: the tree's paths stop at the drafter's block (as its line
+    does), greedy output stays plain greedy's."""
+    target = tiny_engine(0)
+    drafter = DFlashDrafter(tiny_dflash(target, block=5), target.model)
+    drafter.tree_nodes = 9
+    gen = GenerationConfig(max_new_tokens=20)
+    out = speculative_generate(target, PROMPTS, drafter, gen, 12)
+    assert [o.token_ids for o in out] == target.generate(PROMPTS, gen).token_ids
+    assert max(max(o.committed) for o in out) <= 5
+
+
 def test_sampled_tree_rows_in_a_batch_get_what_they_get_alone():
     """At T = 1 each row of a batch draws with its own generator and limits its tree by its own proposal budget:
     batched output equals each prompt run alone (rows of different lengths reach their ends at different steps)."""
@@ -295,7 +307,8 @@ def test_tree_drafter_specs(tmp_path):
     both = make_drafter(f"ngram+tree9:dflash:{tmp_path / 'd'}", target, "tiny")
     assert isinstance(both, LookupFirst) and both.tree_nodes == 9 and both.marginals
     for spec, match in (("tree9:ngram", "per-position choices"), ("treex:dflash", "number of tree nodes"),
-                        ("tree0:dflash", "number of tree nodes")):
+                        ("tree0:dflash", "number of tree nodes"), ("tree\u00b2:dflash", "number of tree nodes"),
+                        (f"tree15:tree3:dflash:{tmp_path / 'd'}", "one tree a drafter")):
         with pytest.raises(SparseSpecError, match=match):
             make_drafter(spec, target, "tiny")
     drafter.tree_nodes = 900

@@ -56,9 +56,11 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
         return LookupFirst(inner)  # (in front of a tree verify too: a copy is its first choices)
     kind, _, arg = spec.partition(":")
     if kind.startswith("tree") and arg:  # the drafter after the colon, verified as a tree
-        if not kind[4:].isdigit() or int(kind[4:]) < 1:
+        if not (kind[4:].isascii() and kind[4:].isdigit()) or int(kind[4:]) < 1:
             raise SparseSpecError(f"{spec}: treeN:DRAFTER takes a number of tree nodes N >= 1 (e.g. tree15:dflash)")
         inner = make_drafter(arg, engine, target_name, device, dtype, progress, cuda_graph)
+        if inner is not None and inner.tree_nodes:
+            raise SparseSpecError(f"{spec}: one tree a drafter (treeN:dflash, or ngram+treeN:dflash)")
         if inner is None or not inner.marginals:
             raise SparseSpecError(f"{spec}: a tree verify needs a drafter of per-position choices (dflash), not "
                                   f"{arg}")

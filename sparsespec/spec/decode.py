@@ -147,9 +147,11 @@ def tree_verify(drafter: Drafter, block_size: int, device: torch.device) -> Tree
         return None
     if not drafter.marginals:
         raise SparseSpecError(f"a tree verify needs a drafter of per-position choices (dflash), not {drafter.name}")
-    pool = Pool.of(block_size - 1, device=device)
+    # a tree's paths are at most as deep as the block, and as the drafter's own block (which caps a line alike)
+    depth = block_size - 1 if drafter.max_proposals is None else min(block_size - 1, drafter.max_proposals)
+    pool = Pool.of(depth, device=device)
     if not 1 <= nodes <= min(MAX_NODES, pool.ranks.shape[0]):
-        raise SparseSpecError(f"a tree verify of block size {block_size} takes 1 to "
+        raise SparseSpecError(f"a tree verify of paths up to {depth} deep (block size {block_size}) takes 1 to "
                               f"{min(MAX_NODES, pool.ranks.shape[0])} nodes, got {nodes}")
     drafter.choices(pool.ranks_needed)
     return TreeVerify(pool, nodes)
