@@ -203,11 +203,15 @@ class LookupFirst(Drafter):
     def propose(self, histories, ks, cfgs, rngs):
         return self.read_back(histories, ks, torch.device("cpu"))
 
-    def propose_greedy(self, histories, ks, device):
+    def _look(self, histories, ks) -> tuple[list[list[int]], list[bool]]:
+        """-> each row's lookup copy and whether it takes it this step (recorded for `copied`)."""
         short = [k if self.max_proposals is None else min(k, self.max_proposals) for k in ks]
         looked, _ = self.lookup.propose(histories, short, [SamplingConfig()] * len(histories), [None] * len(histories))
-        use = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
-        self.took = use
+        self.took = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
+        return looked, self.took
+
+    def propose_greedy(self, histories, ks, device):
+        looked, use = self._look(histories, ks)
         if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft
             drafts, counts = torch.zeros(len(histories), 0, dtype=torch.long, device=device), [0] * len(histories)
         else:
@@ -226,10 +230,7 @@ class LookupFirst(Drafter):
         self.ranks = ranks
 
     def propose_choices(self, histories, ks, device):
-        short = [k if self.max_proposals is None else min(k, self.max_proposals) for k in ks]
-        looked, _ = self.lookup.propose(histories, short, [SamplingConfig()] * len(histories), [None] * len(histories))
-        use = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
-        self.took = use
+        looked, use = self._look(histories, ks)
         if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft
             B, R = len(histories), self.ranks
             K = max(ks, default=0) if self.max_proposals is None else self.max_proposals  # the drafter's width
