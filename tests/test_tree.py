@@ -284,6 +284,22 @@ def test_a_block_wider_than_the_drafter_s_keeps_the_tree_within_the_drafter_s_bl
     assert max(max(o.committed) for o in out) <= 5
 
 
+def test_bench_refuses_a_tree_too_big_for_its_block_before_measuring_anything(tmp_path):
+    """`bench spec` with a tree of more nodes than the block's pool holds: one clear error, and no row written (it
+    used to come after the first prompt's plain and other drafters' rows)."""
+    from sparsespec.spec.bench import BenchConfig, run_bench
+
+    target = tiny_engine(0)
+    tree = DFlashDrafter(tiny_dflash(target, block=5), target.model)
+    tree.tree_nodes = 30  # a block of 3: paths 2 deep, 9 of them
+    cfg = BenchConfig(drafters=("line", "tree"), prompts=1, kinds=("code",), temperatures=(0.0,), max_new_tokens=4,
+                      block_size=3)
+    with pytest.raises(SparseSpecError, match="takes 1 to 9 nodes, got 30"):
+        run_bench(target, {"line": DFlashDrafter(tiny_dflash(target, block=5), target.model), "tree": tree}, cfg,
+                  tmp_path)
+    assert not (tmp_path / "spec.jsonl").exists() or not (tmp_path / "spec.jsonl").read_text()
+
+
 def test_sampled_tree_rows_in_a_batch_get_what_they_get_alone():
     """At T = 1 each row of a batch draws with its own generator and limits its tree by its own proposal budget:
     batched output equals each prompt run alone (rows of different lengths reach their ends at different steps)."""

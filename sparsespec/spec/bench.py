@@ -29,7 +29,7 @@ from ..progress import progress_bar
 from ..results import read_rows
 from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig
-from .decode import speculative_generate
+from .decode import speculative_generate, tree_verify
 from .drafters import Drafter, LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
 from .prompts import KINDS, make_prompts
 
@@ -135,6 +135,9 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
     long (the first always runs), so every measured prompt has its rows for every temperature and drafter; `log`
     says where it stopped (a rerun into the same `out` goes on from there). Returns the rows of `drafters` and
     `cfg.temperatures`."""
+    for drafter in drafters.values():  # a tree that does not fit the block: refused before anything runs
+        if drafter is not None:
+            tree_verify(drafter, cfg.block_size, engine.device)
     prompts = [(kind, [p for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed, cfg.long_chars)])
                for kind in cfg.kinds]
     groups, i = [], 0  # (index of the first prompt, prompts)
