@@ -493,8 +493,8 @@ def cmd_generate(args) -> None:
         for b, text in enumerate(result.texts):
             print(json.dumps({"token_ids": result.token_ids[b], "text": text,
                               "prompt_tokens": result.prompt_tokens[b], "ttft_s": round(result.ttft_s, 6),
-                              "decode_tokens_per_s": _finite(round(result.decode_tokens_per_s, 3)
-                                                             if result.decode_steps else float("nan"))}))
+                              "decode_tokens_per_s": round(result.decode_tokens_per_s, 3) if result.decode_steps
+                              else None}))  # (one new token: no decode step, and JSON has no NaN)
     else:
         print("" if stream else "\n".join(result.texts))  # (streamed: end its line)
         counts = ((f"{len(ids)} prompts, " if len(ids) > 1 else "") + f"{sum(result.prompt_tokens)} prompt tokens, "
@@ -508,8 +508,8 @@ def cmd_generate(args) -> None:
 
 
 def _finite(x: float) -> float | None:
-    """A rate or mean for --json: null where nothing was measured (a single new token: no decode or verify step;
-    JSON has no NaN)."""
+    """A rate or mean for --json: null where nothing was measured (a single new token: no verify step; JSON has no
+    NaN)."""
     return None if x != x else x
 
 

@@ -225,15 +225,15 @@ def tree_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None
     n, width, dev = tree.n, tree.pool.width, runner.device
     tree.bind(runner)  # (a scheduler's first tree step; a loop's set-up did it)
     ids, logp, _ = drafter.propose_choices(histories, ks, dev)  # [B, K, R] each
-    limit = device_ints([min(k, width) for k in ks], dev)  # [B]: each row's deepest path (its proposal budget)
-    block, plan = tree.draft(ids[:, :width], logp[:, :width], device_ints(pending, dev), limit)  # [B, n + 1]
+    # [B] each: the pending tokens, their slots, each row's deepest path (its proposal budget), whether it decodes
+    rows = device_ints([pending, lengths, [min(k, width) for k in ks], [h is not None for h in histories]], dev)
+    block, plan = tree.draft(ids[:, :width], logp[:, :width], rows[0], rows[2])  # [B, n + 1]
     logits, features = runner.verify(block, n + 1, tree=plan)
-    live = device_ints([h is not None for h in histories], dev, torch.bool)
     targets = logits.argmax(-1)  # [B, n + 1]: the target's token after each node
     for r, (h, cfg, rng) in enumerate(zip(histories, cfgs, rngs)):
         if h is not None and not cfg.greedy:
             targets[r] = sample(logits[r], cfg, rng)  # [n + 1] independent draws
-    out, features = tree.settle(targets, features, live, device_ints(lengths, dev), runner.cache)
+    out, features = tree.settle(targets, features, rows[3] != 0, rows[1], runner.cache)
     commits: list[list[int] | None] = []
     for h, row in zip(histories, out.tolist()):  # the step's one read-back
         p = path(row[0])  # the accepted path's block indices, the root first

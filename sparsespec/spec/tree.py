@@ -14,8 +14,8 @@ CPU; the H200 4.55 against the line's 3.90 over 153 problems).
              Σ logp (a child never outscores its parent, so the chosen paths form a tree): its node tokens, depths,
              parents and ancestor bit masks, block index 0 the root (the pending token), nodes 1..n after it in
              pool order (parents first)
-    accept   the tree and the target's token (argmax or draw) after every block index -> per row the deepest node whose path the
-             target agrees with (every row at once, on the device)
+    accept   the tree and the target's token (argmax or draw) after every block index -> per row the deepest
+             node whose path the target agrees with (every row at once, on the device)
 
 Everything is a fixed-shape tensor computation (one top-k, gathers): `TreeVerify` runs it around the target's
 verify step, eagerly or as two CUDA graphs.
@@ -146,17 +146,16 @@ class TreeVerify:
         settle  the target's token after each block index [B, n + 1] (argmax or draw), its features
                 [B, n + 1, F] or None, live [B] bool (the rows that decode), starts [B] (each row's pending slot)
                 -> (a table [B, 2n + 2] for the host's one read-back: the accepted path's ancestor bits, the
-                target's tokens, the node tokens; the features
-                of each row's path first, in order, [B, W + 1, F] or None). The path's K/V move in the cache to the
-                slots after the pending token, as a line verify would have left them (`KVCache.compact`); rows not
-                live keep theirs.
+                target's tokens, the node tokens; the features of each row's path first, in order, [B, W + 1, F] or
+                None). The path's K/V move in the cache to the slots after the pending token, as a line verify
+                would have left them (`KVCache.compact`); rows not live keep theirs.
 
     Eager, or after `capture` two CUDA graphs over static buffers (about 50 small kernels a step otherwise, each
     launched from Python beside a verify that is one graph replay)."""
 
     def __init__(self, pool: Pool, n: int):
         self.pool, self.n = pool, n
-        self.graphs: tuple | None = None
+        self.graphs: tuple[_Graph, _Graph] | None = None  # draft's and settle's, after `capture`
         self.cache: KVCache | None = None  # the cache the graphs move K/V in
         self._tree: Tree | None = None  # the eager draft's tree, for its settle
 
@@ -177,36 +176,43 @@ class TreeVerify:
         feats = None if features is None else torch.zeros(B, n + 1, features[0], dtype=features[1], device=dev)
         live, starts = torch.zeros(B, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
         cache.addresses()  # (an upload: before any capture)
+        limit = torch.zeros(B, dtype=torch.long, device=dev)
         pool = self.pool
         self.graphs = None  # (the old graphs freed before the new ones are captured)
-        limit = torch.zeros(B, dtype=torch.long, device=dev)
-        draft_graph, (tree, block) = capture(lambda: _draft(pool, n, ids, logp, pending, limit), dev, warmup=1)
-        settle_graph, settled = capture(lambda: _settle(pool, tree, best, feats, live, starts, cache), dev, warmup=1)
-        graphs = (draft_graph, (ids, logp, pending, limit), tree, block, settle_graph, (best, feats, live, starts),
-                  settled)
-        self.graphs, self.cache = graphs, cache
+        graph, (tree, block) = capture(lambda: _draft(pool, n, ids, logp, pending, limit), dev, warmup=1)
+        drafted = _Graph(graph, (ids, logp, pending, limit), (block, (tree.depth, tree.ancestors)))
+        graph, settled = capture(lambda: _settle(pool, tree, best, feats, live, starts, cache), dev, warmup=1)
+        self.graphs, self.cache = (drafted, _Graph(graph, (best, feats, live, starts), settled)), cache
 
     def draft(self, ids: torch.Tensor, logp: torch.Tensor, pending: torch.Tensor, limit: torch.Tensor):
-        if self.graphs is None:
-            self._tree, block = _draft(self.pool, self.n, ids, logp, pending, limit)
-            return block, (self._tree.depth, self._tree.ancestors)
-        graph, inputs, tree, block = self.graphs[:4]
-        for static, x in zip(inputs, (ids, logp, pending, limit)):
-            static.copy_(x)
-        graph.replay()
-        return block, (tree.depth, tree.ancestors)
+        if self.graphs is not None:
+            return self.graphs[0](ids, logp, pending, limit)
+        self._tree, block = _draft(self.pool, self.n, ids, logp, pending, limit)
+        return block, (self._tree.depth, self._tree.ancestors)
 
     def settle(self, best: torch.Tensor, features: torch.Tensor | None, live: torch.Tensor, starts: torch.Tensor,
                cache: KVCache):
-        if self.graphs is None or cache is not self.cache:
-            assert self._tree is not None, "draft first"
-            return _settle(self.pool, self._tree, best, features, live, starts, cache)
-        graph, inputs, (out, feats) = self.graphs[4:]
-        for static, x in zip(inputs, (best, features, live, starts)):
+        if self.graphs is not None:
+            assert cache is self.cache, "bind the runner whose cache this is"
+            return self.graphs[1](best, features, live, starts)
+        assert self._tree is not None, "draft first"
+        return _settle(self.pool, self._tree, best, features, live, starts, cache)
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """A captured graph, its static inputs (None: an absent input) and its outputs: a call copies its arguments
+    in and replays it -> the outputs (overwritten by the next call)."""
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple
+    outputs: tuple
+
+    def __call__(self, *args):
+        for static, x in zip(self.inputs, args, strict=True):
             if static is not None:
                 static.copy_(x)
-        graph.replay()
-        return out, feats
+        self.graph.replay()
+        return self.outputs
 
 
 def _draft(pool: Pool, n: int, ids, logp, pending, limit) -> tuple[Tree, torch.Tensor]:
