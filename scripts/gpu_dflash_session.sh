@@ -5,10 +5,10 @@
 # 1. trains a drafter into /root/run (`scripts/gpu_train_dflash.sh`, OUT unset; e.g. --init FILE --seed N to go on
 #    from a shipped drafter), 2. splits it into 15 MiB parts in /root/parts (with its json), and the answers' tokens
 #    (data.safetensors, ~19 MB for 16k prompts: a later session's --add-data) into /root/dataparts, for later calls
-#    to copy back, 3. waits until no pytest runs (the timings need the GPU alone), 4. times `bench spec` against
-#    compiled plain decoding, one run a name of RUNS (default "t0-b1 t1-b1 b4"), each into /root/eval/spec-NAME
-#    with `bench spec --time-limit` (no prompt batch starts after the limit; the report covers the prompts
-#    measured, each with every drafter) and `timeout` 300 s later as a backstop:
+#    to copy back, 3. waits until no `python3 -m pytest` runs (the timings need the GPU alone), 4. times
+#    `bench spec` against compiled plain decoding, one run a name of RUNS (default "t0-b1 t1-b1 b4"), each into
+#    /root/eval/spec-NAME with `bench spec --time-limit` (no prompt batch starts after the limit; the report covers
+#    the prompts measured, each with every drafter) and `timeout` 300 s later as a backstop:
 #      t0-b1  HumanEval, T = 0, batch 1, 164 problems (330 s)     t1-b1  HumanEval, T = 1, batch 1, 48 (150 s)
 #      b4     HumanEval, T = 0 and 1, batch 4, 32 (150 s)          text   held-out chat text prompts, T = 0 and 1,
 #      fp32   HumanEval, T = 0, batch 8, target in fp32, 164           batch 1, 48 (150 s)
@@ -30,7 +30,8 @@ if [ -z "$SKIP_TRAIN" ]; then  # the drafter, and the answers' tokens for a late
   rm -rf /root/parts && python3 scripts/chunks.py split $D.safetensors /root/parts --size 15 && cp $D.json /root/parts/
   rm -rf /root/dataparts && python3 scripts/chunks.py split $R/data.safetensors /root/dataparts --size 15
 fi
-while pgrep -f pytest > /dev/null; do sleep 3; done
+# (the pattern is a test run's command line: a call that only reads a pytest log must not hold the benchmark back)
+while pgrep -f "python3 -m pytest" > /dev/null; do sleep 3; done
 bench() {  # NAME SECONDS [bench spec options ...]
   run=$1; limit=${LIMIT:-$2}; shift 2
   echo "$run start $(date +%T)"

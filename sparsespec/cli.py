@@ -454,6 +454,7 @@ def cmd_generate(args) -> None:
     from .attention import make_policy, parse_spec
     from .generate import Engine, GenerationConfig
     from .sampling import SamplingConfig
+    from .spec.bench import parse_drafter
 
     if args.system is not None and not args.chat:
         raise SparseSpecError("--system is a chat message: add --chat")
@@ -478,12 +479,13 @@ def cmd_generate(args) -> None:
     if args.draft != "none" and policy is not None:
         raise SparseSpecError("--draft with a sparse --attention policy is not supported yet: use one of them")
     _check_row_invariant(args, dtype)
+    draft = parse_drafter(args.draft)  # refused before the model loads
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     if args.row_invariant:
         engine.model.row_invariant()
     ids = [engine.encode(p, chat=args.chat, system=args.system) for p in prompts]
-    if args.draft != "none":
-        _speculate(args, engine, ids, gen, dtype, progress)
+    if draft.kind != "none":
+        _speculate(args, draft, engine, ids, gen, dtype, progress)
         return
     stream = len(ids) == 1 and not args.json  # show the text as it is generated
     result = engine.generate(ids, gen, progress=progress, policy=policy,
@@ -513,11 +515,11 @@ def _finite(x: float) -> float | None:
     return None if x != x else x
 
 
-def _speculate(args, engine, ids: list[list[int]], gen, dtype, progress) -> None:
+def _speculate(args, draft, engine, ids: list[list[int]], gen, dtype, progress) -> None:
     from .spec.bench import make_drafter
     from .spec.decode import speculative_generate
 
-    drafter = make_drafter(args.draft, engine, args.target_name or args.model, args.device, dtype, progress)
+    drafter = make_drafter(draft, engine, args.target_name or args.model, args.device, dtype, progress)
     results = speculative_generate(engine, ids, drafter, gen, args.block_size or 16)  # the prompts as one batch
     for result in results:
         steps = len(result.token_ids) - 1  # tokens after the first
@@ -587,11 +589,12 @@ def cmd_serve(args) -> None:
     if args.block_size is not None and args.block_size < 2:
         raise SparseSpecError(f"--block-size must be >= 2 (one pending token + proposals), got {args.block_size}")
     _check_listen(args.host, args.port)
+    from .spec.bench import make_drafter, parse_drafter
+
+    draft = parse_drafter(args.draft)  # refused before the model loads
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=sys.stderr.isatty())
-    from .spec.bench import make_drafter
-
-    drafter = make_drafter(args.draft, engine, args.target_name or args.model, args.device, dtype,
+    drafter = make_drafter(draft, engine, args.target_name or args.model, args.device, dtype,
                            sys.stderr.isatty(), not args.no_cuda_graph)
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                 max_context=args.max_context or engine.config.max_position,
@@ -735,7 +738,7 @@ def cmd_bench(args) -> None:
         return cmd_bench_sparse(args)
     from .generate import Engine
     from .results import check_folder, record_settings
-    from .spec.bench import ROW_FILES, BenchConfig, make_drafter, report, run_bench
+    from .spec.bench import ROW_FILES, BenchConfig, make_drafter, parse_drafter, report, run_bench
 
     try:
         temps = tuple(float(t) for t in args.temperatures.split(","))
@@ -758,14 +761,15 @@ def cmd_bench(args) -> None:
         settings["row_invariant"] = True
     if args.out:
         check_folder(args.out, settings, ROW_FILES)
+    drafts = {d: parse_drafter(d) for d in cfg.drafters}  # refused before the model loads
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     if engine.config.sliding_window is not None:
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
     if args.row_invariant:
         engine.model.row_invariant()
-    drafters = {d: make_drafter(d, engine, name, args.device, dtype, progress, not args.no_cuda_graph)
-                for d in cfg.drafters}
+    drafters = {d: make_drafter(draft, engine, name, args.device, dtype, progress, not args.no_cuda_graph)
+                for d, draft in drafts.items()}
     out = _writable_folder(args.out) if args.out else None  # only now: a refused run leaves no folder behind
     if out is not None:
         record_settings(out, settings, ROW_FILES)

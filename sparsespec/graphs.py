@@ -9,6 +9,7 @@ padding writes K/V past the committed length, which is dead, and later queries n
 from __future__ import annotations
 
 import gc
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -78,6 +79,30 @@ def invariant_options(model: Transformer) -> dict[str, bool] | None:
     config = torch._inductor.config
     keys = ("deterministic", "batch_invariant", "emulate_precision_casts")
     return {key: True for key in keys if hasattr(config, key)} or None
+
+
+class Kept:
+    """Captured graphs kept for a loop's later calls, keyed by what they were captured for (a cache size, a cache),
+    at most `size` of them: the least recently used is dropped (its memory freed) before a new one is made. A
+    benchmark's prompts fall in a few cache sizes, and each capture costs a full garbage collection (`capture`) and
+    a warm-up, which in a process holding a compiled model takes longer than decoding a short answer."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self.entries: OrderedDict = OrderedDict()
+
+    def get(self, key, make: Callable[[], object]):
+        """The entry kept for `key`, else `make()` (kept)."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        while len(self.entries) >= self.size:
+            self.entries.popitem(last=False)
+        value = self.entries[key] = make()
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
 
 
 def capture(fn: Callable[[], object], device: torch.device, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -462,3 +462,15 @@ def test_serve_refuses_an_address_it_cannot_listen_on_in_one_line_before_loading
         assert main(["serve", "--model", "no-such-model", "--host", host, "--port", str(port)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot listen on {host}:{port}" in err[0], err  # (the model was never looked up)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "no-such-model", "--prompt", "x", "--draft", "eagle"],
+    ["serve", "--model", "no-such-model", "--draft", "tree15:tree3:dflash"],
+    ["bench", "spec", "--target", "no-such-model", "--drafters", "ngram", "treex:dflash"],
+])
+def test_a_bad_drafter_is_refused_before_the_model_loads(capsys, argv):
+    """The drafter's syntax needs no model: its error comes first (not the model's, nor after a long load)."""
+    code, _, err = run_main(capsys, *argv)
+    assert_clear_error(code, err)
+    assert "not found" not in err and ("drafter" in err or "tree" in err), err

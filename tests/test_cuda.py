@@ -180,6 +180,42 @@ def test_pooled_graphed_runs_reuse_their_graphs_and_stay_identical_to_plain_gree
 
 
 @cuda
+@pytest.mark.parametrize("nodes", [0, 9])
+def test_a_pooled_loop_captures_the_drafts_and_the_tree_once_a_cache_size(nodes):
+    """Prompts of two cache sizes in turn (as HumanEval's prompts fall in a few buckets): DFlash's draft graphs, and
+    a tree verify's two graphs, are captured once a size and replayed when that size comes back (each capture is a
+    full garbage collection and a warm-up), and every output equals the same call with a fresh drafter."""
+    from sparsespec.runner import RunnerPool
+    from sparsespec.spec.decode import speculative_generate
+    from sparsespec.spec.dflash import DFlashDrafter
+
+    from .test_spec import tiny_dflash, tiny_engine
+
+    target = tiny_engine(0)
+    target.model.cuda()
+    target.device = torch.device("cuda")
+    model = tiny_dflash(target, block=6).cuda()
+
+    def drafter():
+        d = DFlashDrafter(model, target.model)
+        d.tree_nodes = nodes
+        return d
+
+    kept, pool, gen = drafter(), RunnerPool(), GenerationConfig(max_new_tokens=40)
+    short, long = [3, 1, 4, 1, 5, 9, 2, 6], list(range(1, 60)) * 4  # caches of 256 and 384 slots
+    drafts, trees = [], []
+    for prompt in (short, long, short, long, short):
+        out = speculative_generate(target, [prompt], kept, gen, 6, pool)[0]
+        assert out.token_ids == speculative_generate(target, [prompt], drafter(), gen, 6)[0].token_ids
+        drafts.append(id(kept.graphs))
+        trees.append(id(kept.tree.graphs) if nodes else None)
+    assert drafts[0] == drafts[2] == drafts[4] != drafts[1] == drafts[3]
+    if nodes:
+        assert trees[0] == trees[2] == trees[4] != trees[1] == trees[3]
+    assert len(pool.runners) == 2  # the tapped runner of each size
+
+
+@cuda
 @pytest.mark.parametrize("drafter", ["self:binarypc", "self:binarypc:fp8", "self:streaming", "dflash", "tree9:dflash",
                                      "model"])
 def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, monkeypatch):

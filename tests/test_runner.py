@@ -345,3 +345,24 @@ def test_a_runner_pool_serves_a_loop_of_calls_with_one_runner_a_size_and_the_sam
     before = len(made)
     engine.generate([prompts[0]], gen, runners=pool, policy=make_policy("topk", {"budget": 0.5}))
     assert made[before:] == [(1, 39 + 12)]  # sparse: a runner of its own, the exact size
+
+
+def test_kept_graphs_are_reused_by_key_and_the_least_recently_used_is_dropped_first():
+    from sparsespec.graphs import Kept
+
+    made = []
+
+    def make(key):
+        made.append(key)
+        return object()
+
+    kept = Kept(size=2)
+    a = kept.get("a", lambda: make("a"))
+    b = kept.get("b", lambda: make("b"))
+    assert kept.get("a", lambda: make("a")) is a  # kept, and now the most recently used
+    c = kept.get("c", lambda: make("c"))  # drops b, the least recently used
+    assert kept.get("a", lambda: make("a")) is a and kept.get("c", lambda: make("c")) is c
+    assert kept.get("b", lambda: make("b")) is not b  # made again
+    assert made == ["a", "b", "c", "b"] and len(kept.entries) == 2
+    kept.clear()
+    assert not kept.entries

@@ -365,3 +365,19 @@ def test_a_captured_tree_verify_equals_the_eager_one_over_several_replays():
         settled = [t.settle(best, features, live, starts, c) for t, c in zip((graphed, eager), caches)]
         assert torch.equal(settled[0][0], settled[1][0]) and torch.equal(settled[0][1], settled[1][1])
         assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+
+
+def test_a_drafters_tree_verify_is_kept_for_later_calls_of_the_same_shape():
+    """A loop's calls share one `TreeVerify` (with the graphs it captured); another block depth or node count builds
+    a new one, and a line drafter gets none."""
+    from sparsespec.spec.decode import tree_verify
+
+    target = tiny_engine(0)
+    d = DFlashDrafter(tiny_dflash(target, block=8), target.model)
+    assert tree_verify(d, 8, torch.device("cpu")) is None and d.ranks == 0
+    d.tree_nodes = 9
+    first = tree_verify(d, 8, torch.device("cpu"))
+    assert tree_verify(d, 8, "cpu") is first and d.ranks == first.pool.ranks_needed
+    assert tree_verify(d, 6, "cpu") is not first  # paths 5 deep, not 7
+    d.tree_nodes = 4
+    assert tree_verify(d, 6, "cpu").n == 4

@@ -37,47 +37,41 @@ from .prompts import KINDS, make_prompts
 ROW_FILES = ("spec.jsonl",)  # in a results folder, beside spec.settings.json (results.py)
 
 
-def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu", dtype: str = "float32",
-                 progress: bool = False, cuda_graph: bool = True) -> Drafter | None:
+@dataclass(frozen=True)
+class DraftSpec:
+    """A `--draft` value parsed (`parse_drafter`): its syntax checked before any model loads."""
+    kind: str  # none | ngram | dflash | model | self | tree (treeN:INNER) | lookup (ngram+INNER)
+    arg: str = ""  # dflash's PATH ("": the target's registered drafter), model's NAME, self's POLICY[:options]
+    nodes: int = 0  # tree: drafted nodes a step
+    inner: DraftSpec | None = None  # tree's and lookup's drafter
+    text: str = ""  # as given
+
+    def has_tree(self) -> bool:
+        return self.kind == "tree" or (self.inner is not None and self.inner.has_tree())
+
+
+def parse_drafter(spec: str) -> DraftSpec:
     """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME" |
-    "ngram+dflash[:PATH]" (prompt lookup where the history recurs, the DFlash drafter otherwise: `LookupFirst`) |
+    "ngram+DRAFTER" (prompt lookup where the history recurs, DRAFTER otherwise: `LookupFirst`; e.g. ngram+dflash) |
     "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy; the key
     weights=fp8 drafts with FP8 copies of the target's weights) | "treeN:DRAFTER" (a drafter of per-position
     choices, dflash, whose steps verify a tree of N drafted nodes: `spec.tree`; ngram+treeN:dflash puts prompt
-    lookup's copies in its trees)."""
-    from ..models.loading import DTYPES
-    from .dflash import DFlash, DFlashDrafter
-    from .registry import drafter_path
-
+    lookup's copies in its trees). Raises SparseSpecError for what no model could make valid."""
     if spec.startswith("ngram+"):  # prompt lookup first, the drafter after the plus otherwise
-        inner = make_drafter(spec[len("ngram+"):], engine, target_name, device, dtype, progress, cuda_graph)
-        if inner is None:
+        inner = parse_drafter(spec[len("ngram+"):])
+        if inner.kind == "none":
             raise SparseSpecError(f"{spec}: name the drafter that drafts where the lookup finds nothing (ngram+dflash)")
-        return LookupFirst(inner)  # (in front of a tree verify too: a copy is its first choices)
+        return DraftSpec("lookup", inner=inner, text=spec)
     kind, _, arg = spec.partition(":")
     if kind.startswith("tree") and arg:  # the drafter after the colon, verified as a tree
         if not (kind[4:].isascii() and kind[4:].isdigit()) or int(kind[4:]) < 1:
             raise SparseSpecError(f"{spec}: treeN:DRAFTER takes a number of tree nodes N >= 1 (e.g. tree15:dflash)")
-        inner = make_drafter(arg, engine, target_name, device, dtype, progress, cuda_graph)
-        if inner is not None and inner.tree_nodes:
+        inner = parse_drafter(arg)
+        if inner.has_tree():
             raise SparseSpecError(f"{spec}: one tree a drafter (treeN:dflash, or ngram+treeN:dflash)")
-        if inner is None or not inner.marginals:
-            raise SparseSpecError(f"{spec}: a tree verify needs a drafter of per-position choices (dflash), not "
-                                  f"{arg}")
-        inner.tree_nodes, inner.name = int(kind[4:]), spec
-        return inner
-    if kind == "none" and not arg:
-        return None
-    if kind == "ngram" and not arg:
-        return NgramDrafter()
-    if kind == "dflash":
-        model = DFlash.load(Path(arg) if arg else drafter_path(target_name, progress), engine.device, DTYPES[dtype])
-        if model.cfg.target != engine.config:
-            raise SparseSpecError(f"the DFlash drafter {arg or target_name} was trained for another target model")
-        return DFlashDrafter(model, engine.model)
-    if kind == "model" and arg:
-        draft = Engine.from_name(arg, device=device, dtype=dtype, progress=progress)
-        return ModelDrafter(draft, f"model:{arg}", target_vocab=engine.config.vocab_size, cuda_graph=cuda_graph)
+        return DraftSpec("tree", nodes=int(kind[4:]), inner=inner, text=spec)
+    if kind in ("none", "ngram") and not arg or kind == "dflash" or kind == "model" and arg:
+        return DraftSpec(kind, arg, text=spec)
     if kind == "self" and arg:
         name, options = parse_spec(arg)
         if name == "dense":
@@ -87,10 +81,46 @@ def make_drafter(spec: str, engine: Engine, target_name: str, device: str = "cpu
         if any(w not in ("fp8", "model") for w in weights) or len(weights) > 1:
             raise SparseSpecError(f"--draft self:...,weights=W takes fp8 (FP8 copies of the weights for the draft "
                                   f"steps) or model (the model's own, the default), got {','.join(weights)}")
-        policy = make_policy(name, [o for o in options if o.partition("=")[0] != "weights"])
-        return SelfDrafter(policy, f"self:{arg}", fp8=weights == ["fp8"])
+        make_policy(name, [o for o in options if o.partition("=")[0] != "weights"])  # (its options checked)
+        return DraftSpec(kind, arg, text=spec)
     raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME, "
                           "ngram+dflash[:PATH], self:POLICY[:key=value,...], treeN:dflash[:PATH])")
+
+
+def make_drafter(spec: str | DraftSpec, engine: Engine, target_name: str, device: str = "cpu",
+                 dtype: str = "float32", progress: bool = False, cuda_graph: bool = True) -> Drafter | None:
+    """The drafter of a `--draft` value (`parse_drafter`) for `engine`'s model; None for "none"."""
+    from ..models.loading import DTYPES
+    from .dflash import DFlash, DFlashDrafter
+    from .registry import drafter_path
+
+    d = parse_drafter(spec) if isinstance(spec, str) else spec
+    if d.kind == "lookup":  # (in front of a tree verify too: a copy is its first choices)
+        return LookupFirst(make_drafter(d.inner, engine, target_name, device, dtype, progress, cuda_graph))
+    if d.kind == "tree":
+        inner = make_drafter(d.inner, engine, target_name, device, dtype, progress, cuda_graph)
+        if inner is None or not inner.marginals:
+            raise SparseSpecError(f"{d.text}: a tree verify needs a drafter of per-position choices (dflash), not "
+                                  f"{d.inner.text}")
+        inner.tree_nodes, inner.name = d.nodes, d.text
+        return inner
+    if d.kind == "none":
+        return None
+    if d.kind == "ngram":
+        return NgramDrafter()
+    if d.kind == "dflash":
+        model = DFlash.load(Path(d.arg) if d.arg else drafter_path(target_name, progress), engine.device,
+                            DTYPES[dtype])
+        if model.cfg.target != engine.config:
+            raise SparseSpecError(f"the DFlash drafter {d.arg or target_name} was trained for another target model")
+        return DFlashDrafter(model, engine.model)
+    if d.kind == "model":
+        draft = Engine.from_name(d.arg, device=device, dtype=dtype, progress=progress)
+        return ModelDrafter(draft, f"model:{d.arg}", target_vocab=engine.config.vocab_size, cuda_graph=cuda_graph)
+    name, options = parse_spec(d.arg)  # self
+    weights = [o.partition("=")[2] for o in options if o.partition("=")[0] == "weights"]
+    policy = make_policy(name, [o for o in options if o.partition("=")[0] != "weights"])
+    return SelfDrafter(policy, f"self:{d.arg}", fp8=weights == ["fp8"])
 
 
 @dataclass(frozen=True)
@@ -183,6 +213,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                         rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,
                                      "batch": len(group), "tokens": len(s.token_ids), "steps": s.steps,
                                      "tau": s.tau, "committed": s.committed, "tokens_per_s": tps,
+                                     "setup_s": s.setup_s,
                                      "plain_tokens_per_s": plain_tps, "speedup": speedup, "identical": same,
                                      **({"copied": s.copied} if s.copied else {}),
                                      "divergence": None if same in (None, True) else divergence(

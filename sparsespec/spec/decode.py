@@ -42,6 +42,8 @@ class SpecGeneration:
     committed: list[int] = field(default_factory=list)  # tokens committed per verify step (accepted + 1)
     copied: list[bool] = field(default_factory=list)  # per verify step: it checked a prompt lookup's copy (a
     #                                                  drafter of two sources, `--draft ngram+...`; else empty)
+    setup_s: float = 0.0  # the call's time before decoding other than the first token's: the runner, the drafter's
+    #                       start, graph captures (and compilations); the batch's, as ttft_s and decode_s
 
     @property
     def steps(self) -> int:
@@ -75,6 +77,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         return []
     for prompt in prompts:
         engine.check_fits(len(prompt), gen.max_new_tokens)
+    called = time.perf_counter()
     tree = tree_verify(drafter, block_size, engine.device)
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
     widest = max(block_size, drafter.tree_nodes + 1)  # a tree verify may be wider than the block
@@ -109,6 +112,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     committed_per_step: list[list[int]] = [[] for _ in prompts]
     copied_per_step: list[list[bool]] = [[] for _ in prompts]
     start = time.perf_counter()
+    setup = start - called - ttft
     while any(live):
         lengths = runner.cache.lengths  # row r's pending token goes to slot lengths[r] (= len(history) - 1)
         ks = [min(block_size - 1, room - n - 1) if on else 0 for room, n, on in zip(rooms, lengths, live)]
@@ -134,7 +138,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     decode_s = time.perf_counter() - start
-    return [SpecGeneration(out, engine._text(out, gen), len(p), ttft, decode_s, steps, copies)
+    return [SpecGeneration(out, engine._text(out, gen), len(p), ttft, decode_s, steps, copies, setup)
             for out, p, steps, copies in zip(outs, prompts, committed_per_step, copied_per_step)]
 
 
@@ -149,12 +153,16 @@ def tree_verify(drafter: Drafter, block_size: int, device: torch.device) -> Tree
         raise SparseSpecError(f"a tree verify needs a drafter of per-position choices (dflash), not {drafter.name}")
     # a tree's paths are at most as deep as the block, and as the drafter's own block (which caps a line alike)
     depth = block_size - 1 if drafter.max_proposals is None else min(block_size - 1, drafter.max_proposals)
-    pool = Pool.of(depth, device=device)
-    if not 1 <= nodes <= min(MAX_NODES, pool.ranks.shape[0]):
-        raise SparseSpecError(f"a tree verify of paths up to {depth} deep (block size {block_size}) takes 1 to "
-                              f"{min(MAX_NODES, pool.ranks.shape[0])} nodes, got {nodes}")
-    drafter.choices(pool.ranks_needed)
-    return TreeVerify(pool, nodes)
+    kept = drafter.tree  # the last call's (its captured graphs kept): a loop over many prompts builds it once
+    where = torch.empty(0, device=device).device  # (with its index: "cuda" is "cuda:0")
+    if kept is None or (kept.n, kept.pool.width, kept.pool.ranks.device) != (nodes, depth, where):
+        pool = Pool.of(depth, device=device)
+        if not 1 <= nodes <= min(MAX_NODES, pool.ranks.shape[0]):
+            raise SparseSpecError(f"a tree verify of paths up to {depth} deep (block size {block_size}) takes 1 to "
+                                  f"{min(MAX_NODES, pool.ranks.shape[0])} nodes, got {nodes}")
+        drafter.tree = kept = TreeVerify(pool, nodes)
+    drafter.choices(kept.pool.ranks_needed)
+    return kept
 
 
 def speculative_step(runner: Runner, drafter: Drafter, histories: list[list[int] | None], ks: list[int],

@@ -28,7 +28,7 @@ from ..cache import KVCache
 from ..config import ModelConfig, RopeScaling
 from ..errors import SparseSpecError
 from ..models.rope import inverse_frequencies, rope_cos_sin
-from ..graphs import capture
+from ..graphs import Kept, capture
 from ..kernels import triton_ready
 from ..models.transformer import MLP, Block, RMSNorm, StepPlan, Transformer
 from .drafters import Drafter
@@ -357,6 +357,7 @@ class DFlashDrafter(Drafter):
         self.cache: KVCache | None = None
         self.cuda_graph = self.compile = False  # the runner's settings (`bind`): graphed, and compiled, drafts
         self.graphs: DraftGraphs | None = None
+        self.kept = Kept()  # (batch, capacity, ranks) -> (cache, graphs): a loop over many prompts captures once a size
         self.ranks = 0  # > 0: a tree verify's drafts (`propose_choices`), this many choices a position
 
     def choices(self, ranks: int) -> None:
@@ -370,28 +371,34 @@ class DFlashDrafter(Drafter):
         cuda_graph, compile = runner.cuda_graph and runner.device.type == "cuda", runner.compile
         if (cuda_graph, compile) != (self.cuda_graph, self.compile):
             self.graphs = None  # captured for other settings
+            self.kept.clear()
         self.cuda_graph, self.compile = cuda_graph, compile
 
     def start(self, prompts, features, capacity):
-        device = self.model.fc.weight.device
+        N = len(prompts)
+        if self.cuda_graph:  # the graphs of an earlier call of this batch and capacity serve this one, cache emptied
+            self.cache = self.graphs = None  # (an evicted size's memory freed before a new one's is taken)
+            self.cache, self.graphs = self.kept.get((N, capacity, self.ranks), lambda: self._graphed(N, capacity))
+        else:
+            self.cache, self.graphs = self._cache(N, capacity), None
+        self.park = capacity
+        self.cache.truncate([0] * N)
+        if features is not None and any(f is not None for f in features):  # (continuous batching starts empty)
+            self._ingest(features, [0] * N)
+        self.cache.truncate([len(p) for p in prompts])
+
+    def _cache(self, batch: int, capacity: int) -> KVCache:
         # a whole block is written past the context even when fewer proposals are wanted: room for B more slots
         # (never committed, so they may lie past the model's context); rows that draft nothing park there
         B = self.model.cfg.block_size
-        # the graphs of the last call serve a call of the same batch and capacity (their cache emptied): a loop
-        # over many prompts captures them once
-        keep = self.cuda_graph and self.graphs is not None and (self.cache.batch, self.park) == (len(prompts),
-                                                                                              capacity)
-        if not keep:
-            self.graphs = None  # (freed before the new cache is allocated)
-            cfg = dataclasses.replace(self.model.cfg.layer_config, max_position=capacity + B)
-            self.cache = KVCache(cfg, len(prompts), capacity + B, self.model.fc.weight.dtype, device)
-            self.park = capacity
-        self.cache.truncate([0] * len(prompts))
-        if features is not None and any(f is not None for f in features):  # (continuous batching starts empty)
-            self._ingest(features, [0] * len(prompts))
-        self.cache.truncate([len(p) for p in prompts])
-        if self.cuda_graph and not keep:
-            self.graphs = DraftGraphs(self.model, self.target, self.cache, capacity, self.compile, self.ranks)
+        cfg = dataclasses.replace(self.model.cfg.layer_config, max_position=capacity + B)
+        return KVCache(cfg, batch, capacity + B, self.model.fc.weight.dtype, self.model.fc.weight.device)
+
+    def _graphed(self, batch: int, capacity: int) -> tuple[KVCache, DraftGraphs]:
+        """A cache of this batch and capacity and the draft steps captured over it (warm-up and capture write at
+        the parking slots only)."""
+        cache = self._cache(batch, capacity)
+        return cache, DraftGraphs(self.model, self.target, cache, capacity, self.compile, self.ranks)
 
     @torch.inference_mode()
     def start_row(self, row, prompt, features):

@@ -27,6 +27,7 @@ row's prompt completes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from ..errors import SparseSpecError
 from ..runner import Runner
 from ..sampling import SamplingConfig
 from .verify import draft_distribution
+
+if TYPE_CHECKING:
+    from .tree import TreeVerify
 
 Rows = list[list[int] | None]  # per row its history, None for a row that has stopped
 
@@ -50,6 +54,7 @@ class Drafter(ABC):
     # drafts a distribution per position of a block (not a line): `choices` and `propose_choices` serve a tree verify
     marginals: bool = False
     tree_nodes: int = 0  # > 0 (a drafter of `marginals`): its steps verify a tree of this many drafted nodes
+    tree: TreeVerify | None = None  # its tree verify (`decode.tree_verify`), kept for a loop's later calls
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""

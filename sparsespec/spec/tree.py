@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache
-from ..graphs import capture
+from ..graphs import Kept, capture
 from ..runner import Runner
 
 MAX_NODES = 62  # drafted nodes of a tree: with the root, one bit each of an int64 ancestor mask
@@ -157,18 +157,24 @@ class TreeVerify:
         self.pool, self.n = pool, n
         self.graphs: tuple[_Graph, _Graph] | None = None  # draft's and settle's, after `capture`
         self.cache: KVCache | None = None  # the cache the graphs move K/V in
+        self.kept = Kept()  # id(cache) -> (graphs, cache): a loop's calls on pooled runners capture once a cache
         self._tree: Tree | None = None  # the eager draft's tree, for its settle
 
     def bind(self, runner: Runner) -> None:
-        """Capture both graphs for the runner's cache, where its steps run as graphs (once per cache; a loop's
-        set-up calls this, so that the capture is not timed as decoding)."""
+        """Capture both graphs for the runner's cache, where its steps run as graphs (once per cache, kept for later
+        calls on it; a loop's set-up calls this, so that the capture is not timed as decoding)."""
         if runner.cuda_graph and runner.device.type == "cuda" and self.cache is not runner.cache:
             width = runner.model.cfg.hidden_size * len(runner.taps)
             self.capture(runner.cache, (width, runner.model.embed_tokens.weight.dtype) if runner.taps else None)
 
     def capture(self, cache: KVCache, features: tuple[int, torch.dtype] | None) -> None:
-        """Capture both graphs for `cache`'s batch (`features`: the verify's feature width and dtype, or None).
-        Warm-up and capture run on zero inputs: no row live, so no K/V moves."""
+        """The graphs for `cache`'s batch (`features`: the verify's feature width and dtype, or None): the ones kept
+        for this cache, else captured now."""
+        self.graphs = self.cache = None
+        self.graphs, self.cache = self.kept.get(id(cache), lambda: (self._capture(cache, features), cache))
+
+    def _capture(self, cache: KVCache, features: tuple[int, torch.dtype] | None) -> tuple[_Graph, _Graph]:
+        """Warm-up and capture run on zero inputs: no row live, so no K/V moves."""
         B, W, R, n, dev = cache.batch, self.pool.width, self.pool.ranks_needed, self.n, cache.device
         ids, logp = torch.zeros(B, W, R, dtype=torch.long, device=dev), torch.zeros(B, W, R, device=dev)
         pending, best = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, n + 1, dtype=torch.long,
@@ -178,11 +184,10 @@ class TreeVerify:
         cache.addresses()  # (an upload: before any capture)
         limit = torch.zeros(B, dtype=torch.long, device=dev)
         pool = self.pool
-        self.graphs = None  # (the old graphs freed before the new ones are captured)
         graph, (tree, block) = capture(lambda: _draft(pool, n, ids, logp, pending, limit), dev, warmup=1)
         drafted = _Graph(graph, (ids, logp, pending, limit), (block, (tree.depth, tree.ancestors)))
         graph, settled = capture(lambda: _settle(pool, tree, best, feats, live, starts, cache), dev, warmup=1)
-        self.graphs, self.cache = (drafted, _Graph(graph, (best, feats, live, starts), settled)), cache
+        return drafted, _Graph(graph, (best, feats, live, starts), settled)
 
     def draft(self, ids: torch.Tensor, logp: torch.Tensor, pending: torch.Tensor, limit: torch.Tensor):
         if self.graphs is not None:
