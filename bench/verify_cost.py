@@ -19,7 +19,6 @@ import torch
 
 from sparsespec.cache import KVCache
 from sparsespec.graphs import CudaGraphStep, _step
-from sparsespec.models.rope import inverse_frequencies
 from sparsespec.models.shapes import SHAPES, random_model
 from sparsespec.spec.dflash import DFlash, DFlashConfig, DraftGraphs
 from sparsespec.sparse_bench import copy_bandwidth, kernel_times, time_ms
@@ -28,16 +27,7 @@ from sparsespec.sparse_bench import copy_bandwidth, kernel_times, time_ms
 def draft_costs(cfg, target, layers: int, batch: int, context: int, compile: bool = True) -> dict:
     """A random DFlash drafter of `layers` layers (block 16) over a drafter cache holding `context` positions a row
     -> ms of its draft and context-update steps, graphed, graphed after torch.compile (`compile`) and eager."""
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = DFlash(DFlashConfig(cfg, layers=layers, block_size=16))
-    model = model.to_empty(device="cuda").to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
-    lc = model.cfg.layer_config
-    model.inv_freq = inverse_frequencies(lc.head_dim, lc.rope_theta, lc.rope_scaling).cuda()
-    model.eval().requires_grad_(False)
+    model = DFlash.random(DFlashConfig(cfg, layers=layers, block_size=16))
     B = model.cfg.block_size
     cache = KVCache(model.cfg.layer_config, batch, context + 2 * B, torch.bfloat16, "cuda")
     for t in cache.k + cache.v:

@@ -211,6 +211,21 @@ class DFlash(nn.Module):
         info.write_text(json.dumps({"config": self.cfg.to_json(), **(meta or {}), **storage}, indent=1))
 
     @classmethod
+    def random(cls, cfg: DFlashConfig, device="cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> "DFlash":
+        """A drafter of random weights (norms 1, matrices N(0, 0.02)) for timing in a real shape: built on the meta
+        device and filled where it lives (a 151k-vocabulary target's shape is not first made on the host)."""
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+        lc = cfg.layer_config
+        model.inv_freq = inverse_frequencies(lc.head_dim, lc.rope_theta, lc.rope_scaling).to(device)
+        return model.eval().requires_grad_(False)
+
+    @classmethod
     def load(cls, path: Path, device="cpu", dtype: torch.dtype = torch.float32) -> "DFlash":
         from safetensors.torch import load_file
 
