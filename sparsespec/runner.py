@@ -290,10 +290,11 @@ class Runner:
         context and its ancestors)."""
         B, w = tokens.shape
         if width is not None and self.capture_verify(width, tree is not None):
-            pad = tokens.new_zeros(B, width - w)
-            fill = None if tree is None else (torch.cat([tree[0], pad], 1), torch.cat([tree[1], pad], 1))
-            logits, features = self.verify_graphs[width, tree is not None](torch.cat([tokens, pad], 1),
-                                                                            self._positions(width), fill)
+            if w < width:  # (a full block goes in as it is: no padding kernels)
+                pad = tokens.new_zeros(B, width - w)
+                tokens = torch.cat([tokens, pad], 1)
+                tree = None if tree is None else (torch.cat([tree[0], pad], 1), torch.cat([tree[1], pad], 1))
+            logits, features = self.verify_graphs[width, tree is not None](tokens, self._positions(width), tree)
             return logits[:, :w], None if features is None else features[:, :w]
         hidden, features = self._eager(tokens, self.taps, tree=tree)
         return self.model.logits(hidden), features
