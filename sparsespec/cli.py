@@ -450,6 +450,14 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
+def _check_block_size(args) -> None:
+    """--block-size: for speculative decoding only, and room for a pending token and a proposal."""
+    if args.block_size is not None and args.draft == "none":
+        raise SparseSpecError("--block-size applies to speculative decoding: give --draft (e.g. --draft ngram)")
+    if args.block_size is not None and args.block_size < 2:
+        raise SparseSpecError(f"--block-size must be >= 2 (one pending token + proposals), got {args.block_size}")
+
+
 def cmd_generate(args) -> None:
     from .attention import make_policy, parse_spec
     from .generate import Engine, GenerationConfig
@@ -458,8 +466,7 @@ def cmd_generate(args) -> None:
 
     if args.system is not None and not args.chat:
         raise SparseSpecError("--system is a chat message: add --chat")
-    if args.block_size is not None and args.draft == "none":
-        raise SparseSpecError("--block-size applies to speculative decoding: give --draft (e.g. --draft ngram)")
+    _check_block_size(args)
     prompts = _read_prompts(args)
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -584,10 +591,7 @@ def cmd_serve(args) -> None:
     if policy is not None and args.draft != "none":
         raise SparseSpecError("--draft with a sparse --attention policy is not supported: use one of them (or "
                               "--draft self:POLICY)")
-    if args.block_size is not None and args.draft == "none":
-        raise SparseSpecError("--block-size applies to speculative decoding: give --draft (e.g. --draft ngram)")
-    if args.block_size is not None and args.block_size < 2:
-        raise SparseSpecError(f"--block-size must be >= 2 (one pending token + proposals), got {args.block_size}")
+    _check_block_size(args)
     _check_listen(args.host, args.port)
     from .spec.bench import make_drafter, parse_drafter
 
@@ -762,6 +766,9 @@ def cmd_bench(args) -> None:
     if args.out:
         check_folder(args.out, settings, ROW_FILES)
     drafts = {d: parse_drafter(d) for d in cfg.drafters}  # refused before the model loads
+    if any(d.kind == "none" for d in drafts.values()):
+        raise SparseSpecError("--drafters none: each row measures a drafter against plain decoding, which every row "
+                              "is measured against already; name drafters (e.g. ngram dflash)")
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     if engine.config.sliding_window is not None:
@@ -873,6 +880,13 @@ def cmd_calibrate(args) -> None:
     from .capture import capture_qk
     from .generate import Engine
 
+    if os.path.isdir(args.out):
+        raise SparseSpecError(f"--out {args.out} is a folder: name the calibration file to write (e.g. "
+                              f"{os.path.join(args.out, args.policy + '.safetensors')})")
+    if args.policy == "binarypc":  # the widths the policy can use (its options' check)
+        from .attention.binarypc import BinaryPCOptions
+
+        BinaryPCOptions(bits=args.bits)
     _writable_folder(os.path.dirname(os.path.abspath(args.out)))
     engine = Engine.from_name(args.model, device=args.device, dtype="float32", progress=sys.stderr.isatty())
     tokens = engine.tokenizer(corpora.text(args.corpus, args.tokens, args.seed))["input_ids"][: args.tokens]
@@ -946,11 +960,19 @@ def cmd_longgen(args) -> None:
     check_folder(args.out, settings, ROW_FILES)
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
+    _check_layers([cfg.policy(p) for p in cfg.policies], engine.config.num_layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record_settings(out, settings, ROW_FILES)
     rows = run_longgen(engine, cfg, out, progress=progress)
     print(report(rows, out, f"Long generation vs dense: {args.model} (real weights, {dtype}, {args.device}), {what}"))
+
+
+def _check_layers(policies: list, num_layers: int) -> None:
+    """Each sparse policy's options against the model's layers (dense_layers), before a run's dense rows."""
+    for policy in policies:
+        if policy is not None:
+            policy.sparse_layers(num_layers)
 
 
 def cmd_eval(args) -> None:
@@ -980,6 +1002,7 @@ def cmd_eval(args) -> None:
         engine.check_fits(length, 64)
     if engine.config.sliding_window is not None and any(cfg.policy(p) is not None for p in cfg.policies):
         raise SparseSpecError("sparse attention policies do not support sliding-window models yet; use dense")
+    _check_layers([cfg.policy(p) for p in cfg.policies], engine.config.num_layers)
     out = _writable_folder(args.out)  # only now: a refused run leaves no folder behind
     record_settings(out, settings, ROW_FILES)
     rows = run_eval(engine, cfg, out, progress)
@@ -1033,10 +1056,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparsespec: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as e:
-        if type(e).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (torch is not imported here)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError (torch is not imported here)
+            where = "device"
+        elif "can't allocate memory" in first:  # the host's allocator (torch's CPU tensors)
+            where = "host"
+        else:
             raise
-        print(f"sparsespec: error: out of device memory ({str(e).splitlines()[0]}): a smaller batch, context, "
-              f"budget or index (e.g. larger Double-P clusters) may fit", file=sys.stderr)
+        print(f"sparsespec: error: out of {where} memory ({first[:160]}): a smaller batch, context, budget or "
+              f"index (e.g. larger Double-P clusters) may fit", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("sparsespec: interrupted", file=sys.stderr)

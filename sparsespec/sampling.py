@@ -21,8 +21,8 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise SparseSpecError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # (inf: every logit 0, uniform noise; nan: no order)
+            raise SparseSpecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise SparseSpecError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

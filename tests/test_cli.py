@@ -468,9 +468,52 @@ def test_serve_refuses_an_address_it_cannot_listen_on_in_one_line_before_loading
     ["generate", "--model", "no-such-model", "--prompt", "x", "--draft", "eagle"],
     ["serve", "--model", "no-such-model", "--draft", "tree15:tree3:dflash"],
     ["bench", "spec", "--target", "no-such-model", "--drafters", "ngram", "treex:dflash"],
+    ["bench", "spec", "--target", "no-such-model", "--drafters", "none"],
 ])
 def test_a_bad_drafter_is_refused_before_the_model_loads(capsys, argv):
     """The drafter's syntax needs no model: its error comes first (not the model's, nor after a long load)."""
     code, _, err = run_main(capsys, *argv)
     assert_clear_error(code, err)
     assert "not found" not in err and ("drafter" in err or "tree" in err), err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--model", "no-such-model", "--prompt", "x", "--temperature", "inf"], "temperature"),
+    (["bench", "spec", "--target", "no-such-model", "--temperatures", "0,inf"], "temperature"),
+    (["generate", "--model", "no-such-model", "--prompt", "x", "--draft", "ngram", "--block-size", "1"],
+     "--block-size must be >= 2"),
+    (["calibrate", "binarypc", "--model", "no-such-model", "--bits", "2000", "--out", "x.safetensors"], "bits"),
+    (["eval", "--model", "no-such-model", "--attention", "topk", "--attention-opt", "topkk.budget=0.5"], "'topkk'"),
+    (["fidelity", "--model", "no-such-model", "--attention", "topk", "--attention-opt", "quest.budget=0.5"],
+     "'quest'"),
+])
+def test_invalid_settings_are_refused_before_the_model_loads(capsys, argv, needle):
+    code, _, err = run_main(capsys, *argv)
+    assert_clear_error(code, err, needle)
+
+
+def test_calibrate_refuses_a_folder_for_its_file_before_the_model_loads(capsys, tmp_path):
+    assert_clear_error(*run_main(capsys, "calibrate", "binarypc", "--model", "no-such-model", "--out",
+                                 str(tmp_path))[::2], "is a folder")
+
+
+@pytest.mark.parametrize("command", ["eval", "longgen"])
+def test_dense_layers_beyond_the_model_are_refused_before_the_dense_rows(capsys, tmp_path, byte_model, command):
+    out = tmp_path / command
+    extra = (["--tasks", "niah_single", "--lengths", "300", "--samples", "1"] if command == "eval" else
+             ["--prompts", "1", "--max-new-tokens", "8", "--long-chars", "1000", "--kinds", "long-text"])
+    code, _, err = run_main(capsys, command, "--model", "a", "--out", str(out), "--attention", "dense",
+                            "topk:dense_layers=99", *extra)
+    assert_clear_error(code, err, "dense_layers must be <=")
+    assert not list(out.glob("*.jsonl")) if out.exists() else True  # no dense row written first
+
+
+def test_host_out_of_memory_is_one_line(capsys, monkeypatch):
+    import sparsespec.cli as cli
+
+    def fail(args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 629145600000 bytes.")
+
+    monkeypatch.setattr(cli, "cmd_policies", fail)
+    assert_clear_error(*run_main(capsys, "policies")[::2], "out of host memory")

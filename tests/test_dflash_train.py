@@ -453,3 +453,18 @@ def test_the_loss_through_the_triton_cross_entropy_equals_the_torch_loss(setup, 
     assert torch.allclose(ref, got, rtol=1e-5), (ref, got)
     for a, b in zip(ref_grads, got_grads):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("setting", [{"lr": float("inf")}, {"lr": float("nan")}, {"clip": float("inf")},
+                                     {"weight_decay": float("inf")}, {"lr": 0.0}])
+def test_training_refuses_rates_that_train_nothing_but_nans(setting):
+    from sparsespec.errors import SparseSpecError
+    from sparsespec.spec.finetune import FinetuneConfig
+    from sparsespec.spec.train import TrainConfig
+
+    with pytest.raises(SparseSpecError, match="invalid"):
+        TrainConfig(**setting)
+    with pytest.raises(SparseSpecError, match="invalid"):
+        FinetuneConfig(domain="kjv", **setting)
+    with pytest.raises(SparseSpecError, match="invalid"):
+        FinetuneConfig(domain="kjv", alpha=float("inf"))

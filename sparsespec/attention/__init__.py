@@ -27,6 +27,30 @@ def parse_spec(spec: str) -> tuple[str, list[str]]:
     return name, [pair for pair in inline.split(",") if pair]
 
 
+def shared_options(spec: str, shared: tuple[str, ...] | list[str] = (), **first: str) -> tuple[str, dict[str, str]]:
+    """A run's policy spec "NAME[:key=value,...]" with the options its policies share ("key=value" for every
+    policy, "policy.key=value" for one) -> (its name, its options: `first`, then the shared ones it takes, then
+    the spec's own, the later winning)."""
+    name, inline = parse_spec(spec)
+    opts = dict(first)
+    for pair in (*shared, *inline):
+        key, _, value = pair.partition("=")
+        owner, _, bare = key.rpartition(".")
+        if not owner or owner == name:
+            opts[bare] = value
+    return name, opts
+
+
+def check_owners(shared: tuple[str, ...] | list[str], specs: tuple[str, ...] | list[str]) -> None:
+    """Refuse a shared "policy.key=value" whose policy the run does not have (it would be dropped unseen)."""
+    names = {parse_spec(s)[0] for s in specs}
+    for pair in shared:
+        owner = pair.partition("=")[0].rpartition(".")[0]
+        if owner and owner not in names:
+            raise SparseSpecError(f"option {pair!r} is for policy {owner!r}, which is not among this run's "
+                                  f"({', '.join(sorted(names))})")
+
+
 def make_policy(name: str, options: list[str] | dict[str, Any] = ()) -> Policy:
     """A policy by name with `key=value` options validated against its options dataclass."""
     cls = POLICIES.get(name)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import corpora
-from ..attention import make_policy, parse_spec
+from ..attention import check_owners, make_policy, parse_spec, shared_options
 from ..attention.policy import Policy
 from ..errors import SparseSpecError
 from ..generate import Engine
@@ -70,18 +70,13 @@ class EvalConfig:
             raise SparseSpecError(f"perplexity rows must be >= 1, got {self.perplexity_rows}")
         if self.batch < 1:
             raise SparseSpecError(f"batch must be >= 1, got {self.batch}")
+        check_owners(self.options, self.policies)
         for spec in self.policies:
             self.policy(spec)  # validate names and options before any long work
 
     def policy(self, spec: str) -> Policy | None:
         """A fresh policy for `spec` (None for dense: the engine's own dense path)."""
-        name, inline = parse_spec(spec)
-        opts = {}
-        for pair in (*self.options, *inline):
-            key, _, value = pair.partition("=")
-            owner, _, bare = key.rpartition(".")
-            if not owner or owner == name:
-                opts[bare] = value
+        name, opts = shared_options(spec, self.options)
         policy = make_policy(name, opts)
         return None if name == "dense" else policy
 

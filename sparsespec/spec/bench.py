@@ -141,8 +141,8 @@ class BenchConfig:
                                   "long-chars >= 1000")
         if self.batch < 1:
             raise SparseSpecError(f"batch must be >= 1, got {self.batch}")
-        if any(t < 0 for t in self.temperatures):
-            raise SparseSpecError("temperatures must be >= 0")
+        for t in self.temperatures:
+            SamplingConfig(temperature=t)  # (finite, >= 0)
         if not self.kinds or set(self.kinds) - set(KINDS):
             raise SparseSpecError(f"unknown prompt kinds {','.join(self.kinds)!r} (choose from {', '.join(KINDS)})")
 
@@ -165,9 +165,10 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
     long (the first always runs), so every measured prompt has its rows for every temperature and drafter; `log`
     says where it stopped (a rerun into the same `out` goes on from there). Returns the rows of `drafters` and
     `cfg.temperatures`."""
-    for drafter in drafters.values():  # a tree that does not fit the block: refused before anything runs
-        if drafter is not None:
-            tree_verify(drafter, cfg.block_size, engine.device)
+    for name, drafter in drafters.items():  # a tree that does not fit the block: refused before anything runs
+        if drafter is None:
+            raise SparseSpecError(f"drafter {name!r} is none: plain decoding, every row's baseline already")
+        tree_verify(drafter, cfg.block_size, engine.device)
     prompts = [(kind, [p for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed, cfg.long_chars)])
                for kind in cfg.kinds]
     groups, i = [], 0  # (index of the first prompt, prompts)

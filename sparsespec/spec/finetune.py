@@ -59,10 +59,11 @@ class FinetuneConfig:
         for name in ("examples", "rank", "steps", "batch", "eval_every", "heldout"):
             if getattr(self, name) < 1:
                 raise SparseSpecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not (self.alpha > 0 and self.lr > 0 and 0 <= self.warmup < 1 and self.clip > 0
-                and self.weight_decay >= 0 and self.time_limit >= 0):
-            raise SparseSpecError("invalid settings (need alpha > 0, lr > 0, 0 <= warmup < 1, clip > 0, decay >= 0, "
-                                  "time limit >= 0)")
+        inf = float("inf")  # (an infinite rate or scale trains nothing but NaNs; nan fails every comparison)
+        if not (0 < self.alpha < inf and 0 < self.lr < inf and 0 <= self.warmup < 1 and 0 < self.clip < inf
+                and 0 <= self.weight_decay < inf and self.time_limit >= 0):
+            raise SparseSpecError("invalid settings (need finite alpha > 0, lr > 0, clip > 0 and decay >= 0, "
+                                  "0 <= warmup < 1, time limit >= 0)")
 
 
 class LoraLinear(nn.Module):

@@ -26,5 +26,6 @@ def drafter_path(target: str, progress: bool = False) -> Path:
         have = ", ".join(shipped()) or "none"
         hint = "" if target in REGISTRY else "; name a model given by its file with --target-name"
         raise SparseSpecError(f"no DFlash drafter is shipped for {target!r} (shipped for: {have}); train one with "
-                              f"`sparsespec train dflash` and pass --draft dflash:PATH{hint}")
+                              f"`sparsespec train dflash` and name it as dflash:PATH (--draft, or bench spec's "
+                              f"--drafters){hint}")
     return path

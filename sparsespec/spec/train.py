@@ -71,8 +71,10 @@ class TrainConfig:
             raise SparseSpecError(f"block size must be >= 2, got {self.block_size}")
         if not self.time_limit >= 0:  # (nan too)
             raise SparseSpecError(f"time limit must be >= 0 seconds, got {self.time_limit}")
-        if not (self.lr > 0 and 0 <= self.warmup < 1 and self.clip > 0 and self.weight_decay >= 0):
-            raise SparseSpecError("invalid optimiser settings (need lr > 0, 0 <= warmup < 1, clip > 0, decay >= 0)")
+        inf = float("inf")  # (an infinite rate or clip trains nothing but NaNs; nan fails every comparison)
+        if not (0 < self.lr < inf and 0 <= self.warmup < 1 and 0 < self.clip < inf and 0 <= self.weight_decay < inf):
+            raise SparseSpecError("invalid optimiser settings (need finite lr > 0, 0 <= warmup < 1, finite clip > 0, "
+                                  "finite decay >= 0)")
 
 
 PAD_MULTIPLE = 64  # a training batch's padded length on CUDA (`Dataset.padded`)
