@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--json", action="store_true")
 
     c = sub.add_parser("corpus", help="print real text from a packaged corpus")
-    c.add_argument("name", help="wiki, kjv, shakespeare or stdlib")
+    c.add_argument("name", help="one of " + ", ".join(CORPORA))
     c.add_argument("--words", type=_positive_int, default=1000)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--question", default=None, help="append this question after the text")

@@ -396,7 +396,7 @@ def test_generate_draft_looks_up_the_target_name(monkeypatch, extra, expected):
     seen = []
 
     def make_drafter(spec, engine, target_name, *args):
-        seen.append((spec, target_name))
+        seen.append((getattr(spec, "text", spec), target_name))  # (a parsed --draft: its text)
         raise SparseSpecError("stop here")
 
     monkeypatch.setattr(generate.Engine, "from_name", lambda *a, **k: Engine())
