@@ -12,7 +12,8 @@
 #      t0-b1  HumanEval, T = 0, batch 1, 164 problems (330 s)     t1-b1  HumanEval, T = 1, batch 1, 48 (150 s)
 #      b4     HumanEval, T = 0 and 1, batch 4, 32 (150 s)          text   held-out chat text prompts, T = 0 and 1,
 #      fp32   HumanEval, T = 0, batch 8, target in fp32, 164           batch 1, 48 (150 s)
-#             problems, no compile (300 s; greedy identity)
+#             problems, no compile (300 s; greedy identity)       cycle  bench/tree_cycle.py: a step's parts, line
+#                                                                        and tree15, compiled, with kernels
 #    each with DRAFTERS (default "dflash:D ngram+dflash:D", D the drafter); LIMIT (seconds) replaces every limit.
 # RUN: the run folder (default /root/run; passed on to gpu_train_dflash.sh). SKIP_TRAIN=1 benches the drafter
 # already in it, or DRAFTER (a path without .safetensors, e.g. the shipped
@@ -48,7 +49,11 @@ for run in ${RUNS:-t0-b1 t1-b1 b4}; do
     b4) bench $run 150 --compile --kinds humaneval --prompts 32 --batch 4 --temperatures 0,1 ;;
     text) bench $run 150 --compile --kinds text --prompts 48 --batch 1 --temperatures 0,1 ;;
     fp32) bench $run 300 --dtype float32 --kinds humaneval --prompts 164 --batch 8 --temperatures 0 ;;
-    *) echo "unknown run $run (t0-b1, t1-b1, b4, text, fp32)" ;;
+    cycle) echo "cycle start $(date +%T)"  # a step's parts, line against tree15 (random weights in the shape)
+      timeout 600 python3 bench/tree_cycle.py --shape "$name" --compile --profile --out $E/tree-cycle \
+        > $E/tree-cycle.log 2>&1
+      echo "cycle done $(date +%T) rc $?" ;;
+    *) echo "unknown run $run (t0-b1, t1-b1, b4, text, fp32, cycle)" ;;
   esac
 done
 echo "all done $(date +%T)"

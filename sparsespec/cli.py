@@ -538,8 +538,9 @@ def _speculate(args, draft, engine, ids: list[list[int]], gen, dtype, progress) 
             print(json.dumps(record))
         else:
             print(result.text)
+            rate, tau = ((f"{tps:.1f}", f"{result.tau:.2f}") if result.steps else ("-", "-"))  # (no verify step)
             print(f"[{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated | time to first token "
-                  f"{result.ttft_s:.3f} s | decode {tps:.1f} tok/s | drafter {args.draft}: tau {result.tau:.2f} "
+                  f"{result.ttft_s:.3f} s | decode {rate} tok/s | drafter {args.draft}: tau {tau} "
                   f"tokens per verify step | {args.model} on {args.device} ({dtype})]", file=sys.stderr)
 
 

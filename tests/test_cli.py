@@ -517,3 +517,9 @@ def test_host_out_of_memory_is_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "cmd_policies", fail)
     assert_clear_error(*run_main(capsys, "policies")[::2], "out of host memory")
+
+
+@pytest.mark.parametrize("command", ["eval", "fidelity", "longgen"])
+def test_a_policy_listed_twice_is_refused(capsys, command):
+    assert_clear_error(*run_main(capsys, command, "--model", "no-such-model", "--attention", "topk", "quest",
+                                 "topk")[::2], "listed twice")

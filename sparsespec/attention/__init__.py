@@ -41,8 +41,11 @@ def shared_options(spec: str, shared: tuple[str, ...] | list[str] = (), **first:
     return name, opts
 
 
-def check_owners(shared: tuple[str, ...] | list[str], specs: tuple[str, ...] | list[str]) -> None:
-    """Refuse a shared "policy.key=value" whose policy the run does not have (it would be dropped unseen)."""
+def check_policies(specs: tuple[str, ...] | list[str], shared: tuple[str, ...] | list[str] = ()) -> None:
+    """A run's policy specs and shared options: refuse a spec listed twice (it would run, and count, twice) and a
+    shared "policy.key=value" whose policy the run does not have (it would be dropped unseen)."""
+    if len(set(specs)) < len(specs):
+        raise SparseSpecError(f"a policy is listed twice: {' '.join(specs)}")
     names = {parse_spec(s)[0] for s in specs}
     for pair in shared:
         owner = pair.partition("=")[0].rpartition(".")[0]

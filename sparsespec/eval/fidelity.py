@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import corpora
-from ..attention import check_owners, make_policy, parse_spec, shared_options
+from ..attention import check_policies, make_policy, parse_spec, shared_options
 from ..attention.dense import causal_mask, dense_attention
 from ..attention.policy import attend_selected, selection_mask
 from ..cache import KVCache
@@ -50,7 +50,7 @@ class FidelityConfig:
             raise SparseSpecError(f"unknown context kind {sorted(unknown)[0]!r} (choose from {', '.join(CONTEXTS)})")
         if self.steps < 1 or self.length < 64:
             raise SparseSpecError("fidelity needs steps >= 1 and length >= 64")
-        check_owners(self.options, self.policies)
+        check_policies(self.policies, self.options)
 
     def policy(self, spec: str, budget: float):
         """The policy named by `spec` at `budget`, with the shared options and the spec's own on top."""

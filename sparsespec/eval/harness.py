@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import corpora
-from ..attention import check_owners, make_policy, parse_spec, shared_options
+from ..attention import check_policies, make_policy, parse_spec, shared_options
 from ..attention.policy import Policy
 from ..errors import SparseSpecError
 from ..generate import Engine
@@ -70,7 +70,7 @@ class EvalConfig:
             raise SparseSpecError(f"perplexity rows must be >= 1, got {self.perplexity_rows}")
         if self.batch < 1:
             raise SparseSpecError(f"batch must be >= 1, got {self.batch}")
-        check_owners(self.options, self.policies)
+        check_policies(self.policies, self.options)
         for spec in self.policies:
             self.policy(spec)  # validate names and options before any long work
 

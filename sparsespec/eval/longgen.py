@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import make_policy, parse_spec
+from ..attention import check_policies, make_policy, parse_spec
 from ..attention.policy import Policy
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
@@ -47,6 +47,7 @@ class LongGenConfig:
     def __post_init__(self):
         if self.prompts < 1 or self.max_new_tokens < 8 or self.long_chars < 1000:
             raise SparseSpecError("longgen needs --prompts >= 1, --max-new-tokens >= 8 and --long-chars >= 1000")
+        check_policies(self.policies)
         for spec in self.policies:
             make_policy(*parse_spec(spec))  # validates names and options before any work
 
