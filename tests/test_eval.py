@@ -160,3 +160,11 @@ def test_selection_ties_go_to_the_lower_slot_whatever_the_width():
         idx, valid = select_top(scores, positions, opts, positions.tolist(), forced)
         for b, n in enumerate([30, 15]):  # the budgets
             assert torch.equal(idx[b][valid[b]].view(3, n), want[b, :, :n])
+
+
+def test_a_length_too_short_for_a_task_is_refused_not_overrun(builder):
+    """A task's least prompt (its needles and question) longer than the length asked: refused, where it was built
+    longer and reported under the length asked."""
+    with pytest.raises(SparseSpecError, match="too short for this task"):
+        builder.sample("niah_single", 16, 0)
+    assert builder.n_tokens(builder.sample("niah_single", 400, 0).prompt) <= 400

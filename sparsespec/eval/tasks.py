@@ -80,7 +80,11 @@ class TaskBuilder:
                 lo = mid
             else:
                 hi = mid - 1
-        return make(lo)
+        prompt = make(lo)
+        if (n := self.n_tokens(prompt)) > length:  # (one filler unit, the needles and the question: too long)
+            raise SparseSpecError(f"a length of {length} tokens is too short for this task: its least prompt takes "
+                                  f"{n}")
+        return prompt
 
     def _filler_words(self, rng: random.Random, words: int) -> list[str]:
         return corpora.text(self.corpus, words, seed=rng.randrange(1 << 30)).split()
