@@ -91,11 +91,12 @@ class Kept:
         self.size = size
         self.entries: OrderedDict = OrderedDict()
 
-    def get(self, key, make: Callable[[], object]):
-        """The entry kept for `key`, else `make()` (kept)."""
-        if key in self.entries:
+    def get(self, key, make: Callable[[], object], valid: Callable[[object], bool] = lambda value: True):
+        """The entry kept for `key` (where `valid`), else `make()` (kept)."""
+        if key in self.entries and valid(self.entries[key]):
             self.entries.move_to_end(key)
             return self.entries[key]
+        self.entries.pop(key, None)
         while len(self.entries) >= self.size:
             self.entries.popitem(last=False)
         value = self.entries[key] = make()

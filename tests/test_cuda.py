@@ -213,6 +213,12 @@ def test_a_pooled_loop_captures_the_drafts_and_the_tree_once_a_cache_size(nodes)
     if nodes:
         assert trees[0] == trees[2] == trees[4] != trees[1] == trees[3]
     assert len(pool.runners) == 2  # the tapped runner of each size
+    if nodes:  # a call with a runner of its own: its graphs are kept, its cache is not kept alive by them
+        import gc
+
+        speculative_generate(target, [short], kept, gen, 6)
+        gc.collect()
+        assert kept.tree.bound() is None
 
 
 @cuda

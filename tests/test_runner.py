@@ -364,5 +364,7 @@ def test_kept_graphs_are_reused_by_key_and_the_least_recently_used_is_dropped_fi
     assert kept.get("a", lambda: make("a")) is a and kept.get("c", lambda: make("c")) is c
     assert kept.get("b", lambda: make("b")) is not b  # made again
     assert made == ["a", "b", "c", "b"] and len(kept.entries) == 2
+    assert kept.get("a", lambda: make("a"), valid=lambda value: False) is not a  # no longer valid: made again
+    assert made[-1] == "a" and len(kept.entries) == 2
     kept.clear()
     assert not kept.entries

@@ -23,6 +23,7 @@ verify step, eagerly or as two CUDA graphs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -156,22 +157,26 @@ class TreeVerify:
     def __init__(self, pool: Pool, n: int):
         self.pool, self.n = pool, n
         self.graphs: tuple[_Graph, _Graph] | None = None  # draft's and settle's, after `capture`
-        self.cache: KVCache | None = None  # the cache the graphs move K/V in
-        self.kept = Kept()  # id(cache) -> (graphs, cache): a loop's calls on pooled runners capture once a cache
+        self.bound = lambda: None  # a weak reference to the cache the graphs move K/V in (kept alive by its runner)
+        # id(cache) -> (graphs, a weak reference to the cache): a loop's calls on pooled runners capture once a
+        # cache, and the kept graphs keep no dead runner's cache alive (an entry is used only while its cache is)
+        self.kept = Kept()
         self._tree: Tree | None = None  # the eager draft's tree, for its settle
 
     def bind(self, runner: Runner) -> None:
         """Capture both graphs for the runner's cache, where its steps run as graphs (once per cache, kept for later
         calls on it; a loop's set-up calls this, so that the capture is not timed as decoding)."""
-        if runner.cuda_graph and runner.device.type == "cuda" and self.cache is not runner.cache:
+        if runner.cuda_graph and runner.device.type == "cuda" and self.bound() is not runner.cache:
             width = runner.model.cfg.hidden_size * len(runner.taps)
             self.capture(runner.cache, (width, runner.model.embed_tokens.weight.dtype) if runner.taps else None)
 
     def capture(self, cache: KVCache, features: tuple[int, torch.dtype] | None) -> None:
         """The graphs for `cache`'s batch (`features`: the verify's feature width and dtype, or None): the ones kept
         for this cache, else captured now."""
-        self.graphs = self.cache = None
-        self.graphs, self.cache = self.kept.get(id(cache), lambda: (self._capture(cache, features), cache))
+        self.graphs, self.bound = None, lambda: None
+        self.graphs, self.bound = self.kept.get(id(cache), lambda: (self._capture(cache, features),
+                                                                     weakref.ref(cache)),
+                                                valid=lambda kept: kept[1]() is cache)
 
     def _capture(self, cache: KVCache, features: tuple[int, torch.dtype] | None) -> tuple[_Graph, _Graph]:
         """Warm-up and capture run on zero inputs: no row live, so no K/V moves."""
@@ -198,7 +203,7 @@ class TreeVerify:
     def settle(self, best: torch.Tensor, features: torch.Tensor | None, live: torch.Tensor, starts: torch.Tensor,
                cache: KVCache):
         if self.graphs is not None:
-            assert cache is self.cache, "bind the runner whose cache this is"
+            assert cache is self.bound(), "bind the runner whose cache this is"
             return self.graphs[1](best, features, live, starts)
         assert self._tree is not None, "draft first"
         return _settle(self.pool, self._tree, best, features, live, starts, cache)
