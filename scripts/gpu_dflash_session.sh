@@ -52,7 +52,7 @@ for run in ${RUNS:-t0-b1 t1-b1 b4}; do
     cycle) echo "cycle start $(date +%T)"  # a step's parts, line against tree15 (random weights in the shape)
       timeout 600 python3 bench/tree_cycle.py --shape "$name" --compile --profile --out $E/tree-cycle \
         > $E/tree-cycle.log 2>&1
-      echo "cycle done $(date +%T) rc $?" ;;
+      rc=$?; echo "cycle done $(date +%T) rc $rc" ;;
     *) echo "unknown run $run (t0-b1, t1-b1, b4, text, fp32, cycle)" ;;
   esac
 done

@@ -10,7 +10,7 @@ from sparsespec.errors import SparseSpecError
 from sparsespec.generate import GenerationConfig
 from sparsespec.sampling import SamplingConfig, sample
 from sparsespec.spec.bench import make_drafter
-from sparsespec.spec.decode import speculative_generate
+from sparsespec.spec.decode import speculative_generate, tree_verify
 from sparsespec.spec.dflash import DFlashDrafter
 from sparsespec.spec.drafters import Drafter, LookupFirst
 from sparsespec.spec.tree import Pool, TreeVerify, accept, choose, path, pool_paths
@@ -324,7 +324,8 @@ def test_tree_drafter_specs(tmp_path):
     assert isinstance(both, LookupFirst) and both.tree_nodes == 9 and both.marginals
     for spec, match in (("tree9:ngram", "per-position choices"), ("treex:dflash", "number of tree nodes"),
                         ("tree0:dflash", "number of tree nodes"), ("tree\u00b2:dflash", "number of tree nodes"),
-                        (f"tree15:tree3:dflash:{tmp_path / 'd'}", "one tree a drafter")):
+                        (f"tree15:tree3:dflash:{tmp_path / 'd'}", "one tree a drafter"),
+                        ("tree9:model:no-such-model", "per-position choices"), ("tree9:none", "per-position choices")):
         with pytest.raises(SparseSpecError, match=match):
             make_drafter(spec, target, "tiny")
     drafter.tree_nodes = 900
@@ -370,7 +371,6 @@ def test_a_captured_tree_verify_equals_the_eager_one_over_several_replays():
 def test_a_drafters_tree_verify_is_kept_for_later_calls_of_the_same_shape():
     """A loop's calls share one `TreeVerify` (with the graphs it captured); another block depth or node count builds
     a new one, and a line drafter gets none."""
-    from sparsespec.spec.decode import tree_verify
 
     target = tiny_engine(0)
     d = DFlashDrafter(tiny_dflash(target, block=8), target.model)
@@ -381,3 +381,17 @@ def test_a_drafters_tree_verify_is_kept_for_later_calls_of_the_same_shape():
     assert tree_verify(d, 6, "cpu") is not first  # paths 5 deep, not 7
     d.tree_nodes = 4
     assert tree_verify(d, 6, "cpu").n == 4
+
+
+def test_a_kept_tree_verify_drops_its_graphs_for_an_eager_runner():
+    """A drafter's tree verify kept from a graphed loop, then used with a runner that runs eagerly (a CPU runner
+    here), runs eagerly: no graphs of another cache are replayed."""
+    from sparsespec.runner import Runner
+
+    target = tiny_engine(0)
+    d = DFlashDrafter(tiny_dflash(target, block=8), target.model)
+    d.tree_nodes = 9
+    tree = tree_verify(d, 8, "cpu")
+    tree.graphs, tree.bound = ("stale", "graphs"), (lambda: object())  # as a graphed loop would leave them
+    tree.bind(Runner(target.model, 1, 64, taps=d.taps))
+    assert tree.graphs is None and tree.bound() is None

@@ -131,8 +131,9 @@ def run_eval(engine: Engine, cfg: EvalConfig, out: Path, progress: bool = False)
     results = out / "results.jsonl"
     done = {(r["task"], r["length"], r["policy"], r["sample"]) for r in read_rows(results)}
     builder = TaskBuilder(engine.tokenizer)
-    for task in cfg.tasks:  # a length too short for a task refused before any row (its first sample, cheap)
-        builder.sample(task, min(cfg.lengths), cfg.seed)
+    for task in cfg.tasks:  # a length too short for a task refused before any row (its first samples, cheap; a
+        for i in range(min(cfg.samples, 3)):  # needle's kind cycles with the seed)
+            builder.sample(task, min(cfg.lengths), cfg.seed + i)
     todo = {(length, task): [i for i in range(cfg.samples) if any((task, length, p, i) not in done
                                                                    for p in cfg.policies)]
             for length in cfg.lengths for task in cfg.tasks}

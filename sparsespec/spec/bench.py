@@ -69,6 +69,9 @@ def parse_drafter(spec: str) -> DraftSpec:
         inner = parse_drafter(arg)
         if inner.has_tree():
             raise SparseSpecError(f"{spec}: one tree a drafter (treeN:dflash, or ngram+treeN:dflash)")
+        if "dflash" not in (inner.kind, inner.inner and inner.inner.kind):  # (DFlash alone drafts choices)
+            raise SparseSpecError(f"{spec}: a tree verify needs a drafter of per-position choices (dflash), not "
+                                  f"{arg}")
         return DraftSpec("tree", nodes=int(kind[4:]), inner=inner, text=spec)
     if kind in ("none", "ngram") and not arg or kind == "dflash" or kind == "model" and arg:
         return DraftSpec(kind, arg, text=spec)

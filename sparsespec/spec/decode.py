@@ -42,8 +42,9 @@ class SpecGeneration:
     committed: list[int] = field(default_factory=list)  # tokens committed per verify step (accepted + 1)
     copied: list[bool] = field(default_factory=list)  # per verify step: it checked a prompt lookup's copy (a
     #                                                  drafter of two sources, `--draft ngram+...`; else empty)
-    setup_s: float = 0.0  # the call's time before decoding other than the first token's: the runner, the drafter's
-    #                       start, graph captures (and compilations); the batch's, as ttft_s and decode_s
+    setup_s: float = 0.0  # the call's time before decoding other than the first token's: the runner, the verify
+    #                       and tree graphs' captures (and compilations); the drafter's start, its own captures
+    #                       included, counts in ttft_s; the batch's, as ttft_s and decode_s
 
     @property
     def steps(self) -> int:

@@ -166,7 +166,9 @@ class TreeVerify:
     def bind(self, runner: Runner) -> None:
         """Capture both graphs for the runner's cache, where its steps run as graphs (once per cache, kept for later
         calls on it; a loop's set-up calls this, so that the capture is not timed as decoding)."""
-        if runner.cuda_graph and runner.device.type == "cuda" and self.bound() is not runner.cache:
+        if not (runner.cuda_graph and runner.device.type == "cuda"):  # eager (a kept tree once graphed elsewhere)
+            self.graphs, self.bound = None, lambda: None
+        elif self.bound() is not runner.cache:
             width = runner.model.cfg.hidden_size * len(runner.taps)
             self.capture(runner.cache, (width, runner.model.embed_tokens.weight.dtype) if runner.taps else None)
 
