@@ -80,11 +80,11 @@ class TaskBuilder:
                 lo = mid
             else:
                 hi = mid - 1
-        prompt = make(lo)
-        if (n := self.n_tokens(prompt)) > length:  # (one filler unit, the needles and the question: too long)
+        # the search measured every n it kept but the least: one filler unit, the needles and the question
+        if lo == 1 and (n := self.n_tokens(make(1))) > length:
             raise SparseSpecError(f"a length of {length} tokens is too short for this task: its least prompt takes "
                                   f"{n}")
-        return prompt
+        return make(lo)
 
     def _filler_words(self, rng: random.Random, words: int) -> list[str]:
         return corpora.text(self.corpus, words, seed=rng.randrange(1 << 30)).split()

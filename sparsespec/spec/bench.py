@@ -45,6 +45,8 @@ class DraftSpec:
     nodes: int = 0  # tree: drafted nodes a step
     inner: DraftSpec | None = None  # tree's and lookup's drafter
     text: str = ""  # as given
+    options: tuple[str, ...] = ()  # self: the policy's options (weights= apart)
+    fp8: bool = False  # self: weights=fp8
 
     def has_tree(self) -> bool:
         return self.kind == "tree" or (self.inner is not None and self.inner.has_tree())
@@ -84,8 +86,9 @@ def parse_drafter(spec: str) -> DraftSpec:
         if any(w not in ("fp8", "model") for w in weights) or len(weights) > 1:
             raise SparseSpecError(f"--draft self:...,weights=W takes fp8 (FP8 copies of the weights for the draft "
                                   f"steps) or model (the model's own, the default), got {','.join(weights)}")
-        make_policy(name, [o for o in options if o.partition("=")[0] != "weights"])  # (its options checked)
-        return DraftSpec(kind, arg, text=spec)
+        policy_options = tuple(o for o in options if o.partition("=")[0] != "weights")
+        make_policy(name, list(policy_options))  # (its options checked)
+        return DraftSpec(kind, arg, text=spec, options=policy_options, fp8=weights == ["fp8"])
     raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME, "
                           "ngram+dflash[:PATH], self:POLICY[:key=value,...], treeN:dflash[:PATH])")
 
@@ -120,10 +123,8 @@ def make_drafter(spec: str | DraftSpec, engine: Engine, target_name: str, device
     if d.kind == "model":
         draft = Engine.from_name(d.arg, device=device, dtype=dtype, progress=progress)
         return ModelDrafter(draft, f"model:{d.arg}", target_vocab=engine.config.vocab_size, cuda_graph=cuda_graph)
-    name, options = parse_spec(d.arg)  # self
-    weights = [o.partition("=")[2] for o in options if o.partition("=")[0] == "weights"]
-    policy = make_policy(name, [o for o in options if o.partition("=")[0] != "weights"])
-    return SelfDrafter(policy, f"self:{d.arg}", fp8=weights == ["fp8"])
+    policy = make_policy(parse_spec(d.arg)[0], list(d.options))  # self
+    return SelfDrafter(policy, f"self:{d.arg}", fp8=d.fp8)
 
 
 @dataclass(frozen=True)
