@@ -44,8 +44,10 @@ def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     if cfg.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
+        # drop a token when the tokens ranked above it already reach top_p; the first is always kept (a top_p
+        # below float32's range rounds to 0 against the probabilities: it would drop every token)
         drop_sorted = (probs.cumsum(-1) - probs) >= cfg.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -169,6 +169,17 @@ def test_top_k_top_p_keep_the_defined_set(vocab, top_k, top_p, temperature, seed
         assert abs(before[token] - top_p) < 1e-5, (token, kept, ref)
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-8])
+def test_a_top_p_below_the_top_token_s_probability_keeps_the_top_token_alone(top_p):
+    """A valid top_p below float32's range rounds to 0 against the probabilities: the first token is kept all the
+    same (it used to drop every token, and sampling failed)."""
+    logits = torch.randn(3, 41, generator=torch.Generator().manual_seed(5)) * 2
+    cfg = SamplingConfig(temperature=1.0, top_p=top_p, seed=0)
+    kept = torch.isfinite(filter_logits(logits, cfg))
+    assert torch.equal(kept, torch.nn.functional.one_hot(logits.argmax(-1), 41).bool())
+    assert torch.equal(sample(logits, cfg, make_generator(cfg, "cpu")), logits.argmax(-1))
+
+
 def test_a_temperature_too_small_to_divide_by_is_greedy():
     logits = torch.randn(5, 37) * 30
     cfg = SamplingConfig(temperature=1e-300, seed=0)

@@ -270,6 +270,148 @@ def test_a_request_the_library_refuses_is_a_400_and_a_tiny_temperature_is_greedy
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == greedy
 
 
+@pytest.fixture
+def byte_client(one_thread):
+    """The app over the byte engine, served as "m" (in-process: no model to load)."""
+    from fastapi.testclient import TestClient
+
+    from sparsespec.serve.app import ServeConfig, create_app
+
+    engine = byte_engine()
+    with TestClient(create_app(engine, ServeConfig("m", SchedulerConfig(max_batch=2, max_context=256)))) as client:
+        client.engine = engine
+        yield client
+
+
+BYTE_OK = {"model": "m", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+
+
+def _bad(resp, param, message):
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["message"]) == (param, message), error
+
+
+@pytest.mark.parametrize("path,body,param,message", [
+    # a union field: the member that got inside the value is named, not only "should be a valid string"
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url":
+                                                                                {"url": "http://x/a.png"}}]}]},
+     "messages.0.content.0.type", "messages.0.content.0.type: Input should be 'text'"),
+    ("/v1/completions", {**BYTE_OK, "prompt": [5, -1]}, "prompt.1",
+     "prompt.1: Input should be greater than or equal to 0"),
+    ("/v1/completions", {**BYTE_OK, "stop": [1]}, "stop.0", "stop.0: Input should be a valid string"),
+    ("/v1/completions", {**BYTE_OK, "prompt": 5}, "prompt",
+     "prompt: Input should be a valid string or Input should be a valid list"),
+    ("/v1/completions", {**BYTE_OK, "prompt": ["one", "two"]}, "prompt",
+     "prompt: a list of prompts is not supported (send one prompt per request)"),
+    # NaN and infinities are not numbers a sampler can use
+    ("/v1/completions", {**BYTE_OK, "temperature": float("nan")}, "temperature",
+     "temperature: Input should be a finite number"),
+    ("/v1/completions", {**BYTE_OK, "top_p": float("inf")}, "top_p", "top_p: Input should be a finite number"),
+    # text that is not Unicode (a lone surrogate, which JSON can spell) is refused, not a 500 from the tokenizer
+    ("/v1/completions", {**BYTE_OK, "prompt": "a\ud800b"}, "prompt",
+     "prompt: the text is not valid Unicode (a lone surrogate)"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\udc00"}]}, "messages.0.content",
+     "messages.0.content: the text is not valid Unicode (a lone surrogate)"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content.0.text", "messages.0.content.0.text: the text is not valid Unicode (a lone surrogate)"),
+    # as OpenAI: stream_options belong to streamed requests
+    ("/v1/completions", {**BYTE_OK, "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options are only allowed when stream is true"),
+    ("/v1/chat/completions", {**CHAT, "stream": False, "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options are only allowed when stream is true"),
+    # null for a required field is not its absence
+    ("/v1/completions", {**BYTE_OK, "model": None}, "model", "model: Input should be a valid string"),
+])
+def test_bad_fields_are_named_with_a_clear_message(byte_client, path, body, param, message):
+    # (json.dumps, as Python clients send: NaN, Infinity and lone surrogates escaped as "\ud800")
+    _bad(byte_client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"}), param,
+         message)
+    assert byte_client.post("/v1/completions", json=BYTE_OK).status_code == 200
+
+
+@pytest.mark.parametrize("content,headers,message", [
+    (json.dumps(BYTE_OK), {"Content-Type": "text/plain"},
+     "the request body must be JSON sent with Content-Type: application/json"),
+    (json.dumps(BYTE_OK), {"Content-Type": "application/x-www-form-urlencoded"},  # curl -d's default
+     "the request body must be JSON sent with Content-Type: application/json"),
+    (b"", {"Content-Type": "application/json"}, "the request body is empty: send a JSON object"),
+    (b"[1, 2]", {"Content-Type": "application/json"}, "the request body must be a JSON object"),
+    (b"null", {"Content-Type": "application/json"}, "the request body must be a JSON object"),
+])
+def test_a_body_that_is_not_a_json_object_is_a_clear_400(byte_client, content, headers, message):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        _bad(byte_client.post(path, content=content, headers=headers), None, message)
+
+
+def test_a_top_p_below_float32s_range_keeps_the_top_token_and_the_server_serves_on(byte_client):
+    """top_p 1e-300 is valid (in (0, 1]); compared with float32 probabilities it rounded to 0, every token was
+    dropped, sampling failed and took the scheduler (and so every later request) down. It keeps the top token, as
+    any top_p below the top token's probability does."""
+    greedy = byte_client.post("/v1/completions", json={**BYTE_OK, "max_tokens": 6})
+    for top_p in (1e-300, 1e-45):
+        resp = byte_client.post("/v1/completions", json={**BYTE_OK, "max_tokens": 6, "temperature": 1.0,
+                                                          "top_p": top_p, "seed": 1})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"] == greedy.json()["choices"]
+    assert byte_client.get("/health").status_code == 200
+
+
+def test_null_fields_take_their_defaults_as_openai_does(byte_client):
+    """OpenAI's optional fields are nullable: clients that send every field (null when unset) are answered as if
+    those fields were left out."""
+    nulls = dict.fromkeys(("top_p", "top_k", "n", "stop", "seed", "stream", "stream_options", "presence_penalty",
+                           "frequency_penalty", "logit_bias", "user", "ignore_eos"))
+    want = byte_client.post("/v1/completions", json=BYTE_OK)
+    got = byte_client.post("/v1/completions", json={**BYTE_OK, **nulls, "echo": None, "logprobs": None,
+                                                    "suffix": None, "best_of": None})
+    assert want.status_code == got.status_code == 200, got.text
+    assert got.json()["choices"] == want.json()["choices"]
+    want = byte_client.post("/v1/chat/completions", json=CHAT)
+    got = byte_client.post("/v1/chat/completions", json={
+        **CHAT, **nulls, "max_completion_tokens": None, "logprobs": None,
+        "messages": [{"role": "user", "content": "hi", "name": None}]})
+    assert want.status_code == got.status_code == 200, got.text
+    assert got.json()["choices"] == want.json()["choices"]
+    stream = byte_client.post("/v1/completions", json={**BYTE_OK, "stream": True,
+                                                        "stream_options": {"include_usage": None}})
+    assert stream.status_code == 200 and '"usage"' not in stream.text and stream.text.endswith("data: [DONE]\n\n")
+
+
+def test_a_model_is_retrieved_by_its_id(byte_client):
+    """GET /v1/models/{id}, as the openai client's `models.retrieve` asks."""
+    listed = byte_client.get("/v1/models").json()["data"][0]
+    resp = byte_client.get("/v1/models/m")
+    assert resp.status_code == 200 and resp.json() == listed
+    resp = byte_client.get("/v1/models/gpt-4")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_prompts_are_tokenized_off_the_event_loop(byte_client, monkeypatch):
+    """Tokenizing (and templating) a long prompt takes a while: it must not stall the event loop, which serves
+    every other client's stream meanwhile."""
+    engine, on_loop = byte_client.engine, []
+
+    def spy(name):
+        method = getattr(engine, name)
+
+        def call(*args):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(name)
+            except RuntimeError:  # no loop runs in this thread
+                pass
+            return method(*args)
+        return call
+
+    for name in ("encode", "encode_chat"):
+        monkeypatch.setattr(engine, name, spy(name))
+    assert byte_client.post("/v1/completions", json=BYTE_OK).status_code == 200
+    assert byte_client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert on_loop == []
+
+
 def test_sample_rows_samples_each_row_as_alone():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     configs = [SamplingConfig(), SamplingConfig(0.7, 5, 1.0, 3), SamplingConfig(), SamplingConfig(1.2, 0, 0.8, 4)]

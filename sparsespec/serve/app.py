@@ -3,6 +3,7 @@
     GET  /health                 200 while the scheduler runs, else 503
     GET  /metrics                Prometheus text
     GET  /v1/models              the one served model
+    GET  /v1/models/{id}         it, by its id (404 for any other)
     POST /v1/completions         prompt (text or token ids) -> text
     POST /v1/chat/completions    messages -> the model's chat template -> the assistant's text
 
@@ -172,6 +173,15 @@ def _param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+def _body_error(error: dict) -> str:
+    """The message of a validation error of the request body as a whole."""
+    if error.get("type") == "missing":
+        return "the request body is empty: send a JSON object"
+    if isinstance(error.get("input"), bytes):  # not parsed: its Content-Type is not JSON
+        return "the request body must be JSON sent with Content-Type: application/json"
+    return "the request body must be a JSON object"
+
+
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -203,9 +213,14 @@ def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None
             reason = errors[0].get("ctx", {}).get("error")
             error = APIError(400, "the request body is not valid JSON" + (f": {reason}" if reason else ""),
                              code="invalid_json")
+        elif _param(errors[0].get("loc", ())) is None:  # the body itself
+            error = APIError(400, _body_error(errors[0]))
         else:
             param = _param(errors[0].get("loc", ()))
-            # a union field fails once per member: say what each member expected
+            # a union field fails once per member: a member that got inside the value (a list of token ids, of
+            # content parts) is the one meant; else say what each member expected
+            inner = [p for x in errors if (p := _param(x.get("loc", ()))) and p.startswith(param + ".")]
+            param = inner[0] if inner else param
             reasons = dict.fromkeys(x.get("msg", "invalid").removeprefix("Value error, ") for x in errors
                                     if _param(x.get("loc", ())) == param)
             message = " or ".join(reasons)
@@ -236,16 +251,24 @@ def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None
         body, content_type = server.scheduler.metrics.render()
         return Response(body, media_type=content_type)
 
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": server.created, "owned_by": "sparsespec",
+                "max_model_len": config.scheduler.max_context}
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": config.model_name, "object": "model",
-                                                         "created": server.created, "owned_by": "sparsespec",
-                                                         "max_model_len": config.scheduler.max_context}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        server.check_model(model)
+        return JSONResponse(model_card())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        ids = engine.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        # (tokenizing a long prompt takes a while: off the event loop, which serves the other clients meanwhile)
+        ids = await asyncio.to_thread(engine.encode, body.prompt) if isinstance(body.prompt, str) else body.prompt
         if any(t >= engine.config.vocab_size for t in ids):
             raise APIError(400, f"prompt token ids must be below the vocabulary size {engine.config.vocab_size}",
                            param="prompt")
@@ -257,7 +280,7 @@ def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None
     async def chat(body: ChatRequest, request: Request) -> Response:
         server.check_model(body.model)
         try:
-            ids = engine.encode_chat([m.as_template() for m in body.messages])
+            ids = await asyncio.to_thread(engine.encode_chat, [m.as_template() for m in body.messages])
         except (SparseSpecError, TemplateError) as e:  # no template, or the template refuses these messages
             raise APIError(400, str(e), param="messages") from None
         gen = server.generation(body, ids, "messages", None)

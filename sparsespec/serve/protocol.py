@@ -1,6 +1,6 @@
 """The OpenAI protocol subset `sparsespec serve` speaks: request models (pydantic, strict types, unknown fields
-refused), their translation into a validated `GenerationConfig`, the response and stream-chunk objects, and the error
-object `{"error": {"message", "type", "param", "code"}}`."""
+refused, null as the default), their translation into a validated `GenerationConfig`, the response and stream-chunk
+objects, and the error object `{"error": {"message", "type", "param", "code"}}`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import SparseSpecError
 from ..generate import GenerationConfig
@@ -32,6 +32,25 @@ class APIError(Exception):
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An optional field sent as null takes its default (OpenAI's optional fields are nullable: some clients
+        send every field); a required one stays null, and is refused."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
+        return data
+
+
+def _unicode(text: str) -> str:
+    """`text`, refused when it is not Unicode (JSON can spell a lone surrogate; a tokenizer cannot take it)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("the text is not valid Unicode (a lone surrogate)") from None
+    return text
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -42,8 +61,8 @@ class _GenerationRequest(_Strict):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, description="0 or -1: off (vLLM's extension)")
     seed: int | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # (GenerationConfig refuses "")
@@ -89,6 +108,8 @@ class _GenerationRequest(_Strict):
                    prompt_param: str) -> GenerationConfig:
         """-> the request's GenerationConfig; APIError 400 when the prompt and max_tokens do not fit a slot.
         `default_max_tokens` None: the rest of the context."""
+        if self.stream_options is not None and not self.stream:  # (as OpenAI)
+            raise APIError(400, "stream_options are only allowed when stream is true", param="stream_options")
         if prompt_tokens == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
         room = max_context - prompt_tokens
@@ -118,6 +139,18 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
+            raise ValueError("a list of prompts is not supported (send one prompt per request)")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, v: str | list[int]) -> str | list[int]:
+        return _unicode(v) if isinstance(v, str) else v
 
     @field_validator("echo")
     @classmethod
@@ -152,11 +185,21 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str) -> str:
+        return _unicode(v)
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v: str | list[TextPart]) -> str | list[TextPart]:
+        return _unicode(v) if isinstance(v, str) else v
 
     def as_template(self) -> dict[str, str]:
         """The message as chat templates take it ("developer" is the newer name of "system")."""
