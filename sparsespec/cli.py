@@ -106,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "{\"prompt\": ...} in a .jsonl file ('-' for stdin)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=_float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=0, help="sampling: keep the K most likely tokens (default: 0, off)")
+    g.add_argument("--top-p", type=_float, default=1.0, help="sampling: keep the smallest set of tokens whose "
+                   "probability reaches P (default: 1, off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling: the generator's seed (default: none)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-ids", type=_token_ids, default=(), metavar="ID,ID,...",
                    help="token ids that end the text like EOS")
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--target-name", default=None, help="registry name of a --target given as a path: the name the "
                     "drafter's json records as its target (default: --target as given)")
     td.add_argument("--out", required=True, help="folder for data, checkpoints and the drafter (resumes from it)")
-    _positive_options(td, ("prompts", 512, "training prompts (half code, half text) the target answers"),
+    _positive_options(td, ("prompts", 512, "training prompts the target answers (shared out over --kinds)"),
                       ("heldout", 32, "held-out prompts for the acceptance (tau) estimate"), *_DATA_OPTIONS,
                       ("layers", 1, "drafter decoder layers"),
                       ("block-size", 16, "tokens per drafted block (the anchor + the tokens drafted after it)"),
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--train-fc", action="store_true", help="also adapt the feature projection")
     te.add_argument("--probe-tokens", type=_positive_int, default=0, metavar="K", help="select prompts before "
                     "answering them: score every prompt's first K answer tokens, then answer only the kept "
-                    "prompts in full (regenerated data; default: off, every prompt answered in full and scored)")
+                    "prompts in full (regenerated data; without it every prompt is answered in full and scored)")
     _positive_options(te, ("prompts", 1024, "domain prompts the target answers"),
                       ("heldout", 32, "held-out domain prompts for the acceptance (tau) estimate"),
                       *_DATA_OPTIONS, ("steps", 1000, "optimisation steps"), *_STEP_OPTIONS)
@@ -276,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target", default=DEFAULT_MODEL, help="registry name, GGUF file or HF checkpoint folder")
     sp.add_argument("--target-name", default=None, help="registry name of a --target given as a path (to find "
                     "its shipped drafter)")
-    sp.add_argument("--drafters", nargs="+", default=["ngram", "dflash"],
-                    help="ngram, dflash[:PATH], model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...], "
+    sp.add_argument("--drafters", nargs="+", default=None,
+                    help="default: ngram, and dflash where a drafter is shipped for the target; ngram, dflash[:PATH], model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...], "
                     "treeN:dflash[:PATH] (as generate --draft)")
     sp.add_argument("--prompts", type=_positive_int, default=8, help="held-out prompts per kind")
     sp.add_argument("--kinds", default="code,text", help="prompt kinds: code, text, long-code (repository-level "
@@ -285,9 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "in task order; --prompts 164 for all)")
     sp.add_argument("--long-chars", type=_positive_int, default=64_000,
                     help="context size of the long kinds in characters (about 4 per token)")
-    sp.add_argument("--temperatures", default="0,1")
+    sp.add_argument("--temperatures", default="0,1", help="sampling temperatures, each a row per prompt "
+                    "(0: greedy; default: %(default)s)")
     sp.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    sp.add_argument("--block-size", type=_positive_int, default=16)
+    sp.add_argument("--block-size", type=_positive_int, default=16, help="tokens verified a step (the pending "
+                    "token and the proposals; default: %(default)s)")
     sp.add_argument("--batch", type=_positive_int, default=1, help="prompts of a kind decoded together (plain and "
                     "speculative); tokens/s is the batch's")
     sp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -406,6 +409,8 @@ def _writable_folder(path: str):
     """Create `path` if needed and check it can be written, before any long work; -> Path."""
     from pathlib import Path
 
+    if not path.strip():
+        raise SparseSpecError("the output folder's path is empty: name a folder (--out DIR)")
     folder = Path(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -450,6 +455,31 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
+def _check_compile(args) -> None:
+    """--compile compiles the CUDA-graphed steps: nothing to compile on the CPU."""
+    if args.compile and args.device != "cuda":
+        raise SparseSpecError("--compile compiles the CUDA-graphed steps: it needs --device cuda")
+
+
+def _check_block_fits(block: int, engine) -> None:
+    """--block-size within the model's context (a verify step that wide could never fit a row)."""
+    if block > engine.config.max_position:
+        raise SparseSpecError(f"--block-size {block} is beyond the model's context of {engine.config.max_position} "
+                              "tokens")
+
+
+def _weights(model: str) -> str:
+    """How a report's title names the weights: random:... models are random."""
+    return "random weights" if str(model).startswith("random:") else "real weights"
+
+
+def _unique(values, option: str) -> None:
+    """A list option that names an entry twice would measure it twice (and count it twice): refused."""
+    twice = sorted({v for v in values if list(values).count(v) > 1}, key=str)
+    if twice:
+        raise SparseSpecError(f"{option} lists {', '.join(map(str, twice))} twice")
+
+
 def _check_block_size(args) -> None:
     """--block-size: for speculative decoding only, and room for a pending token and a proposal."""
     if args.block_size is not None and args.draft == "none":
@@ -466,6 +496,11 @@ def cmd_generate(args) -> None:
 
     if args.system is not None and not args.chat:
         raise SparseSpecError("--system is a chat message: add --chat")
+    if args.temperature == 0 and (args.top_k or args.top_p != 1 or args.seed is not None):
+        raise SparseSpecError("--top-k, --top-p and --seed apply to sampling: add --temperature above 0 (0 is greedy)")
+    if args.target_name is not None and args.draft == "none":
+        raise SparseSpecError("--target-name names the model for its drafter: give --draft (e.g. --draft dflash)")
+    _check_compile(args)
     _check_block_size(args)
     prompts = _read_prompts(args)
     gen = GenerationConfig(
@@ -490,6 +525,7 @@ def cmd_generate(args) -> None:
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     if args.row_invariant:
         engine.model.row_invariant()
+    _check_layers([policy], engine.config.num_layers)
     ids = [engine.encode(p, chat=args.chat, system=args.system) for p in prompts]
     if draft.kind != "none":
         _speculate(args, draft, engine, ids, gen, dtype, progress)
@@ -509,7 +545,8 @@ def cmd_generate(args) -> None:
         counts = ((f"{len(ids)} prompts, " if len(ids) > 1 else "") + f"{sum(result.prompt_tokens)} prompt tokens, "
                   f"{sum(map(len, result.token_ids))} generated")
         keys = "" if attended is None else f": {attended:.1f} tokens attended per step"
-        print(f"[{counts} | time to first token {result.ttft_s:.3f} s | decode {result.decode_tokens_per_s:.1f} "
+        rate = f"{result.decode_tokens_per_s:.1f}" if result.decode_steps else "-"  # (one new token: no decode step)
+        print(f"[{counts} | time to first token {result.ttft_s:.3f} s | decode {rate} "
               f"tok/s | {args.model} on {args.device} ({dtype}), attention {args.attention}{keys}]", file=sys.stderr)
     if attended is not None and attended < min(64, *result.prompt_tokens):
         print(f"sparsespec: warning: {name} attended only {attended:.1f} tokens per step: expect garbage; raise "
@@ -526,6 +563,7 @@ def _speculate(args, draft, engine, ids: list[list[int]], gen, dtype, progress) 
     from .spec.bench import make_drafter
     from .spec.decode import speculative_generate
 
+    _check_block_fits(args.block_size or 16, engine)
     drafter = make_drafter(draft, engine, args.target_name or args.model, args.device, dtype, progress)
     results = speculative_generate(engine, ids, drafter, gen, args.block_size or 16)  # the prompts as one batch
     for result in results:
@@ -745,18 +783,31 @@ def cmd_bench(args) -> None:
     from .results import check_folder, record_settings
     from .spec.bench import ROW_FILES, BenchConfig, make_drafter, parse_drafter, report, run_bench
 
+    from .spec.registry import drafter_path
+
     try:
         temps = tuple(float(t) for t in args.temperatures.split(","))
     except ValueError:
         raise SparseSpecError(f"invalid --temperatures {args.temperatures!r} (use e.g. 0,1)") from None
-    cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts,
-                      kinds=tuple(k.strip() for k in args.kinds.split(",")), temperatures=temps,
+    kinds = tuple(k.strip() for k in args.kinds.split(","))
+    _unique(temps, "--temperatures")
+    _unique(kinds, "--kinds")
+    _check_compile(args)
+    if args.out is not None and not args.out.strip():
+        raise SparseSpecError("the output folder's path is empty: name a folder (--out DIR)")
+    name = args.target_name or args.target
+    if args.drafters is None:  # DFlash beside prompt lookup where a drafter is shipped for the target
+        try:
+            drafter_path(name)
+            args.drafters = ["ngram", "dflash"]
+        except SparseSpecError:
+            args.drafters = ["ngram"]
+    cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts, kinds=kinds, temperatures=temps,
                       max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars,
                       batch=args.batch)
     if not args.time_limit >= 0:  # (nan too)
         raise SparseSpecError(f"--time-limit must be >= 0 seconds, got {args.time_limit:g}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    name = args.target_name or args.target
     settings = {"target": args.target, "target_name": args.target_name, "dtype": dtype, "device": args.device,
                 "cuda_graph": not args.no_cuda_graph, **cfg.settings()}
     if args.compile:
@@ -764,7 +815,7 @@ def cmd_bench(args) -> None:
     _check_row_invariant(args, dtype)
     if args.row_invariant:
         settings["row_invariant"] = True
-    if args.out:
+    if args.out is not None:
         check_folder(args.out, settings, ROW_FILES)
     drafts = {d: parse_drafter(d) for d in cfg.drafters}  # refused before the model loads
     if any(d.kind == "none" for d in drafts.values()):
@@ -776,15 +827,16 @@ def cmd_bench(args) -> None:
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
     if args.row_invariant:
         engine.model.row_invariant()
+    _check_block_fits(cfg.block_size, engine)
     drafters = {d: make_drafter(draft, engine, name, args.device, dtype, progress, not args.no_cuda_graph)
                 for d, draft in drafts.items()}
-    out = _writable_folder(args.out) if args.out else None  # only now: a refused run leaves no folder behind
+    out = _writable_folder(args.out) if args.out is not None else None  # only now: a refused run leaves no folder
     if out is not None:
         record_settings(out, settings, ROW_FILES)
     rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph, compile=args.compile,
                      time_limit=args.time_limit)
     device = torch_device_name(args.device)
-    print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, real weights) on {device}, block "
+    print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, {_weights(args.target)}) on {device}, block "
                             f"{cfg.block_size}, {cfg.max_new_tokens} new tokens, held-out prompts"))
 
 
@@ -881,6 +933,9 @@ def cmd_calibrate(args) -> None:
     from .capture import capture_qk
     from .generate import Engine
 
+    if not args.out.strip() or args.out.endswith((os.sep, "/")):
+        raise SparseSpecError(f"--out {args.out!r} names no file: name the calibration file to write (e.g. "
+                              f"{args.policy}.safetensors)")
     if os.path.isdir(args.out):
         raise SparseSpecError(f"--out {args.out} is a folder: name the calibration file to write (e.g. "
                               f"{os.path.join(args.out, args.policy + '.safetensors')})")
@@ -901,7 +956,10 @@ def cmd_calibrate(args) -> None:
         from .attention.doublesparse import calibrate_label_channels
 
         tensors = calibrate_label_channels(q, k, args.channels)
-    save_file(tensors, args.out, metadata=meta)
+    try:
+        save_file(tensors, args.out, metadata=meta)
+    except Exception as e:  # (safetensors' own error type for an I/O failure, or an OSError)
+        raise SparseSpecError(f"cannot write {args.out}: {e}") from None
     print(f"wrote {args.out}: {args.policy} calibration of {args.model} on {len(tokens)} tokens of {args.corpus}",
           file=sys.stderr)
 
@@ -916,7 +974,15 @@ def cmd_fidelity(args) -> None:
         budgets = tuple(float(b) for b in args.budgets.split(","))
     except ValueError:
         raise SparseSpecError(f"--budgets must be comma-separated numbers, got {args.budgets!r}") from None
-    cfg = FidelityConfig(length=args.length, contexts=tuple(args.contexts.split(",")), budgets=budgets,
+    contexts = tuple(args.contexts.split(","))
+    _unique(contexts, "--contexts")
+    _unique(budgets, "--budgets")
+    for spec in [*args.attention, *args.attention_opt]:  # (the sweep sets the budget: another would relabel it)
+        if any(o.partition("=")[0].rpartition(".")[2].strip() == "budget"
+               for o in spec.partition(":")[2 if ":" in spec else 0].split(",") if "=" in o):
+            raise SparseSpecError(f"{spec}: fidelity sweeps the budget with --budgets; drop budget= from the policy's "
+                                  "options")
+    cfg = FidelityConfig(length=args.length, contexts=contexts, budgets=budgets,
                          policies=tuple(args.attention), options=tuple(args.attention_opt), steps=args.steps,
                          seed=args.seed)
     for name in cfg.policies:  # validate every policy and option before the long work
@@ -929,8 +995,13 @@ def cmd_fidelity(args) -> None:
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=args.dtype, progress=progress)
     engine.check_fits(args.length, args.steps)
+    for name in cfg.policies:  # no sparse layer: nothing to compare with dense attention
+        policy = cfg.policy(name, cfg.budgets[0])
+        if policy.sparse_layers(engine.config.num_layers) == 0:
+            raise SparseSpecError(f"{name}: every layer of this {engine.config.num_layers}-layer model decodes densely "
+                                  f"(dense_layers={policy.options.dense_layers}): lower dense_layers")
     rows = run_fidelity(engine.model, engine.tokenizer, cfg, progress=progress)
-    title = (f"Fidelity vs dense attention: {args.model} (real weights, {args.dtype}, {args.device}), "
+    title = (f"Fidelity vs dense attention: {args.model} ({_weights(args.model)}, {args.dtype}, {args.device}), "
              f"{args.length}-token contexts, {cfg.steps} teacher-forced decode steps, all heads of each policy's "
              f"sparse layers")
     print(write_report(rows, Path(args.out), title))
@@ -946,6 +1017,7 @@ def cmd_longgen(args) -> None:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     if not kinds or not set(kinds) <= {"long-essay", "long-text", "long-code"}:
         raise SparseSpecError(f"--kinds takes long-essay, long-text and long-code, got {args.kinds!r}")
+    _unique(kinds, "--kinds")
     cfg = LongGenConfig(policies=tuple(args.attention), kinds=kinds, prompts=args.prompts,
                         long_chars=args.long_chars, max_new_tokens=args.max_new_tokens, seed=args.seed)
     what = f"greedy, up to {cfg.max_new_tokens} new tokens, {cfg.prompts} prompt(s) per kind ({', '.join(kinds)}) " \
@@ -966,14 +1038,16 @@ def cmd_longgen(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record_settings(out, settings, ROW_FILES)
     rows = run_longgen(engine, cfg, out, progress=progress)
-    print(report(rows, out, f"Long generation vs dense: {args.model} (real weights, {dtype}, {args.device}), {what}"))
+    print(report(rows, out, f"Long generation vs dense: {args.model} ({_weights(args.model)}, {dtype}, {args.device}), {what}"))
 
 
 def _check_layers(policies: list, num_layers: int) -> None:
-    """Each sparse policy's options against the model's layers (dense_layers), before a run's dense rows."""
+    """Each sparse policy's options against the model's layers (dense_layers), before a run's dense rows; a policy
+    left with no sparse layer is said so (it decodes as dense attention)."""
     for policy in policies:
-        if policy is not None:
-            policy.sparse_layers(num_layers)
+        if policy is not None and policy.sparse_layers(num_layers) == 0:
+            print(f"sparsespec: warning: {policy.name}: every layer of this {num_layers}-layer model decodes densely "
+                  f"(dense_layers={policy.options.dense_layers}): its rows are dense attention's", file=sys.stderr)
 
 
 def cmd_eval(args) -> None:
@@ -985,6 +1059,8 @@ def cmd_eval(args) -> None:
     from .results import check_folder, record_settings, recorded_rows
 
     tasks = TASKS if args.tasks == "all" else tuple(t.strip() for t in args.tasks.split(","))
+    if args.attention_opt and all(a.partition(":")[0] == "dense" for a in args.attention):
+        raise SparseSpecError("--attention-opt needs a sparse --attention policy (dense attention has no options)")
     cfg = EvalConfig(tasks=tasks, lengths=tuple(parse_length(x) for x in args.lengths.split(",")),
                      samples=args.samples, policies=tuple(args.attention), options=tuple(args.attention_opt),
                      seed=args.seed, perplexity_tokens=args.perplexity_tokens, perplexity_rows=args.perplexity_rows,
@@ -1008,12 +1084,12 @@ def cmd_eval(args) -> None:
     record_settings(out, settings, ROW_FILES)
     rows = run_eval(engine, cfg, out, progress)
     ppl = run_perplexity(engine, cfg, out, progress=progress) if cfg.perplexity_tokens else []
-    title = f"Accuracy: {args.model} (real weights, {dtype}, {args.device}), seed {args.seed}"
+    title = f"Accuracy: {args.model} ({_weights(args.model)}, {dtype}, {args.device}), seed {args.seed}"
     print(report(rows, ppl, out, title))
 
 
 def _recorded_title(recorded: dict) -> str:
-    return f"{recorded.get('model', '?')} (real weights, {recorded.get('dtype', '?')}, {recorded.get('device', '?')})"
+    return f"{recorded.get('model', '?')} ({_weights(recorded.get('model', '?'))}, {recorded.get('dtype', '?')}, {recorded.get('device', '?')})"
 
 
 def cmd_policies(args) -> None:

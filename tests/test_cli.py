@@ -37,7 +37,7 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("argv,needle", [
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
-    (["generate", "--prompt", "hi", "--top-p", "1.5"], "top-p"),
+    (["generate", "--prompt", "hi", "--top-p", "1.5", "--temperature", "1"], "top-p must be in"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "positive integer"),
     (["generate", "--prompt", "hi", "--device", "tpu"], "invalid choice"),
     (["generate", "--prompt", "hi", "--dtype", "int3"], "invalid choice"),
@@ -50,6 +50,26 @@ def tiny_folder(tmp_path_factory):
     (["generate", "--prompt", "hi", "--attention", "dense:budget=0.5"], "sparse --attention"),
     (["generate", "--prompt", "hi", "--stop-token-ids", "2,x"], "comma-separated token ids"),
     (["generate", "--prompt", "hi", "--block-size", "4"], "--block-size applies to speculative decoding"),
+    # options that would be silently ignored: refused before the model loads
+    (["generate", "--prompt", "hi", "--top-k", "5"], "add --temperature above 0"),
+    (["generate", "--prompt", "hi", "--top-p", "0.5"], "add --temperature above 0"),
+    (["generate", "--prompt", "hi", "--seed", "3"], "add --temperature above 0"),
+    (["generate", "--prompt", "hi", "--target-name", "smollm2-135m"], "give --draft"),
+    (["generate", "--prompt", "hi", "--compile"], "needs --device cuda"),
+    (["bench", "spec", "--target", "no-such-model", "--compile"], "needs --device cuda"),
+    (["bench", "spec", "--target", "no-such-model", "--temperatures", "0,0"], "--temperatures lists 0.0 twice"),
+    (["bench", "spec", "--target", "no-such-model", "--kinds", "code,text,code"], "--kinds lists code twice"),
+    (["bench", "spec", "--target", "no-such-model", "--out", ""], "path is empty"),
+    (["train", "dflash", "--target", "no-such-model", "--out", ""], "path is empty"),
+    (["calibrate", "binarypc", "--model", "no-such-model", "--out", ""], "names no file"),
+    (["calibrate", "binarypc", "--model", "no-such-model", "--out", "/tmp/sub/"], "names no file"),
+    (["fidelity", "--model", "no-such-model", "--contexts", "natural,natural"], "--contexts lists natural twice"),
+    (["fidelity", "--model", "no-such-model", "--attention", "topk:budget=0.5"], "sweeps the budget"),
+    (["fidelity", "--model", "no-such-model", "--attention", "topk", "--attention-opt", "topk.budget=0.5"],
+     "sweeps the budget"),
+    (["longgen", "--model", "no-such-model", "--kinds", "long-essay,long-essay"], "--kinds lists long-essay twice"),
+    (["eval", "--model", "no-such-model", "--attention", "dense", "--attention-opt", "budget=0.1"],
+     "sparse --attention"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_invalid_options(capsys, argv, needle):
@@ -263,6 +283,45 @@ def test_a_bench_folder_takes_rows_only_from_its_own_settings(capsys, tmp_path, 
     assert code == 0 and len((out / "spec.jsonl").read_text().splitlines()) == 2 and "| ngram | code (1) | 1 |" in table
     code, table, _ = run(temperatures="1")
     assert code == 0 and "| ngram | code (1) | 1 |" in table and "| 0 |" not in table
+
+
+def test_a_policy_with_no_sparse_layer_is_refused_by_fidelity_and_said_by_eval(capsys, tmp_path, byte_model):
+    """dense_layers covering every layer leaves a policy dense everywhere: fidelity has nothing to compare (it divided
+    by zero), eval and generate run it but say so."""
+    code, _, err = run_main(capsys, "fidelity", "--model", "a", "--length", "128", "--steps", "1", "--contexts",
+                            "natural", "--budgets", "0.1", "--attention", "topk", "--out", str(tmp_path / "f"))
+    assert_clear_error(code, err, "every layer of this 2-layer model decodes densely")
+    code, _, err = run_main(capsys, "eval", "--model", "a", "--tasks", "niah_single", "--lengths", "300", "--samples",
+                            "1", "--attention", "topk", "--out", str(tmp_path / "e"))
+    assert code == 0 and "warning: topk: every layer of this 2-layer model decodes densely" in err
+
+
+def test_reports_say_random_weights_for_a_random_model(capsys, tmp_path, byte_model):
+    code, table, _ = run_main(capsys, "bench", "spec", "--target", "random:tiny", "--drafters", "ngram", "--prompts",
+                              "1", "--kinds", "code", "--max-new-tokens", "4", "--temperatures", "0")
+    assert code == 0 and "random weights" in table and "real weights" not in table
+
+
+def test_bench_spec_defaults_to_prompt_lookup_alone_without_a_shipped_drafter(capsys, byte_model, monkeypatch):
+    """The default target has no shipped DFlash drafter: the default drafters are then prompt lookup alone (the
+    default run used to fail after loading the model)."""
+    import sparsespec.spec.bench as bench
+
+    seen = {}
+    monkeypatch.setattr(bench, "run_bench", lambda engine, drafters, *a, **k: seen.update(drafters) or [])
+    monkeypatch.setattr(bench, "report", lambda *a, **k: "")
+    monkeypatch.setattr(bench, "make_drafter", lambda d, *a, **k: d.text)  # (the 1.5B's does not fit the byte model)
+    assert run_main(capsys, "bench", "spec", "--prompts", "1")[0] == 0
+    assert list(seen) == ["ngram"]
+    assert run_main(capsys, "bench", "spec", "--target", "qwen2.5-coder-1.5b", "--prompts", "1")[0] == 0
+    assert list(seen) == ["ngram", "dflash"]
+
+
+def test_a_block_beyond_the_context_and_a_one_token_rate_are_said_plainly(capsys, byte_model):
+    code, _, err = run_main(capsys, "generate", "--prompt", "hi", "--draft", "ngram", "--block-size", "100000")
+    assert_clear_error(code, err, "beyond the model's context")
+    code, _, err = run_main(capsys, "generate", "--prompt", "hi", "--max-new-tokens", "1")
+    assert code == 0 and "decode - tok/s" in err
 
 
 @pytest.mark.parametrize("what", ["attention", "decode"])
@@ -484,7 +543,7 @@ def test_a_bad_drafter_is_refused_before_the_model_loads(capsys, argv):
      "--block-size must be >= 2"),
     (["calibrate", "binarypc", "--model", "no-such-model", "--bits", "2000", "--out", "x.safetensors"], "bits"),
     (["eval", "--model", "no-such-model", "--attention", "topk", "--attention-opt", "topkk.budget=0.5"], "'topkk'"),
-    (["fidelity", "--model", "no-such-model", "--attention", "topk", "--attention-opt", "quest.budget=0.5"],
+    (["fidelity", "--model", "no-such-model", "--attention", "topk", "--attention-opt", "quest.sinks=4"],
      "'quest'"),
 ])
 def test_invalid_settings_are_refused_before_the_model_loads(capsys, argv, needle):
@@ -523,3 +582,11 @@ def test_host_out_of_memory_is_one_line(capsys, monkeypatch):
 def test_a_policy_listed_twice_is_refused(capsys, command):
     assert_clear_error(*run_main(capsys, command, "--model", "no-such-model", "--attention", "topk", "quest",
                                  "topk")[::2], "listed twice")
+
+
+def test_the_cli_module_imports_without_torch():
+    """Importing the package and its CLI leaves torch for the command's own work, inside `main`'s handling: a Ctrl-C
+    while torch loads (the first seconds of every command) ends with one line, not a traceback from the import."""
+    code = "import sys, sparsespec, sparsespec.cli; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
