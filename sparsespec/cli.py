@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target-name", default=None, help="registry name of a --target given as a path (to find "
                     "its shipped drafter)")
     sp.add_argument("--drafters", nargs="+", default=None,
-                    help="default: ngram, and dflash where a drafter is shipped for the target; ngram, dflash[:PATH], model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...], "
+                    help="default: ngram, and dflash where a drafter is shipped for the target; ngram, dflash[:PATH], "
+                    "model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...], "
                     "treeN:dflash[:PATH] (as generate --draft)")
     sp.add_argument("--prompts", type=_positive_int, default=8, help="held-out prompts per kind")
     sp.add_argument("--kinds", default="code,text", help="prompt kinds: code, text, long-code (repository-level "
@@ -836,8 +837,8 @@ def cmd_bench(args) -> None:
     rows = run_bench(engine, drafters, cfg, out, progress, cuda_graph=not args.no_cuda_graph, compile=args.compile,
                      time_limit=args.time_limit)
     device = torch_device_name(args.device)
-    print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, {_weights(args.target)}) on {device}, block "
-                            f"{cfg.block_size}, {cfg.max_new_tokens} new tokens, held-out prompts"))
+    print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, {_weights(args.target)}) on {device}, "
+                            f"block {cfg.block_size}, {cfg.max_new_tokens} new tokens, held-out prompts"))
 
 
 def cmd_bench_sparse(args) -> None:
@@ -1038,7 +1039,8 @@ def cmd_longgen(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record_settings(out, settings, ROW_FILES)
     rows = run_longgen(engine, cfg, out, progress=progress)
-    print(report(rows, out, f"Long generation vs dense: {args.model} ({_weights(args.model)}, {dtype}, {args.device}), {what}"))
+    print(report(rows, out, f"Long generation vs dense: {args.model} ({_weights(args.model)}, {dtype}, {args.device}), "
+                            f"{what}"))
 
 
 def _check_layers(policies: list, num_layers: int) -> None:

@@ -133,7 +133,8 @@ def test_calibrated_basis_round_trip(tmp_path, capsys, monkeypatch):
     assert code == 0, capsys.readouterr().err
     code = main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--attention", "binarypc",
                  "--attention-opt", "bits=32", f"basis={basis}"])
-    assert code == 2 and "does not fit this model" in capsys.readouterr().err
+    assert code == 2 and "holds a 16-bit basis and the policy asks for 32 bits: pass bits=16" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.slow

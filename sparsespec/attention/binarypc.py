@@ -213,7 +213,7 @@ class BinaryPC(SelectionPolicy):
 
     def __init__(self, options: BinaryPCOptions | None = None):
         super().__init__(options)
-        self.calibrated = load_basis(self.options.basis) if self.options.basis else None
+        self.calibrated = load_basis(self.options.basis, self.options.bits) if self.options.basis else None
         self._fit_graphs: dict | None = None  # during `build_all`: the basis fit's CUDA graph per shape
 
     def build(self, layer, cache, lengths):
@@ -391,11 +391,17 @@ def fit_calibrated_basis(keys_per_layer: dict[int, torch.Tensor], bits: int, ite
     return out
 
 
-def load_basis(path: str) -> dict[str, torch.Tensor]:
+def load_basis(path: str, bits: int | None = None) -> dict[str, torch.Tensor]:
+    """A calibrated basis file -> {"layer{l}": basis [Hkv, b, D]}; one of another width than `bits` is refused."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        return load_file(path)
+        basis = load_file(path)
     except (SafetensorError, OSError) as e:
         raise SparseSpecError(f"cannot read basis file {path}: {' '.join(str(e).split())}") from None
+    widths = sorted({b.shape[1] for b in basis.values() if b.dim() == 3})
+    if bits is not None and widths and widths != [bits]:
+        raise SparseSpecError(f"basis file {path} holds a {widths[0]}-bit basis and the policy asks for {bits} bits: "
+                              f"pass bits={widths[0]}")
+    return basis

@@ -35,11 +35,16 @@ from .drafters import Drafter
 
 
 def default_taps(target_layers: int, n: int) -> tuple[int, ...]:
-    """n target layers spread evenly from the second to the fourth-last: round(linspace(1, L − 3, n))."""
+    """n distinct target layers spread evenly from the second to the fourth-last: round(linspace(1, L − 3, n)); more
+    than that range holds, over every layer: round(linspace(0, L − 1, n)) (a layer tapped twice only repeats its
+    features). At most L taps."""
+    if not 1 <= n <= target_layers:
+        raise SparseSpecError(f"taps must be <= the target's {target_layers} layers (each tapped once: at most "
+                              f"{target_layers} taps), got {n}")
     if n == 1:
         return (target_layers // 2,)
-    hi = max(1, target_layers - 3)
-    return tuple(round(1 + i * (hi - 1) / (n - 1)) for i in range(n))
+    lo, hi = (1, target_layers - 3) if n <= target_layers - 3 else (0, target_layers - 1)
+    return tuple(round(lo + i * (hi - lo) / (n - 1)) for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class DFlashConfig:
     target: ModelConfig
     layers: int = 1
     block_size: int = 16
-    taps: tuple[int, ...] = ()  # target layers (0-based decoder layer outputs); () = default_taps(L, 3)
+    taps: tuple[int, ...] = ()  # target layers (0-based decoder layer outputs); () = default_taps(L, min(3, L))
     intermediate_size: int = 0  # drafter MLP width; 0 = the target's
     private_size: int = 0  # EDA: a private MLP of this width beside each layer's (shared) MLP; 0 = none
 
@@ -57,7 +62,7 @@ class DFlashConfig:
         if self.block_size < 2:
             raise SparseSpecError(f"block size must be >= 2, got {self.block_size}")
         if not self.taps:
-            object.__setattr__(self, "taps", default_taps(self.target.num_layers, 3))
+            object.__setattr__(self, "taps", default_taps(self.target.num_layers, min(3, self.target.num_layers)))
         if any(not 0 <= t < self.target.num_layers for t in self.taps):
             raise SparseSpecError(f"tapped layers {self.taps} outside the target's {self.target.num_layers}")
         if self.intermediate_size < 0:

@@ -34,8 +34,8 @@ from ..generate import Engine
 from .dflash import DecoupledMLP, DFlash
 from .finetune import encode_pairs
 from .prompts import DOMAINS, domain_pairs, make_prompts
-from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_ce, block_loss, block_taus, check_settings,
-                    decoding_acceptance, fingerprint, fit, packed, regenerate, sample_anchors)
+from .train import (Dataset, TrainConfig, acceptance, autocast_for, block_ce, block_loss, block_taus, check_resume,
+                    check_settings, decoding_acceptance, fingerprint, fit, packed, regenerate, sample_anchors)
 
 RULES = ("loss", "reducible", "acceptance", "shift", "random")
 DATA = ("regenerated", "original")
@@ -243,6 +243,7 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     tcfg's prompts / heldout / max_new_tokens / gen_batch make the data, its steps / batch / anchors / lr / time
     limit / eval_every the optimisation -> the summary written with the drafter. `reference`: the target before its
     fine-tune (a Transformer; what `--select shift` compares with)."""
+    check_resume(out / "checkpoint.pt", tcfg.steps)
     out.mkdir(parents=True, exist_ok=True)
     device = engine.device
     torch.manual_seed(tcfg.seed)

@@ -30,7 +30,7 @@ from ..errors import SparseSpecError
 from ..models.transformer import Transformer
 from ..progress import progress_bar
 from .prompts import DOMAINS, domain_pairs
-from .train import check_settings, learning_rate, save_whole
+from .train import check_resume, check_settings, learning_rate, save_whole
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the linear maps of a decoder layer
 ADAPTER_FILES = ("adapter.safetensors", "adapter.json")
@@ -93,8 +93,20 @@ def _targets(model: Transformer):
             yield f"layers.{i}.{attr}", layer.self_attn if hasattr(layer.self_attn, attr) else layer.mlp, attr
 
 
+def check_rank(model: Transformer, rank: int) -> None:
+    """A LoRA rank above the smallest min(in, out) of the adapted maps is refused: B A of that map would hold more
+    parameters than the whole weight update it can express (a low-rank adapter a fraction of the model's size)."""
+    limit = min(min(m.in_features, m.out_features)
+                for m in (getattr(getattr(parent, attr), "base", getattr(parent, attr))
+                          for _, parent, attr in _targets(model)))
+    if rank > limit:
+        raise SparseSpecError(f"LoRA rank must be <= {limit} (the narrowest adapted map is {limit} wide: a higher "
+                              f"rank only adds parameters), got {rank}")
+
+
 def add_lora(model: Transformer, rank: int, alpha: float) -> dict[str, LoraLinear]:
     """Wrap every target linear map of `model` in a `LoraLinear` (the base weights frozen) -> them by name."""
+    check_rank(model, rank)
     model.requires_grad_(False)
     out = {}
     for name, parent, attr in _targets(model):
@@ -193,6 +205,8 @@ def finetune(engine, cfg: FinetuneConfig, out: Path, base_name: str, progress: b
     merge the adapter into the engine's weights -> the summary written to adapter.json."""
     from safetensors.torch import save_file
 
+    check_rank(engine.model, cfg.rank)
+    check_resume(out / "checkpoint.pt", cfg.steps)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"base": base_name, **{k: v for k, v in asdict(cfg).items() if k not in ("steps", "time_limit",
                                                                                           "eval_every")}}

@@ -332,16 +332,15 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     the prompts and trains on it, gradients averaged; only the main process logs and writes the checkpoint and the
     drafter. `add_data`: data sets of earlier runs with this target (their `data.safetensors`: the tokens of its
     answers) added to the answers regenerated here, prompts answered twice once."""
-    if cfg.taps > engine.config.num_layers:
-        raise SparseSpecError(f"taps must be <= the target's {engine.config.num_layers} layers, got {cfg.taps}")
+    taps = default_taps(engine.config.num_layers, cfg.taps)  # (more taps than layers refused)
+    check_resume(out / "checkpoint.pt", cfg.steps)
     ranks = ranks or Ranks.current()
     if not ranks.main:
         progress, log = False, lambda *_: None
     out.mkdir(parents=True, exist_ok=True)
     device = engine.device
     torch.manual_seed(cfg.seed)
-    dcfg = DFlashConfig(engine.config, cfg.layers, cfg.block_size,
-                        default_taps(engine.config.num_layers, cfg.taps), cfg.intermediate_size)
+    dcfg = DFlashConfig(engine.config, cfg.layers, cfg.block_size, taps, cfg.intermediate_size)
     settings = {"target": dcfg.target.__dict__ | {"rope_scaling": dcfg.target.rope_scaling.__dict__},
                 "drafter": dcfg.to_json(), "data": {k: getattr(cfg, k) for k in ("prompts", "heldout",
                                                                                 "max_new_tokens", "seed")}}
@@ -459,6 +458,19 @@ def check_settings(path: Path, settings: dict) -> None:
         path.write_text(json.dumps(settings, indent=1))
 
 
+def check_resume(ckpt: Path, steps: int) -> None:
+    """A run folder whose checkpoint is past `steps` is refused before any work (resuming it would train nothing and
+    rewrite the run's results as if its steps were `steps`)."""
+    if ckpt.is_file():
+        refuse_past(torch.load(ckpt, map_location="cpu", mmap=True)["step"], steps, ckpt)
+
+
+def refuse_past(step: int, steps: int, ckpt: Path) -> None:
+    if step > steps:
+        raise SparseSpecError(f"the checkpoint in {ckpt.parent} is at step {step}, past --steps {steps}: pass "
+                              f"--steps above {step} to train on (or a new --out folder to start over)")
+
+
 def save_whole(state: dict, path: Path) -> None:
     """torch.save written whole, then renamed: a stopped run never leaves a corrupt checkpoint."""
     tmp = path.with_name(path.name + ".tmp")
@@ -514,9 +526,9 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
         progress: bool = False, log=print, ranks: Ranks = Ranks(),
         evaluate_first: bool = False) -> tuple[float, list[dict]]:
     """Optimise `drafter` on `data` for cfg.steps or cfg.time_limit seconds of optimisation, whichever ends first
-    (resuming from `ckpt` if present, saving it at every evaluation); return (final held-out tau,
-    [{step, loss, heldout_tau, seconds}]). The schedule follows the progress, max(steps done / cfg.steps, optimisation
-    time / cfg.time_limit): a time limit ends training on time whatever the steps cost (evaluations not counted;
+    (resuming from `ckpt` if present, one past cfg.steps refused; saving it at every evaluation); return (final
+    held-out tau, [{step, loss, heldout_tau, seconds}]). The schedule follows the progress, max(steps done /
+    cfg.steps, optimisation time / cfg.time_limit): a time limit ends training on time whatever the steps cost (evaluations not counted;
     a resumed run continues the clock it saved). Data-parallel (`ranks`): each process draws its own rows of its own
     `data`, gradients are averaged, the clock is the slowest process's, and only the main process writes.
     `evaluate_first`: a run that starts (not resumes) from an earlier drafter evaluates it before the first step, so
@@ -526,6 +538,7 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
     step, spent = 0, 0.0  # optimisation steps and seconds so far
     if ckpt is not None and ckpt.is_file():
         state = torch.load(ckpt, map_location=device)
+        refuse_past(state["step"], cfg.steps, ckpt)
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, spent = state["step"], state.get("seconds", 0.0)
