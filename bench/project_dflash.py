@@ -89,8 +89,8 @@ def main() -> None:
         p = projection(row, tau, args.block, args.layers, args.extra_ms)
         mark = f" (measured on real weights: {speedup:.2f}x)" if row["model"] == target else ""
         print(f"| {p['model']} | {row['batch']}, {row['context']} | {p['decode_ms']:.3f} | {p['verify_ms']:.3f} | "
-              f"{p['draft_ms']:.3f} + {p['ingest_ms']:.3f} + {p['extra_ms']:.3f} | {p['cycle_ms']:.3f} | **{p['speedup']:.2f}x projected**"
-              f"{mark} |")
+              f"{p['draft_ms']:.3f} + {p['ingest_ms']:.3f} + {p['extra_ms']:.3f} | {p['cycle_ms']:.3f} | "
+              f"**{p['speedup']:.2f}x projected**{mark} |")
 
 
 if __name__ == "__main__":

@@ -406,12 +406,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_out(path: str | None) -> None:
+    """An output folder's path, before any work: an empty one would write into the working folder (or nowhere)."""
+    if path is not None and not path.strip():
+        raise SparseSpecError("the output folder's path is empty: name a folder (--out DIR)")
+
+
 def _writable_folder(path: str):
     """Create `path` if needed and check it can be written, before any long work; -> Path."""
     from pathlib import Path
 
-    if not path.strip():
-        raise SparseSpecError("the output folder's path is empty: name a folder (--out DIR)")
+    _check_out(path)
     folder = Path(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -497,6 +502,7 @@ def cmd_generate(args) -> None:
 
     if args.system is not None and not args.chat:
         raise SparseSpecError("--system is a chat message: add --chat")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)  # (its ranges checked first)
     if args.temperature == 0 and (args.top_k or args.top_p != 1 or args.seed is not None):
         raise SparseSpecError("--top-k, --top-p and --seed apply to sampling: add --temperature above 0 (0 is greedy)")
     if args.target_name is not None and args.draft == "none":
@@ -506,7 +512,7 @@ def cmd_generate(args) -> None:
     prompts = _read_prompts(args)
     gen = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+        sampling=sampling,
         stop_strings=tuple(args.stop),
         stop_token_ids=args.stop_token_ids,
         stop_on_eos=not args.ignore_eos,
@@ -526,7 +532,8 @@ def cmd_generate(args) -> None:
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
     if args.row_invariant:
         engine.model.row_invariant()
-    _check_layers([policy], engine.config.num_layers)
+    if policy is not None:
+        _check_layers([policy], engine.config.num_layers)
     ids = [engine.encode(p, chat=args.chat, system=args.system) for p in prompts]
     if draft.kind != "none":
         _speculate(args, draft, engine, ids, gen, dtype, progress)
@@ -564,8 +571,8 @@ def _speculate(args, draft, engine, ids: list[list[int]], gen, dtype, progress) 
     from .spec.bench import make_drafter
     from .spec.decode import speculative_generate
 
-    _check_block_fits(args.block_size or 16, engine)
     drafter = make_drafter(draft, engine, args.target_name or args.model, args.device, dtype, progress)
+    _check_block_fits(args.block_size or 16, engine)
     results = speculative_generate(engine, ids, drafter, gen, args.block_size or 16)  # the prompts as one batch
     for result in results:
         steps = len(result.token_ids) - 1  # tokens after the first
@@ -794,15 +801,17 @@ def cmd_bench(args) -> None:
     _unique(temps, "--temperatures")
     _unique(kinds, "--kinds")
     _check_compile(args)
-    if args.out is not None and not args.out.strip():
-        raise SparseSpecError("the output folder's path is empty: name a folder (--out DIR)")
+    _check_out(args.out)
     name = args.target_name or args.target
+    lookup_alone = False  # the default drafters without DFlash: said once the run's other checks have passed
     if args.drafters is None:  # DFlash beside prompt lookup where a drafter is shipped for the target
         try:
             drafter_path(name)
             args.drafters = ["ngram", "dflash"]
         except SparseSpecError:
-            args.drafters = ["ngram"]
+            if args.target_name is not None:  # (named for its drafter: its absence is an error)
+                raise
+            args.drafters, lookup_alone = ["ngram"], True
     cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts, kinds=kinds, temperatures=temps,
                       max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars,
                       batch=args.batch)
@@ -826,6 +835,9 @@ def cmd_bench(args) -> None:
     engine = Engine.from_name(args.target, device=args.device, dtype=dtype, progress=progress)
     if engine.config.sliding_window is not None:
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
+    if lookup_alone:
+        print(f"sparsespec: note: no DFlash drafter is shipped for {name}: measuring prompt lookup (ngram) alone",
+              file=sys.stderr)
     if args.row_invariant:
         engine.model.row_invariant()
     _check_block_fits(cfg.block_size, engine)
@@ -992,7 +1004,7 @@ def cmd_fidelity(args) -> None:
             if not (hasattr(policy, "select") or hasattr(policy, "selected_slots")):
                 raise SparseSpecError(f"fidelity compares sparse policies with dense attention; {name!r} has no "
                                       "key selection to measure")
-    _writable_folder(args.out)
+    _check_out(args.out)
     progress = sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=args.dtype, progress=progress)
     engine.check_fits(args.length, args.steps)
@@ -1001,6 +1013,7 @@ def cmd_fidelity(args) -> None:
         if policy.sparse_layers(engine.config.num_layers) == 0:
             raise SparseSpecError(f"{name}: every layer of this {engine.config.num_layers}-layer model decodes densely "
                                   f"(dense_layers={policy.options.dense_layers}): lower dense_layers")
+    _writable_folder(args.out)  # only now: a refused run leaves no folder behind
     rows = run_fidelity(engine.model, engine.tokenizer, cfg, progress=progress)
     title = (f"Fidelity vs dense attention: {args.model} ({_weights(args.model)}, {args.dtype}, {args.device}), "
              f"{args.length}-token contexts, {cfg.steps} teacher-forced decode steps, all heads of each policy's "
@@ -1091,7 +1104,8 @@ def cmd_eval(args) -> None:
 
 
 def _recorded_title(recorded: dict) -> str:
-    return f"{recorded.get('model', '?')} ({_weights(recorded.get('model', '?'))}, {recorded.get('dtype', '?')}, {recorded.get('device', '?')})"
+    model = recorded.get("model", "?")
+    return f"{model} ({_weights(model)}, {recorded.get('dtype', '?')}, {recorded.get('device', '?')})"
 
 
 def cmd_policies(args) -> None:

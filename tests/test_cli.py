@@ -302,19 +302,27 @@ def test_reports_say_random_weights_for_a_random_model(capsys, tmp_path, byte_mo
     assert code == 0 and "random weights" in table and "real weights" not in table
 
 
-def test_bench_spec_defaults_to_prompt_lookup_alone_without_a_shipped_drafter(capsys, byte_model, monkeypatch):
-    """The default target has no shipped DFlash drafter: the default drafters are then prompt lookup alone (the
-    default run used to fail after loading the model)."""
+def test_bench_spec_defaults_to_prompt_lookup_alone_without_a_shipped_drafter(capsys, byte_model, monkeypatch,
+                                                                              tmp_path):
+    """The default target has no shipped DFlash drafter: the default drafters are then prompt lookup alone, said on
+    stderr (the default run used to fail after loading the model); a target with one gets both; a --target-name
+    without one is an error, as it was."""
     import sparsespec.spec.bench as bench
+    import sparsespec.spec.registry as shipped
 
     seen = {}
     monkeypatch.setattr(bench, "run_bench", lambda engine, drafters, *a, **k: seen.update(drafters) or [])
     monkeypatch.setattr(bench, "report", lambda *a, **k: "")
-    monkeypatch.setattr(bench, "make_drafter", lambda d, *a, **k: d.text)  # (the 1.5B's does not fit the byte model)
-    assert run_main(capsys, "bench", "spec", "--prompts", "1")[0] == 0
-    assert list(seen) == ["ngram"]
-    assert run_main(capsys, "bench", "spec", "--target", "qwen2.5-coder-1.5b", "--prompts", "1")[0] == 0
+    monkeypatch.setattr(bench, "make_drafter", lambda d, *a, **k: d.text)  # (a stub file: not loaded)
+    monkeypatch.setattr(shipped, "DRAFTER_DIR", tmp_path)
+    (tmp_path / "qwen2.5-coder-0.5b-dflash.safetensors").write_bytes(b"")
+    code, _, err = run_main(capsys, "bench", "spec", "--prompts", "1")
+    assert code == 0 and list(seen) == ["ngram"] and "measuring prompt lookup (ngram) alone" in err
+    seen.clear()
+    assert run_main(capsys, "bench", "spec", "--target", "qwen2.5-coder-0.5b", "--prompts", "1")[0] == 0
     assert list(seen) == ["ngram", "dflash"]
+    assert_clear_error(*run_main(capsys, "bench", "spec", "--target", "x.gguf", "--target-name", "smollm2-135m",
+                                 "--prompts", "1")[::2], "no DFlash drafter is shipped for 'smollm2-135m'")
 
 
 def test_a_block_beyond_the_context_and_a_one_token_rate_are_said_plainly(capsys, byte_model):

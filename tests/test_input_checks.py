@@ -74,6 +74,12 @@ def test_train_dflash_taps_distinct_layers_and_refuses_more_taps_than_layers(tmp
     assert f"the checkpoint in {out} is at step 2, past --steps 1: pass --steps above 2" in line, line
     assert (out / "summary.json").read_bytes() == summary and (out / "drafter.safetensors").read_bytes() == drafter
     assert "NaN" not in summary.decode()
+    # the same command again (the run finished): its results as they were, no NaN re-evaluation row
+    code, err = _cli(["train", "dflash", *small, "--taps", "2", "--steps", "2"], capsys)
+    assert code == 0, err
+    again = json.loads((out / "summary.json").read_text())
+    assert again["history"] == json.loads(summary)["history"] and "NaN" not in (out / "summary.json").read_text()
+    assert (out / "drafter.safetensors").read_bytes() == drafter
 
 
 # ------------------------------------------------------------------------------------------- 2. resume past steps

@@ -402,6 +402,7 @@ def load_basis(path: str, bits: int | None = None) -> dict[str, torch.Tensor]:
         raise SparseSpecError(f"cannot read basis file {path}: {' '.join(str(e).split())}") from None
     widths = sorted({b.shape[1] for b in basis.values() if b.dim() == 3})
     if bits is not None and widths and widths != [bits]:
-        raise SparseSpecError(f"basis file {path} holds a {widths[0]}-bit basis and the policy asks for {bits} bits: "
-                              f"pass bits={widths[0]}")
+        held = f"a {widths[0]}-bit basis" if len(widths) == 1 else f"bases of {', '.join(map(str, widths))} bits"
+        hint = f": pass bits={widths[0]}" if len(widths) == 1 else ""
+        raise SparseSpecError(f"basis file {path} holds {held} and the policy asks for {bits} bits{hint}")
     return basis

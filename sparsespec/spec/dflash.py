@@ -36,14 +36,16 @@ from .drafters import Drafter
 
 def default_taps(target_layers: int, n: int) -> tuple[int, ...]:
     """n distinct target layers spread evenly from the second to the fourth-last: round(linspace(1, L − 3, n)); more
-    than that range holds, over every layer: round(linspace(0, L − 1, n)) (a layer tapped twice only repeats its
-    features). At most L taps."""
+    than that range holds, over every layer but the last while they fit (round(linspace(0, L − 2, n)); the last
+    layer's output is the LM head's input, which a drafter wrapped around transformers cannot tap), else over all
+    (a layer tapped twice would only repeat its features). At most L taps."""
     if not 1 <= n <= target_layers:
         raise SparseSpecError(f"taps must be <= the target's {target_layers} layers (each tapped once: at most "
                               f"{target_layers} taps), got {n}")
     if n == 1:
         return (target_layers // 2,)
-    lo, hi = (1, target_layers - 3) if n <= target_layers - 3 else (0, target_layers - 1)
+    lo, hi = ((1, target_layers - 3) if n <= target_layers - 3 else (0, target_layers - 2) if n <= target_layers - 1
+              else (0, target_layers - 1))
     return tuple(round(lo + i * (hi - lo) / (n - 1)) for i in range(n))
 
 

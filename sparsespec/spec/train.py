@@ -527,21 +527,25 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
         evaluate_first: bool = False) -> tuple[float, list[dict]]:
     """Optimise `drafter` on `data` for cfg.steps or cfg.time_limit seconds of optimisation, whichever ends first
     (resuming from `ckpt` if present, one past cfg.steps refused; saving it at every evaluation); return (final
-    held-out tau, [{step, loss, heldout_tau, seconds}]). The schedule follows the progress, max(steps done /
-    cfg.steps, optimisation time / cfg.time_limit): a time limit ends training on time whatever the steps cost (evaluations not counted;
-    a resumed run continues the clock it saved). Data-parallel (`ranks`): each process draws its own rows of its own
+    held-out tau, [{step, loss, heldout_tau, seconds}]; a finished run resumed: its results as they were). The
+    schedule follows the progress, max(steps done / cfg.steps, optimisation time / cfg.time_limit): a time limit
+    ends training on time whatever the steps cost (evaluations not counted; a resumed run continues the clock it
+    saved). Data-parallel (`ranks`): each process draws its own rows of its own
     `data`, gradients are averaged, the clock is the slowest process's, and only the main process writes.
     `evaluate_first`: a run that starts (not resumes) from an earlier drafter evaluates it before the first step, so
     the history's first row is that drafter on this run's held-out prompts (step 0, loss nan)."""
     device = data.tokens.device
     opt = torch.optim.AdamW(drafter.parameters(), lr=0.0, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, spent = 0, 0.0  # optimisation steps and seconds so far
+    history: list[dict] = []
+    loss_value = float("nan")  # the last step's loss
     if ckpt is not None and ckpt.is_file():
         state = torch.load(ckpt, map_location=device)
         refuse_past(state["step"], cfg.steps, ckpt)
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, spent = state["step"], state.get("seconds", 0.0)
+        history, loss_value = list(state.get("history", [])), state.get("loss", loss_value)  # (older: neither)
         log(f"resumed at step {step} ({spent:.0f} s of optimisation)")
 
     def done() -> float:
@@ -549,7 +553,6 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
 
     g = torch.Generator(device=device).manual_seed(cfg.seed + step + 1_000_003 * ranks.rank)
     autocast = autocast_for(device)
-    history: list[dict] = []
     skipped = 0
 
     def evaluate(loss: float) -> float:
@@ -558,11 +561,14 @@ def fit(drafter: DFlash, target, data: Dataset, held: Dataset, cfg: TrainConfig,
             tau = acceptance(drafter, target, held, ranks=ranks)
         history.append({"step": step, "loss": loss, "heldout_tau": tau, "seconds": round(spent, 1)})
         if ckpt is not None and ranks.main:  # written whole, then renamed: never a corrupt checkpoint
-            save_whole({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": spent}, ckpt)
+            save_whole({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": spent,
+                        "loss": loss, "history": history}, ckpt)
         log(f"step {step}: loss {loss:.3f}, held-out tau {tau:.2f} ({spent:.0f} s)")
         return tau
 
-    tau, loss_value = float("nan"), float("nan")
+    if history and history[-1]["step"] == step and done() >= 1:  # a finished run again: its results as they are
+        return history[-1]["heldout_tau"], history
+    tau = float("nan")
     if evaluate_first and step == 0:
         tau = evaluate(loss_value)
     with progress_bar() as bar:
