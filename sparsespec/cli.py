@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
     src.add_argument("--prompts-file", help="several prompts generated as one batch: one per line, or JSON lines "
                      "{\"prompt\": ...} in a .jsonl file ('-' for stdin)")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128, help="(default: %(default)s)")
     g.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="sampling: keep the K most likely tokens (default: 0, off)")
     g.add_argument("--top-p", type=_float, default=1.0, help="sampling: keep the smallest set of tokens whose "
@@ -117,13 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "(benchmarks)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="--chat: a system message before the prompt")
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
     g.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    g.add_argument("--prefill-chunk", type=_positive_int, default=1024)
+    g.add_argument("--prefill-chunk", type=_positive_int, default=1024, help="prompt tokens a prefill step takes "
+                   "(default: %(default)s)")
     g.add_argument("--compile", action="store_true",
                    help="cuda: torch.compile the CUDA-graphed decode step (about 30 s to start, ~1.3x faster steps)")
     g.add_argument("--row-invariant", action="store_true", help=ROW_INVARIANT_HELP)
-    g.add_argument("--attention", default="dense", help="decode attention policy (see `sparsespec policies`)")
+    g.add_argument("--attention", default="dense", help="decode attention policy (see `sparsespec policies`; "
+                   "default: %(default)s)")
     g.add_argument("--attention-opt", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="policy option, e.g. budget=0.02 sinks=4 (repeatable)")
     g.add_argument("--draft", default="none",
@@ -337,13 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="fit a policy's offline calibration on real text and save it")
     cal.add_argument("policy", choices=["binarypc", "doublesparse"])
-    cal.add_argument("--model", default=DEFAULT_MODEL)
-    cal.add_argument("--corpus", default="wiki")
-    cal.add_argument("--tokens", type=_positive_int, default=4096)
-    cal.add_argument("--bits", type=_positive_int, default=64, help="binarypc: code width")
-    cal.add_argument("--channels", type=_positive_int, default=16, help="doublesparse: label channels")
-    cal.add_argument("--seed", type=int, default=0)
-    cal.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    cal.add_argument("--model", default=DEFAULT_MODEL, help="(default: %(default)s)")
+    cal.add_argument("--corpus", default="wiki", choices=sorted(CORPORA), help="the text fitted (default: %(default)s)")
+    cal.add_argument("--tokens", type=_positive_int, default=4096, help="tokens of it (default: %(default)s)")
+    cal.add_argument("--bits", type=_positive_int, default=None, help="binarypc: code width (default: 64)")
+    cal.add_argument("--channels", type=_positive_int, default=None, help="doublesparse: label channels (default: 16)")
+    cal.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    cal.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
     cal.add_argument("--out", required=True, help="safetensors file to write")
 
     fid = sub.add_parser("fidelity", help="compare policies' key selection with dense attention on real text")
@@ -952,6 +954,11 @@ def cmd_calibrate(args) -> None:
     if os.path.isdir(args.out):
         raise SparseSpecError(f"--out {args.out} is a folder: name the calibration file to write (e.g. "
                               f"{os.path.join(args.out, args.policy + '.safetensors')})")
+    other = "channels" if args.policy == "binarypc" else "bits"  # (the other policy's option)
+    if getattr(args, other) is not None:
+        raise SparseSpecError(f"--{other} is the {'doublesparse' if other == 'channels' else 'binarypc'} "
+                              f"calibration's option, not {args.policy}'s")
+    args.bits, args.channels = args.bits or 64, args.channels or 16
     if args.policy == "binarypc":  # the widths the policy can use (its options' check)
         from .attention.binarypc import BinaryPCOptions
 
