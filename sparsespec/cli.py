@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--kinds", default="code,text", help="prompt kinds the target answers, split evenly (a kind named "
                     "twice takes two shares, e.g. code,code,text): code, text, long-code, long-text, long-essay, kjv, "
                     "shakespeare (default: %(default)s)")
+    td.add_argument("--long-chars", type=_positive_int, default=None, help="the context of the long kinds in "
+                    "characters, about 4 a token (default: 64000)")
 
     tf = trs.add_parser("finetune", help="fine-tune a target on a domain with LoRA (the targets EDA adapts to)")
     tf.add_argument("--model", default=DEFAULT_MODEL, help="base model: registry name, GGUF file or HF checkpoint "
@@ -682,7 +684,8 @@ def cmd_train(args) -> None:
                       intermediate_size=args.intermediate_size, steps=args.steps, batch=args.batch,
                       anchors=args.anchors, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
                       time_limit=args.time_limit, seed=args.seed,
-                      kinds=tuple(k.strip() for k in args.kinds.split(",")))  # invalid options fail before any process
+                      kinds=tuple(k.strip() for k in args.kinds.split(",")),
+                      long_chars=args.long_chars or TrainConfig.long_chars)  # invalid options fail before any process
     _writable_folder(args.out)
     if args.init and not all(f.is_file() for f in drafter_files(Path(args.init))):
         raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")

@@ -171,3 +171,22 @@ def test_finetune_refuses_to_resume_past_its_steps_before_any_work(tmp_path):
         finetune(byte_engine(0), FinetuneConfig(examples=2, rank=4, steps=2, batch=1, heldout=1), tmp_path / "ft",
                  "byte", log=lambda *_: None)
     assert not (tmp_path / "ft" / "settings.json").exists()
+
+
+# ------------------------------------------------------------------------------------------- long prompts' size
+
+
+def test_train_dflash_sizes_its_long_prompts_and_refuses_a_size_without_them(tmp_path, capsys):
+    """--long-chars sizes the long kinds' contexts (64,000 characters before: past a small target's context, so no
+    long-kind training could run on it); without a long kind it would be ignored: refused."""
+    with pytest.raises(SparseSpecError, match="add one"):
+        TrainConfig(long_chars=2000)
+    with pytest.raises(SparseSpecError, match=">= 1000"):
+        TrainConfig(kinds=("long-code",), long_chars=999)
+    out = tmp_path / "run"
+    code, err = _cli(["train", "dflash", "--target", "random:tiny", "--kinds", "long-code", "--long-chars", "2000",
+                      "--prompts", "2", "--heldout", "1", "--max-new-tokens", "4", "--gen-batch", "2", "--batch", "1",
+                      "--anchors", "2", "--block-size", "2", "--eval-every", "1", "--taps", "2", "--steps", "1",
+                      "--out", str(out)], capsys)
+    assert code == 0, err
+    assert json.loads((out / "settings.json").read_text())["data"]["long_chars"] == 2000

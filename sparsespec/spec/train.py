@@ -55,12 +55,17 @@ class TrainConfig:
     time_limit: float = 0  # seconds of optimisation (0: none); whichever of steps and time ends first
     seed: int = 0
     kinds: tuple[str, ...] = ("code", "text")  # prompt kinds (spec/prompts.py), split evenly
+    long_chars: int = 64_000  # the context of the long kinds, in characters (about 4 a token)
 
     def __post_init__(self):
         unknown = set(self.kinds) - set(KINDS)
         if unknown or not self.kinds or "humaneval" in self.kinds:
             raise SparseSpecError(f"invalid prompt kinds {sorted(unknown) or list(self.kinds)} for training (choose "
                                   f"from {', '.join(k for k in KINDS if k != 'humaneval')})")
+        if self.long_chars != TrainConfig.long_chars and not any(k.startswith("long-") for k in self.kinds):
+            raise SparseSpecError("long-chars sizes the long prompt kinds: add one (e.g. --kinds code,long-code)")
+        if self.long_chars < 1000:
+            raise SparseSpecError(f"long-chars must be >= 1000 characters, got {self.long_chars}")
         for name in ("prompts", "heldout", "gen_batch", "layers", "taps", "steps", "batch", "anchors", "eval_every"):
             if getattr(self, name) < 1:
                 raise SparseSpecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -346,6 +351,8 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
                                                                                 "max_new_tokens", "seed")}}
     if cfg.kinds != TrainConfig.kinds:  # (runs of the default kinds, from before kinds could be chosen, resume)
         settings["data"]["kinds"] = list(cfg.kinds)
+    if cfg.long_chars != TrainConfig.long_chars:  # (likewise)
+        settings["data"]["long_chars"] = cfg.long_chars
     if add_data:
         settings["data"]["add_data"] = [str(p) for p in add_data]
     settings["processes"] = ranks.size  # each process keeps its own share of the data: a resume needs as many
@@ -370,9 +377,11 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         data, held = (Dataset.load(p, engine, dcfg.taps, cfg.gen_batch) for p in (data_path, held_path))
     else:
         train_p = [engine.encode(p.text, chat=True)
-                   for p in ranks.share(make_prompts(cfg.prompts, "train", cfg.kinds, cfg.seed))]
+                   for p in ranks.share(make_prompts(cfg.prompts, "train", cfg.kinds, cfg.seed,
+                                                           cfg.long_chars))]
         held_p = [engine.encode(p.text, chat=True)
-                  for p in ranks.share(make_prompts(cfg.heldout, "heldout", cfg.kinds, cfg.seed))]
+                  for p in ranks.share(make_prompts(cfg.heldout, "heldout", cfg.kinds, cfg.seed,
+                                                             cfg.long_chars))]
         data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train")
         held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out")
         for path in add_data:  # each process its share of them
