@@ -676,7 +676,11 @@ def _long_request(server: Server, stream: bool) -> http.client.HTTPConnection:
 @pytest.mark.slow
 def test_full_queue_answers_429_at_once_and_disconnects_free_their_slots(server):
     before = server.metrics().get('sparsespec_requests_total{finish_reason=cancelled}', 0)
-    conns = [_long_request(server, stream=i % 2 == 0) for i in range(MAX_BATCH + MAX_QUEUE)]
+    # the first (streamed) request running before the others are sent: requests sent together may be admitted in
+    # any order (each is tokenized off the event loop), and the one read below must be a running one
+    conns = [_long_request(server, stream=True)]
+    server.wait_metrics(lambda m: m["sparsespec_running_rows"] == 1)
+    conns += [_long_request(server, stream=i % 2 == 0) for i in range(1, MAX_BATCH + MAX_QUEUE)]
     try:
         m = server.wait_metrics(lambda m: m["sparsespec_running_rows"] == MAX_BATCH
                                 and m["sparsespec_queue_length"] == MAX_QUEUE)
