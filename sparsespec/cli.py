@@ -483,6 +483,15 @@ def _weights(model: str) -> str:
     return "random weights" if str(model).startswith("random:") else "real weights"
 
 
+def _check_dense_options(specs: list[str], opts: list[str]) -> None:
+    """--attention-opt (or NAME:key=value) where every --attention policy is dense: nothing would take them."""
+    from .attention import parse_spec
+
+    parsed = [parse_spec(spec) for spec in specs]
+    if all(name == "dense" for name, _ in parsed) and (opts or any(inline for _, inline in parsed)):
+        raise SparseSpecError("--attention-opt needs a sparse --attention policy (dense attention has no options)")
+
+
 def _unique(values, option: str) -> None:
     """A list option that names an entry twice would measure it twice (and count it twice): refused."""
     twice = sorted({v for v in values if list(values).count(v) > 1}, key=str)
@@ -524,9 +533,8 @@ def cmd_generate(args) -> None:
         compile=args.compile,
     )
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    _check_dense_options([args.attention], args.attention_opt)
     name, inline = parse_spec(args.attention)
-    if name == "dense" and (inline or args.attention_opt):
-        raise SparseSpecError("--attention-opt needs a sparse --attention policy (dense attention has no options)")
     policy = None if name == "dense" else make_policy(name, [*inline, *args.attention_opt])
     progress = args.progress or sys.stderr.isatty()
     if args.draft != "none" and policy is not None:
@@ -598,10 +606,9 @@ def _serve_policy(spec: str, opts: list[str]):
     """--attention / --attention-opt of `serve` -> a graphable policy, or None for dense."""
     from .attention import make_policy, parse_spec
 
+    _check_dense_options([spec], opts)
     name, inline = parse_spec(spec)
     if name == "dense":
-        if inline or opts:
-            raise SparseSpecError("--attention-opt needs a sparse --attention policy (dense attention has no options)")
         return None
     policy = make_policy(name, [*inline, *opts])
     if not (policy.graphable and policy.row_index):
@@ -1000,11 +1007,6 @@ def cmd_fidelity(args) -> None:
     contexts = tuple(args.contexts.split(","))
     _unique(contexts, "--contexts")
     _unique(budgets, "--budgets")
-    for spec in [*args.attention, *args.attention_opt]:  # (the sweep sets the budget: another would relabel it)
-        if any(o.partition("=")[0].rpartition(".")[2].strip() == "budget"
-               for o in spec.partition(":")[2 if ":" in spec else 0].split(",") if "=" in o):
-            raise SparseSpecError(f"{spec}: fidelity sweeps the budget with --budgets; drop budget= from the policy's "
-                                  "options")
     cfg = FidelityConfig(length=args.length, contexts=contexts, budgets=budgets,
                          policies=tuple(args.attention), options=tuple(args.attention_opt), steps=args.steps,
                          seed=args.seed)
@@ -1084,8 +1086,7 @@ def cmd_eval(args) -> None:
     from .results import check_folder, record_settings, recorded_rows
 
     tasks = TASKS if args.tasks == "all" else tuple(t.strip() for t in args.tasks.split(","))
-    if args.attention_opt and all(a.partition(":")[0] == "dense" for a in args.attention):
-        raise SparseSpecError("--attention-opt needs a sparse --attention policy (dense attention has no options)")
+    _check_dense_options(args.attention, args.attention_opt)
     cfg = EvalConfig(tasks=tasks, lengths=tuple(parse_length(x) for x in args.lengths.split(",")),
                      samples=args.samples, policies=tuple(args.attention), options=tuple(args.attention_opt),
                      seed=args.seed, perplexity_tokens=args.perplexity_tokens, perplexity_rows=args.perplexity_rows,

@@ -51,6 +51,10 @@ class FidelityConfig:
         if self.steps < 1 or self.length < 64:
             raise SparseSpecError("fidelity needs steps >= 1 and length >= 64")
         check_policies(self.policies, self.options)
+        for spec in self.policies:  # (the sweep sets the budget: another would run under the sweep's labels)
+            if "budget" in shared_options(spec, self.options)[1]:
+                raise SparseSpecError(f"{spec}: fidelity sweeps the budget with --budgets; drop budget= from the "
+                                      "policy's options")
 
     def policy(self, spec: str, budget: float):
         """The policy named by `spec` at `budget`, with the shared options and the spec's own on top."""
