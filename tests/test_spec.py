@@ -66,6 +66,35 @@ def test_ngram_drafter_copies_the_latest_continuation():
     # falls back to n = 1; a stopped row proposes nothing
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_lookup_matches_a_search_of_the_whole_history(seed):
+    """The index (the prompt's n-grams in hashed tables, the answer's in a dict) proposes what a brute-force search
+    for the latest earlier occurrence of the longest suffix does, step after step, prompts of any length (none,
+    shorter than an n-gram, long), small vocabularies (many repeats)."""
+    rng = random.Random(seed)
+
+    def search(history, k, sizes):
+        for n in sizes:
+            if len(history) > n:
+                for end in range(len(history) - 1, n - 1, -1):
+                    if history[end - n:end] == history[-n:]:
+                        return history[end:end + k]
+        return []
+
+    for prompt_len in (0, 1, 3, 40, 300):
+        vocab = rng.choice([2, 3, 7, 50])
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        max_n, min_n = rng.choice([(4, 2), (8, 4), (3, 1)])
+        d = NgramDrafter(max_n=max_n, min_n=min_n)
+        d.start([prompt], None, 0)
+        history = list(prompt)
+        for _ in range(30):
+            history += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+            k = rng.randrange(1, 6)
+            got = d.propose([history], [k], [SamplingConfig()], [None])[0][0]
+            assert got == search(history, k, range(max_n, min_n - 1, -1))
+
+
 def self_drafter(policy: str = "binarypc", **options) -> SelfDrafter:
     """The target drafting for itself under a sparse policy: a small budget, no floor, every layer sparse; the
     fixed-budget policies without their default sinks and window (a short test prompt would be attended whole)."""

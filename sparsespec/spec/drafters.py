@@ -29,6 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..attention.policy import Policy, device_ints
@@ -151,10 +152,10 @@ class NgramDrafter(Drafter):
         self.rows: list[_Lookup] = []
 
     def start(self, prompts, features, capacity):
-        self.rows = [_Lookup(self.sizes) for _ in prompts]
+        self.rows = [_Lookup(self.sizes, p) for p in prompts]
 
     def start_row(self, row, prompt, features):
-        self.rows[row] = _Lookup(self.sizes)
+        self.rows[row] = _Lookup(self.sizes, prompt)
 
     def propose(self, histories, ks, cfgs, rngs):
         return [[] if h is None else row.propose(h, k) for row, h, k in zip(self.rows, histories, ks)], \
@@ -263,27 +264,70 @@ class LookupFirst(Drafter):
         return self.took
 
 
-class _Lookup:
-    """One row's n-gram index: n-gram -> end (exclusive) of its latest occurrence."""
+_HASH_BASE = 0x9E3779B97F4A7C15  # an odd 64-bit multiplier: n-gram hashes are polynomials in it, modulo 2^64
+_HASH_MASK = (1 << 64) - 1
 
-    def __init__(self, sizes: range):
+
+class _Lookup:
+    """One row's n-gram index: n-gram -> end (exclusive) of its latest occurrence. The prompt's n-grams (tens of
+    thousands at long context, indexed when the row starts, with its prefill) sit in sorted numpy tables of their
+    64-bit hashes, built without a Python loop a token; the n-grams that end past the prompt go in a dict as the
+    answer grows. A lookup tries the dict first (its occurrences are the later ones), then the table, whose hit is
+    checked against the prompt's tokens (a hash collision is a miss, never a wrong copy)."""
+
+    def __init__(self, sizes: range, prompt: list[int] = ()):
         self.sizes = sizes
-        self.index: dict[tuple[int, ...], int] = {}
-        self.indexed = 0  # history[:indexed] has every n-gram ending before it in `index`
+        self.prompt = list(prompt)
+        tokens = np.asarray(self.prompt, dtype=np.uint64)
+        self.tables = {n: _gram_table(tokens, n) for n in sizes}  # n -> (sorted hashes, ends), grams in the prompt
+        self.index: dict[tuple[int, ...], int] = {}  # grams that end past the prompt
+        self.indexed = len(self.prompt) + 1  # every n-gram ending (exclusive) before `indexed` is indexed
 
     def propose(self, history: list[int], k: int) -> list[int]:
         # index n-grams that end at or before len(history) - 1, so the current suffix never matches itself
-        for end in range(max(self.indexed, 1), len(history)):
+        for end in range(self.indexed, len(history)):
             for n in self.sizes:
                 if end >= n:
                     self.index[tuple(history[end - n:end])] = end
         self.indexed = max(self.indexed, len(history))
         for n in self.sizes:
             if len(history) > n:
-                end = self.index.get(tuple(history[-n:]))
+                gram = history[-n:]
+                end = self.index.get(tuple(gram))
+                if end is None:
+                    end = self._in_prompt(gram)
                 if end is not None:
                     return history[end:end + k]
         return []
+
+    def _in_prompt(self, gram: list[int]) -> int | None:
+        """The end of the latest occurrence of `gram` inside the prompt, or None."""
+        hashes, ends = self.tables[len(gram)]
+        h = 0
+        for t in gram:
+            h = (h * _HASH_BASE + t) & _HASH_MASK
+        i = int(np.searchsorted(hashes, np.uint64(h)))
+        if i == len(hashes) or int(hashes[i]) != h:
+            return None
+        end = int(ends[i])
+        return end if self.prompt[end - len(gram):end] == gram else None
+
+
+def _gram_table(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """tokens [L] uint64 -> (the distinct hashes of its n-grams, sorted; the end (exclusive) of each one's latest
+    occurrence), both [U]. The hash of g_0..g_{n-1} is sum g_i * BASE^(n-1-i) mod 2^64, as `_Lookup._in_prompt`
+    computes it."""
+    m = len(tokens) - n + 1  # grams starting at 0..m-1
+    if m <= 0:
+        return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
+    h = np.zeros(m, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # (wrapping modulo 2^64 is the point)
+        for i in range(n):
+            h = h * np.uint64(_HASH_BASE) + tokens[i:i + m]
+    order = np.argsort(h, kind="stable")  # equal hashes keep the order of their occurrences
+    h = h[order]
+    last = np.append(h[1:] != h[:-1], True)  # the latest occurrence of each hash
+    return h[last], order[last].astype(np.int64) + n
 
 
 class ModelDrafter(Drafter):
