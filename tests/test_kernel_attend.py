@@ -7,7 +7,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from sparsespec.kernels.attend import (  # noqa: E402
-    MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, _block_n, block_attention, block_attention_ref, num_splits,
+    MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, BlockTiles, _block_n, block_attention, block_attention_ref, block_tiles,
+    num_splits,
     sparse_decode_attention, sparse_decode_attention_ref,
 )
 
@@ -256,3 +257,41 @@ def test_block_attention_in_fixed_chunks_is_bitwise_the_same_over_any_capacity_b
         assert torch.equal(alone, block[r:r + 1, :, t:t + 1]), (r, t)
     with pytest.raises(ValueError, match="multiple"):
         block_attention(q, k, v, positions, chunk=_block_n(D) + 8)
+
+
+@pytest.mark.parametrize("tiles", [BlockTiles(16, 16, 4, 2), BlockTiles(32, 64, 8, 3), BlockTiles(64, 32, 8, 4),
+                                   BlockTiles(128, 16, 4, 1)])
+@pytest.mark.parametrize("tree", [False, True])
+def test_block_attention_with_other_tiles_equals_the_reference(tiles, tree):
+    """Any launch (`bench/block_attention_sweep.py` times them): rows tiled in fewer or more programs than G * T
+    needs (36 rows here: 3 programs of 16, one of 64 half empty), key blocks of other sizes, a causal block or a
+    tree; positions that end mid key block and one row at the cache's first slots."""
+    from sparsespec.spec.tree import Pool, choose
+
+    B, Hkv, G, T, S, D, dtype = 3, 2, 3, 12, 150, 64, torch.bfloat16
+    gen = torch.Generator().manual_seed(tiles.rows + tiles.keys + tree)
+    q = torch.randn(B, T, Hkv * G, D, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    positions = (torch.tensor([S - T, 0, 70])[:, None] + torch.arange(T)).to(DEVICE)
+    anc = None
+    if tree:
+        logp, ids = torch.randn(B, T - 1, 50, generator=gen).log_softmax(-1).topk(3, -1)
+        anc = choose(Pool.of(T - 1), ids, logp, T - 1).ancestors.to(DEVICE)
+    ref = block_attention_ref(q, k, v, positions, tree=anc)
+    for splits in (None, 2):
+        out = block_attention(q, k, v, positions, splits=splits, tree=anc, tiles=tiles)
+        assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), splits
+
+
+def test_block_tiles_defaults_and_checks():
+    """One tile of every row of a block (a power of two, capped by the queries' bytes), 16-row tiles with fixed
+    chunks; invalid launches refused."""
+    assert block_tiles(6, 16, 128, torch.bfloat16, False) == BlockTiles(128, 64, 4, 3)
+    assert block_tiles(6, 1, 128, torch.bfloat16, False) == BlockTiles(16, 64, 4, 2)
+    assert block_tiles(7, 32, 128, torch.float32, False).rows == 128  # 224 rows, capped at 64 KiB of queries
+    assert block_tiles(6, 16, 128, torch.bfloat16, True) == BlockTiles(16, 64, 4, 2)
+    for bad in ({"rows": 24, "keys": 64}, {"rows": 16, "keys": 8}, {"rows": 16, "keys": 16, "warps": 3},
+                {"rows": 16, "keys": 16, "stages": 0}):
+        with pytest.raises(ValueError):
+            BlockTiles(**bad)

@@ -10,6 +10,7 @@ Every launch parameter is a function of shapes alone (no read-back), so a caller
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,6 +25,26 @@ PROGRAMS_PER_SM = 3  # aim for 2-4 partial programs per multiprocessor
 MERGE_BLOCK_S = 64  # splits merged per step
 INVARIANT_TILE = 16  # (head, query) rows a program of the fixed-chunk block attention (one MMA tile's rows)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True)
+class BlockTiles:
+    """How `block_attention` launches: (head, query) rows a program (a tile of rows >= 16), key slots a loop step,
+    warps and pipeline stages a program. `block_tiles` chooses them from shapes; `bench/block_attention_sweep.py`
+    times others."""
+
+    rows: int
+    keys: int
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self):
+        for name in ("rows", "keys"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"BlockTiles.{name} must be a power of two >= 16, got {v}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
+            raise ValueError(f"BlockTiles needs warps in 1, 2, 4, 8, 16 and stages >= 1, got {self}")
 
 
 @triton.jit
@@ -240,11 +261,26 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     v_base = v + b * stride_vb + h * stride_vh
     lo = split * chunk
     hi = tl.minimum(lo + chunk, tl.max(pos, 0) + 1)  # slots [lo, hi) of this program that any row sees
+    # slots below `everyone` are seen by every row of the tile (the context of a block: all but its last key
+    # blocks), so their key blocks need no mask: the mask's compares (a tree's 64-bit ancestor shifts) are paid on
+    # the key blocks from `full` on only. The key blocks start where they did, and a masked score is -inf either
+    # way: the result is the same to the bit
+    if TREE:
+        everyone = base
+    else:
+        everyone = tl.min(tl.where(live, pos, tl.max(pos, 0)), 0) + 1  # (padding rows: no lower bound)
+    full = lo + tl.maximum(tl.minimum(hi, everyone) - lo, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, full, BLOCK_N):
+        slots = start + offs_n
+        k_tile = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :]).to(DOT)
+        v_tile = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :]).to(DOT)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
+    for start in range(full, hi, BLOCK_N):
         slots = start + offs_n
         valid = slots < hi
         k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
@@ -263,9 +299,27 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=live[:, None])
 
 
+def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool) -> BlockTiles:
+    """The launch of a block of T queries a row, G query heads a KV head, head_dim D: all G * T rows in one tile
+    (rounded up to a power of two) so that each K/V row is read once per KV head — or, with fixed chunks
+    (`fixed`), tiles of INVARIANT_TILE rows whatever G * T is."""
+    keys = _block_n(D)
+    if fixed:
+        # one tile shape (and so one MMA shape and one reduction layout) for a decode step's rows and a verify
+        # block's: a tile of G * T rows rounded up to a power of two sums a row's scores in another order. The
+        # price: each of a block's G * T / 16 tiles reads the split's K/V (side by side, so mostly from L2)
+        return BlockTiles(INVARIANT_TILE, keys, 4, 2)
+    # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
+    # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3
+    # (a tile's queries at most 64 KiB, so that they and 3 stages of K/V fit in shared memory: an fp32 block of
+    # 7 x 32 rows at head_dim 128 asked 321 KiB of the H200's 227)
+    cap = max(16, 65536 // (D * torch.finfo(dtype).bits // 8))
+    return BlockTiles(min(max(16, triton.next_power_of_2(G * T)), cap), keys, 4, 2 if T == 1 else 3)
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     scale: float | None = None, splits: int | None = None, chunk: int = 0,
-                    tree: torch.Tensor | None = None) -> torch.Tensor:
+                    tree: torch.Tensor | None = None, tiles: BlockTiles | None = None) -> torch.Tensor:
     """A few query positions per row over the KV cache (a speculative verify block, GQA), split-K in Triton: every
     query head of a KV head and every position of the block in one tile, so each K/V row is read once per KV head.
 
@@ -282,6 +336,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                capacities (a speculative loop's cache is a block longer than plain decoding's), batches of any
                size and blocks of any width (row-invariant steps: a verify column computes what the decode step
                of its token does)
+    tiles      the launch (default `block_tiles`; with `chunk`, its keys must divide the chunk)
     Launches depend on shapes alone: capturable in a CUDA graph."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -290,38 +345,29 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and positions.shape == (B, T)
     assert tree is None or (tree.shape == (B, T) and tree.dtype == torch.int64 and T < 64)
     scale = D**-0.5 if scale is None else scale
-    block_n = _block_n(D)
     fixed = chunk > 0
+    tiles = block_tiles(G, T, D, q.dtype, fixed) if tiles is None else tiles
     if fixed:
-        if chunk % block_n:
-            raise ValueError(f"block_attention's chunk must be a multiple of {block_n} slots, got {chunk}")
+        if chunk % tiles.keys:
+            raise ValueError(f"block_attention's chunk must be a multiple of {tiles.keys} slots, got {chunk}")
         splits = triton.cdiv(max(S, 1), chunk)
-        # one tile shape (and so one MMA shape and one reduction layout) for a decode step's rows and a verify
-        # block's: a tile of G * T rows rounded up to a power of two sums a row's scores in another order. The
-        # price: each of a block's G * T / 16 tiles reads the split's K/V (side by side, so mostly from L2)
-        block_r, stages = INVARIANT_TILE, 2
     else:
-        splits = num_splits(S, B * Hkv, D, q.device) if splits is None else splits
-        chunk = triton.cdiv(triton.cdiv(max(S, 1), block_n), splits) * block_n
-        # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
-        # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3
-        # (a tile's queries at most 64 KiB, so that they and 3 stages of K/V fit in shared memory: an fp32 block of
-        # 7 x 32 rows at head_dim 128 asked 321 KiB of the H200's 227)
-        cap = max(16, 65536 // (D * q.element_size()))
-        block_r, stages = min(max(16, triton.next_power_of_2(G * T)), cap), 2 if T == 1 else 3
-    tiles = triton.cdiv(G * T, block_r)
+        if splits is None:  # (the split count plans with the default key block: a sweep's other tiles keep it)
+            splits = num_splits(S, B * Hkv, D, q.device)
+        chunk = triton.cdiv(triton.cdiv(max(S, 1), tiles.keys), splits) * tiles.keys
+    programs = triton.cdiv(G * T, tiles.rows)
     positions = positions.contiguous()
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     acc_part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
     tree_arg = positions if tree is None else tree.contiguous()
-    _block_partial_kernel[(tiles, B * Hkv, splits)](
+    _block_partial_kernel[(programs, B * Hkv, splits)](
         q, k, v, positions, tree_arg, m_part, l_part, acc_part, scale * LOG2E, chunk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), positions.stride(0), tree_arg.stride(0),
-        HKV=Hkv, G=G, T=T, D=D, BLOCK_R=block_r, BLOCK_N=block_n,
-        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=stages,
-        TREE=tree is not None)
+        HKV=Hkv, G=G, T=T, D=D, BLOCK_R=tiles.rows, BLOCK_N=tiles.keys,
+        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=tiles.warps,
+        num_stages=tiles.stages, TREE=tree is not None)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     # (fixed chunks: a fixed merge tile too, so that a cache with more, empty, splits merges alike)
     block_s = MERGE_BLOCK_S if fixed else min(MERGE_BLOCK_S, triton.next_power_of_2(splits))
