@@ -295,3 +295,34 @@ def test_block_tiles_defaults_and_checks():
                 {"rows": 16, "keys": 16, "stages": 0}):
         with pytest.raises(ValueError):
             BlockTiles(**bad)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 100, 1000])
+@pytest.mark.parametrize("tiles", [None, BlockTiles(16, 16, 4, 2)])
+def test_block_attention_in_a_sliding_window_equals_the_reference(window, tiles):
+    """A sliding window (a DFlash drafter's context window): query t sees slots (positions[t] - window,
+    positions[t]] only; windows inside one key block, across several, wider than the cache; rows at the cache's
+    end, its start and in the middle, a block seeing one slot for all its queries (a drafter's block) and a causal
+    one; fixed chunks too. What lies below every window changes nothing, to the bit; a window with a tree is
+    refused."""
+    B, Hkv, G, T, S, D, dtype = 3, 2, 3, 6, 230, 32, torch.float32
+    gen = torch.Generator().manual_seed(window)
+    q = torch.randn(B, T, Hkv * G, D, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    causal = (torch.tensor([S - T, 0, 120])[:, None] + torch.arange(T)).to(DEVICE)  # [B, T]
+    for positions in (causal, causal[:, -1:].expand(B, T).contiguous()):
+        ref = block_attention_ref(q, k, v, positions, window=window)
+        for splits, chunk in ((None, 0), (1, 0), (4, 0), (None, 64)):
+            out = block_attention(q, k, v, positions, splits=splits, chunk=chunk, tiles=tiles, window=window)
+            assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), (splits, chunk)
+        below = torch.arange(S, device=DEVICE) <= positions.min(1).values[:, None] - window  # [B, S]
+        k2, v2 = k.clone(), v.clone()
+        k2[below[:, None].expand_as(k[..., 0])] = 1e4
+        v2[below[:, None].expand_as(v[..., 0])] = float("nan")
+        assert torch.equal(block_attention(q, k2, v2, positions, splits=3, tiles=tiles, window=window),
+                           block_attention(q, k, v, positions, splits=3, tiles=tiles, window=window))
+    with pytest.raises(ValueError, match="window"):
+        block_attention(q, k, v, causal, window=-1)
+    with pytest.raises(ValueError, match="window"):
+        block_attention(q, k, v, causal, window=4, tree=torch.ones(B, T, dtype=torch.long, device=DEVICE))

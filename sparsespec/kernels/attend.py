@@ -235,11 +235,12 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # ---------------------------------------------------------------------------------------------- block queries
 
 @triton.jit
-def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk_scale, chunk,
+def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk_scale, chunk, window,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
                           stride_vs, stride_pb, stride_tb,
                           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr,
+                          WINDOW: tl.constexpr):
     tile = tl.program_id(0)  # fastest: the row tiles of one KV head's split run side by side (its K/V read once)
     pid = tl.program_id(1)
     split = tl.program_id(2)
@@ -270,22 +271,39 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     else:
         everyone = tl.min(tl.where(live, pos, tl.max(pos, 0)), 0) + 1  # (padding rows: no lower bound)
     full = lo + tl.maximum(tl.minimum(hi, everyone) - lo, 0) // BLOCK_N * BLOCK_N
+    first, full_lo = lo, lo  # key blocks [first, full_lo) masked (a window's lower edge), [full_lo, full) not
+    if WINDOW:  # row r sees slots (pos - window, pos]: the key blocks below every row's window are skipped
+        low = pos - window + 1  # [BLOCK_R]
+        lowest = tl.min(tl.where(live, low, hi), 0)  # slots below it are no row's (not even read: zeros)
+        first = lo + tl.maximum(lowest - lo, 0) // BLOCK_N * BLOCK_N
+        full_lo = lo + (tl.maximum(tl.max(tl.where(live, low, lo), 0) - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    for start in range(lo, full, BLOCK_N):
+    if WINDOW:
+        for start in range(first, tl.minimum(full_lo, hi), BLOCK_N):
+            slots = start + offs_n
+            valid = (slots < hi) & (slots >= lowest)
+            k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
+            seen = valid[None, :] & (slots[None, :] <= pos[:, None]) & (slots[None, :] >= low[:, None])
+            s = tl.where(seen, s, float("-inf"))
+            m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
+    for start in range(full_lo, full, BLOCK_N):
         slots = start + offs_n
         k_tile = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :]).to(DOT)
         v_tile = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :]).to(DOT)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
-    for start in range(full, hi, BLOCK_N):
+    for start in range(tl.maximum(full_lo, full), hi, BLOCK_N):
         slots = start + offs_n
         valid = slots < hi
         k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
         seen = valid[None, :] & (slots[None, :] <= pos[:, None])
+        if WINDOW:
+            seen = seen & (slots[None, :] >= low[:, None])
         if TREE:
             rel = slots - base  # [BLOCK_N]: block index, negative in the context
             bit = (anc[:, None] >> tl.maximum(rel, 0).to(tl.int64)[None, :]) & 1
@@ -319,7 +337,8 @@ def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool) -> Bloc
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     scale: float | None = None, splits: int | None = None, chunk: int = 0,
-                    tree: torch.Tensor | None = None, tiles: BlockTiles | None = None) -> torch.Tensor:
+                    tree: torch.Tensor | None = None, tiles: BlockTiles | None = None,
+                    window: int = 0) -> torch.Tensor:
     """A few query positions per row over the KV cache (a speculative verify block, GQA), split-K in Triton: every
     query head of a KV head and every position of the block in one tile, so each K/V row is read once per KV head.
 
@@ -337,6 +356,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                size and blocks of any width (row-invariant steps: a verify column computes what the decode step
                of its token does)
     tiles      the launch (default `block_tiles`; with `chunk`, its keys must divide the chunk)
+    window     0, or a sliding window: query t of row b sees slots positions[b, t] - window < j <= positions[b, t]
+               only (the key blocks below every query's window are not read; not with `tree`)
     Launches depend on shapes alone: capturable in a CUDA graph."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -344,6 +365,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     assert Hq == G * Hkv and k.shape == v.shape and k.shape[0] == B and k.shape[-1] == D
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and positions.shape == (B, T)
     assert tree is None or (tree.shape == (B, T) and tree.dtype == torch.int64 and T < 64)
+    if window < 0 or (window and tree is not None):
+        raise ValueError(f"block_attention's window must be >= 0 (0: none) and without a tree, got {window}")
     scale = D**-0.5 if scale is None else scale
     fixed = chunk > 0
     tiles = block_tiles(G, T, D, q.dtype, fixed) if tiles is None else tiles
@@ -362,12 +385,12 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     acc_part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
     tree_arg = positions if tree is None else tree.contiguous()
     _block_partial_kernel[(programs, B * Hkv, splits)](
-        q, k, v, positions, tree_arg, m_part, l_part, acc_part, scale * LOG2E, chunk,
+        q, k, v, positions, tree_arg, m_part, l_part, acc_part, scale * LOG2E, chunk, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), positions.stride(0), tree_arg.stride(0),
         HKV=Hkv, G=G, T=T, D=D, BLOCK_R=tiles.rows, BLOCK_N=tiles.keys,
         DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=tiles.warps,
-        num_stages=tiles.stages, TREE=tree is not None)
+        num_stages=tiles.stages, TREE=tree is not None, WINDOW=window > 0)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     # (fixed chunks: a fixed merge tile too, so that a cache with more, empty, splits merges alike)
     block_s = MERGE_BLOCK_S if fixed else min(MERGE_BLOCK_S, triton.next_power_of_2(splits))
@@ -376,15 +399,16 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 
 def block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                        scale: float | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference of `block_attention` (fp32 math, the causal or tree mask over slots)."""
+                        scale: float | None = None, tree: torch.Tensor | None = None,
+                        window: int = 0) -> torch.Tensor:
+    """Torch reference of `block_attention` (fp32 math, the causal or tree mask over slots, a sliding window)."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.float().reshape(B, Hkv, Hq // Hkv * T, D)  # rows g * T + t
     logits = qg @ k.float().transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G*T, S]
-    from ..attention.dense import tree_mask
+    from ..attention.dense import causal_mask, tree_mask
 
-    seen = (torch.arange(S, device=q.device) <= positions[:, None, :, None].long() if tree is None
+    seen = (causal_mask(positions.long(), S, window or None) if tree is None
             else tree_mask(positions[:, 0], tree, S)[:, None])  # [B, 1, T, S]
     seen = seen.expand(B, Hq // Hkv, T, S).reshape(B, 1, Hq // Hkv * T, S)
     probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
