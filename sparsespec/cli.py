@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "shakespeare (default: %(default)s)")
     td.add_argument("--long-chars", type=_positive_int, default=None, help="the context of the long kinds in "
                     "characters, about 4 a token (default: 64000)")
+    td.add_argument("--window", type=int, default=0, help="the drafter's context window: a block sees the last N "
+                    "context tokens before it (the drafter's attention then costs the same at any context length); "
+                    "0: the whole context (default: %(default)s)")
 
     tf = trs.add_parser("finetune", help="fine-tune a target on a domain with LoRA (the targets EDA adapts to)")
     tf.add_argument("--model", default=DEFAULT_MODEL, help="base model: registry name, GGUF file or HF checkpoint "
@@ -692,7 +695,8 @@ def cmd_train(args) -> None:
                       anchors=args.anchors, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
                       time_limit=args.time_limit, seed=args.seed,
                       kinds=tuple(k.strip() for k in args.kinds.split(",")),
-                      long_chars=args.long_chars or TrainConfig.long_chars)  # invalid options fail before any process
+                      long_chars=args.long_chars or TrainConfig.long_chars,
+                      window=args.window)  # invalid options fail before any process
     _writable_folder(args.out)
     if args.init and not all(f.is_file() for f in drafter_files(Path(args.init))):
         raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")

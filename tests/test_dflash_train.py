@@ -98,7 +98,7 @@ def test_the_decoding_schedule_estimate_is_what_the_loop_commits(setup):
 
 def test_a_context_mask_that_includes_the_anchor_trains_a_useless_drafter(setup, monkeypatch):
     _, _, good = _train(setup)
-    leak = lambda anchors, lengths, T, B: block_mask(anchors + 1, lengths, T, B)  # noqa: E731 (sees c_anchor)
+    leak = lambda anchors, lengths, T, B, window: block_mask(anchors + 1, lengths, T, B, window)  # noqa: E731
     _, seen, bad = _train(setup, monkeypatch, mask=leak)
     assert min(seen, good) > bad + 0.3, (seen, good, bad)  # looks as good while training, accepts less deployed
 
@@ -165,6 +165,12 @@ def test_a_run_can_start_from_an_earlier_drafter_of_the_same_shape(setup, tmp_pa
     deeper.save(tmp_path / "deep", dtype=torch.float32, meta={"heldout_tau": tau})
     with pytest.raises(SparseSpecError, match="another drafter shape \\(layers differ\\)"):
         train.start_from(again, tmp_path / "deep")  # fewer layers than the file: refused
+    windowed = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps, window=6))
+    train.start_from(windowed, tmp_path / "d")  # a context window changes no weight's shape: allowed
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), windowed.state_dict().values()))
+    assert DFlash.load(tmp_path / "d").cfg.window == 0
+    windowed.save(tmp_path / "w", dtype=torch.float32, meta={})
+    assert DFlash.load(tmp_path / "w").cfg.window == 6  # (kept in the file's config)
 
 
 def test_a_deeper_drafter_grows_from_a_shallower_one_and_drafts_alike_until_trained(setup, tmp_path):
@@ -206,7 +212,8 @@ def test_train_refuses_a_warmup_outside_its_range_in_one_line(tmp_path, capsys, 
 
 @pytest.mark.parametrize("bad,needle", [(dict(max_new_tokens=1), "max-new-tokens must be >= 2"),
                                         (dict(time_limit=float("nan")), "time limit must be >= 0 seconds, got nan"),
-                                        (dict(time_limit=-1.0), "time limit must be >= 0 seconds, got -1")])
+                                        (dict(time_limit=-1.0), "time limit must be >= 0 seconds, got -1"),
+                                        (dict(window=-1), "window must be >= 0 context tokens")])
 def test_train_config_refuses_answers_too_short_for_a_block_and_a_bad_time_limit(bad, needle):
     from sparsespec.errors import SparseSpecError
 

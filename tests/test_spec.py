@@ -1,5 +1,6 @@
 """Speculative decoding end to end: drafters, the loop's losslessness (greedy and sampled), DFlash's two paths."""
 
+import dataclasses
 import functools
 import json
 import math
@@ -13,6 +14,7 @@ from sparsespec.cache import KVCache
 from sparsespec.attention import POLICIES, make_policy
 from sparsespec.attention.policy import BudgetOptions
 from sparsespec.config import ModelConfig
+from sparsespec.errors import SparseSpecError
 from sparsespec.generate import Engine, GenerationConfig
 from sparsespec.models.loading import LoadedModel
 from sparsespec.runner import Runner
@@ -122,6 +124,33 @@ def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
         out = speculative_generate(target, [prompt], d, gen, block)[0]
         assert out.token_ids == ref
         assert sum(out.committed) == len(ref) - 1 and all(1 <= c <= block for c in out.committed)
+
+
+def test_a_windowed_dflash_drafter_is_lossless_and_sees_only_its_window(tmp_path):
+    """`windowN:dflash:PATH` (and as a tree's or lookup's drafter): the drafter's blocks see the last N context
+    tokens (what lies before the window changes nothing: `test_dflash_training_path_equals_the_inference_path`);
+    greedy output stays the target's; a window wider than every context drafts as no window does; bad specs are
+    one-line errors."""
+    from sparsespec.spec.bench import make_drafter
+
+    target = tiny_engine(0)
+    tiny_dflash(target, block=4).save(tmp_path / "d")
+    gen = GenerationConfig(max_new_tokens=24)
+    prompt = list(range(1, 50))
+    ref = target.generate([prompt], gen).token_ids[0]
+    runs = {}
+    for spec in ("dflash", "window1000:dflash", "window3:dflash", "tree5:window3:dflash", "ngram+window3:dflash"):
+        d = make_drafter(f"{spec}:{tmp_path / 'd'}", target, "tiny")
+        assert "window" not in spec or d.name == f"{spec}:{tmp_path / 'd'}"
+        out = speculative_generate(target, [prompt], d, gen, 4)[0]
+        assert out.token_ids == ref, spec
+        runs[spec] = out.committed
+    assert runs["window1000:dflash"] == runs["dflash"]
+    assert make_drafter(f"window3:dflash:{tmp_path / 'd'}", target, "tiny").model.cfg.window == 3
+    for spec, match in (("window0:dflash", "window of N"), ("windowx:dflash", "window of N"),
+                        ("window8:ngram", "DFlash drafter's"), ("window8:self:binarypc", "DFlash drafter's")):
+        with pytest.raises(SparseSpecError, match=match):
+            make_drafter(spec, target, "tiny")
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self", "lookup"])
@@ -269,21 +298,28 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypat
     assert _chi2_pvalue(bad, ref) < 1e-6
 
 
+@pytest.mark.parametrize("window", [0, 3, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dflash_training_path_equals_the_inference_path(dtype):
+def test_dflash_training_path_equals_the_inference_path(dtype, window):
+    """A block's hidden states from training's masked pass over whole sequences equal the drafting pass's over a
+    cached context; with a context window the context before the window changes nothing (garbage there)."""
     target = tiny_engine(0)
     model = tiny_dflash(target, block=4).to(dtype)
+    model.cfg = dataclasses.replace(model.cfg, window=window)
     T = 23
     tokens = torch.randint(0, 64, (1, T))
     _, feats = target.model.forward_tapped(tokens, torch.arange(T)[None], KVCache(target.config, 1, T, torch.float32,
                                                                                    "cpu"), T, model.cfg.taps)
     anchors = torch.tensor([[0, 5, 17, 22]])
-    mask = block_mask(anchors, torch.tensor([T]), T, 4)
+    mask = block_mask(anchors, torch.tensor([T]), T, 4, window)
     trained = model.train_hidden(target.model, feats.to(dtype), tokens, anchors, mask)  # [1, 4, 4, H]
     for j, a in enumerate(anchors[0].tolist()):
         cache = KVCache(model.cfg.layer_config, 1, T + 4, dtype, "cpu")
+        context = feats[:, :a].to(dtype).clone()
+        if window:
+            context[:, :max(0, a - window)] = 1e3  # outside the window
         if a:
-            model.ingest(feats[:, :a].to(dtype), torch.arange(a)[None], cache)
+            model.ingest(context, torch.arange(a)[None], cache)
         hidden = model.draft_hidden(target.model, tokens[:, a], torch.tensor([a]), cache, a + 4)  # [1, 4, H]
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(trained[0, j], hidden[0], atol=tol, rtol=tol)
@@ -298,6 +334,10 @@ def test_block_mask_sees_context_strictly_before_the_anchor_and_its_own_block():
         assert m[q, 8:].nonzero().flatten().tolist() == list(range(3 * j, 3 * j + 3))
     short = block_mask(anchors, torch.tensor([4]), 8, 3)[0, 0]
     assert short[3:, :8].nonzero()[:, 1].max() == 3  # never past the sequence's end
+    windowed = block_mask(anchors, torch.tensor([8]), 8, 3, window=2)[0, 0]
+    for q in range(6):  # the last 2 context positions before the anchor only
+        a = int(anchors[0, q // 3])
+        assert windowed[q, :8].nonzero().flatten().tolist() == list(range(max(0, a - 2), a))
 
 
 def test_block_labels_are_same_position_and_weights_decay():

@@ -129,6 +129,8 @@ class StepPlan:
     #                                   block sees all of itself); `mask` must agree
     tree: torch.Tensor | None = None  # [B, T] int64: a tree verify's ancestor bits (`kernels.attend.block_attention`);
     #                                   `mask` must agree
+    window: int = 0  # > 0: a query sees only the slots (seen - window, seen] (a DFlash drafter's context window in
+    #                  the block attention); `mask` must agree
 
 
 class Attention(nn.Module):
@@ -180,7 +182,7 @@ class Attention(nn.Module):
         elif plan.block:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = block_attention(q, keys, values, plan.positions if plan.seen is None else plan.seen, self.chunk,
-                                  plan.tree)
+                                  plan.tree, window=plan.window)
         else:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = dense_attention(q, keys, values, plan.mask)  # [B, Hq, T, D]

@@ -12,6 +12,7 @@ settings they were made with, see results.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -40,9 +41,9 @@ ROW_FILES = ("spec.jsonl",)  # in a results folder, beside spec.settings.json (r
 @dataclass(frozen=True)
 class DraftSpec:
     """A `--draft` value parsed (`parse_drafter`): its syntax checked before any model loads."""
-    kind: str  # none | ngram | dflash | model | self | tree (treeN:INNER) | lookup (ngram+INNER)
+    kind: str  # none | ngram | dflash | model | self | tree (treeN:INNER) | lookup (ngram+INNER) | window (windowN:INNER)
     arg: str = ""  # dflash's PATH ("": the target's registered drafter), model's NAME, self's POLICY[:options]
-    nodes: int = 0  # tree: drafted nodes a step
+    nodes: int = 0  # tree: drafted nodes a step; window: the context window
     inner: DraftSpec | None = None  # tree's and lookup's drafter
     text: str = ""  # as given
     options: tuple[str, ...] = ()  # self: the policy's options (weights= apart)
@@ -58,7 +59,9 @@ def parse_drafter(spec: str) -> DraftSpec:
     "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy; the key
     weights=fp8 drafts with FP8 copies of the target's weights) | "treeN:DRAFTER" (a drafter of per-position
     choices, dflash, whose steps verify a tree of N drafted nodes: `spec.tree`; ngram+treeN:dflash puts prompt
-    lookup's copies in its trees). Raises SparseSpecError for what no model could make valid."""
+    lookup's copies in its trees) | "windowN:dflash[:PATH]" (the DFlash drafter's blocks see the last N context
+    tokens only, whatever its file says: e.g. tree15:window1024:dflash). Raises SparseSpecError for what no model
+    could make valid."""
     if spec.startswith("ngram+"):  # prompt lookup first, the drafter after the plus otherwise
         inner = parse_drafter(spec[len("ngram+"):])
         if inner.kind == "none":
@@ -75,6 +78,14 @@ def parse_drafter(spec: str) -> DraftSpec:
             raise SparseSpecError(f"{spec}: a tree verify needs a drafter of per-position choices (dflash), not "
                                   f"{arg}")
         return DraftSpec("tree", nodes=int(kind[4:]), inner=inner, text=spec)
+    if kind.startswith("window") and arg:  # a DFlash drafter's context window, set at load
+        if not (kind[6:].isascii() and kind[6:].isdigit()) or int(kind[6:]) < 1:
+            raise SparseSpecError(f"{spec}: windowN:dflash takes a window of N >= 1 context tokens (e.g. "
+                                  f"window1024:dflash)")
+        inner = parse_drafter(arg)
+        if inner.kind != "dflash":
+            raise SparseSpecError(f"{spec}: a context window is a DFlash drafter's (windowN:dflash[:PATH]), not {arg}")
+        return DraftSpec("window", nodes=int(kind[6:]), inner=inner, text=spec)
     if kind in ("none", "ngram") and not arg or kind == "dflash" or kind == "model" and arg:
         return DraftSpec(kind, arg, text=spec)
     if kind == "self" and arg:
@@ -90,7 +101,8 @@ def parse_drafter(spec: str) -> DraftSpec:
         make_policy(name, list(policy_options))  # (its options checked)
         return DraftSpec(kind, arg, text=spec, options=policy_options, fp8=weights == ["fp8"])
     raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME, "
-                          "ngram+dflash[:PATH], self:POLICY[:key=value,...], treeN:dflash[:PATH])")
+                          "ngram+dflash[:PATH], self:POLICY[:key=value,...], treeN:dflash[:PATH], "
+                          "windowN:dflash[:PATH])")
 
 
 def make_drafter(spec: str | DraftSpec, engine: Engine, target_name: str, device: str = "cpu",
@@ -110,6 +122,11 @@ def make_drafter(spec: str | DraftSpec, engine: Engine, target_name: str, device
                                   f"{d.inner.text}")
         inner.tree_nodes, inner.name = d.nodes, d.text
         return inner
+    if d.kind == "window":
+        drafter = make_drafter(d.inner, engine, target_name, device, dtype, progress, cuda_graph)
+        drafter.model.cfg = dataclasses.replace(drafter.model.cfg, window=d.nodes)
+        drafter.name = d.text
+        return drafter
     if d.kind == "none":
         return None
     if d.kind == "ngram":

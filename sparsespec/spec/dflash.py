@@ -57,6 +57,7 @@ class DFlashConfig:
     taps: tuple[int, ...] = ()  # target layers (0-based decoder layer outputs); () = default_taps(L, min(3, L))
     intermediate_size: int = 0  # drafter MLP width; 0 = the target's
     private_size: int = 0  # EDA: a private MLP of this width beside each layer's (shared) MLP; 0 = none
+    window: int = 0  # context slots a block sees before its first position (its last `window`); 0 = all of them
 
     def __post_init__(self):
         if self.layers < 1:
@@ -73,6 +74,8 @@ class DFlashConfig:
             object.__setattr__(self, "intermediate_size", self.target.intermediate_size)
         if self.private_size < 0:
             raise SparseSpecError(f"private MLP width must be >= 0 (0: none), got {self.private_size}")
+        if self.window < 0:
+            raise SparseSpecError(f"a drafter's context window must be >= 0 (0: the whole context), got {self.window}")
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -81,8 +84,9 @@ class DFlashConfig:
 
     def to_json(self) -> dict:
         private = {"private_size": self.private_size} if self.private_size else {}  # (files before EDA: none)
+        window = {"window": self.window} if self.window else {}  # (nor before windows)
         return {"target": dataclasses.asdict(self.target), "layers": self.layers, "block_size": self.block_size,
-                "taps": list(self.taps), "intermediate_size": self.intermediate_size, **private}
+                "taps": list(self.taps), "intermediate_size": self.intermediate_size, **private, **window}
 
     @classmethod
     def from_json(cls, d: dict) -> "DFlashConfig":
@@ -90,7 +94,7 @@ class DFlashConfig:
         t["rope_scaling"] = RopeScaling(**t["rope_scaling"])
         t["eos_token_ids"] = tuple(t["eos_token_ids"])
         return cls(ModelConfig(**t), d["layers"], d["block_size"], tuple(d["taps"]), d["intermediate_size"],
-                   d.get("private_size", 0))
+                   d.get("private_size", 0), d.get("window", 0))
 
 
 class DecoupledMLP(nn.Module):
@@ -145,14 +149,17 @@ class DFlash(nn.Module):
     def draft_hidden(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
                      kv_len: int) -> torch.Tensor:
         """tokens [N] at positions start [N] (context slots [0, start) cached; kv_len >= every start + B, known on
-        the host) -> hidden [N, B, H] of the block. Each block query sees the context and the whole block."""
+        the host) -> hidden [N, B, H] of the block. Each block query sees the context (its last `cfg.window` slots
+        under a window) and the whole block."""
         B = self.cfg.block_size
         positions = start[:, None] + torch.arange(B, device=start.device)  # [N, B]: also the slots written
         seen = positions[:, -1:].expand(-1, B)  # [N, B]: the block's last slot
         x = self.block_embeddings(target, tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         block = B <= target.block_queries and triton_ready(start.device)
-        plan = StepPlan(positions, kv_len, cos, sin, causal_mask(seen, kv_len), block=block, seen=seen)
+        window = self.cfg.window + B if self.cfg.window else 0  # (counted from the block's last slot)
+        plan = StepPlan(positions, kv_len, cos, sin, causal_mask(seen, kv_len, window or None), block=block,
+                        seen=seen, window=window)
         for i, layer in enumerate(self.layers):
             x = layer(x, i, plan, cache)
         return self.norm(x)
@@ -266,14 +273,17 @@ def drafter_files(path: str | Path) -> tuple[Path, Path]:
     return Path(base + ".safetensors"), Path(base + ".json")
 
 
-def block_mask(anchors: torch.Tensor, lengths: torch.Tensor, T: int, B: int) -> torch.Tensor:
+def block_mask(anchors: torch.Tensor, lengths: torch.Tensor, T: int, B: int, window: int = 0) -> torch.Tensor:
     """anchors [N, M], sequence lengths [N] -> bool [N, 1, M·B, T + M·B]: a query of block j sees context
-    positions strictly before its anchor (and inside its sequence) and every position of block j, nothing else."""
+    positions strictly before its anchor (and inside its sequence; the last `window` of them if window > 0) and
+    every position of block j, nothing else."""
     N, M = anchors.shape
     ctx = torch.arange(T, device=anchors.device)
     block_of = torch.arange(M, device=anchors.device).repeat_interleave(B)  # [M·B]: which block a query is in
     anchor = anchors[:, block_of]  # [N, M·B]
     sees_ctx = (ctx < anchor[..., None]) & (ctx < lengths[:, None, None])  # [N, M·B, T]
+    if window:
+        sees_ctx &= ctx >= anchor[..., None] - window
     sees_blk = (block_of[:, None] == block_of[None, :]).expand(N, -1, -1)  # [N, M·B, M·B]
     return torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]
 

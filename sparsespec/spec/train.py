@@ -56,6 +56,7 @@ class TrainConfig:
     seed: int = 0
     kinds: tuple[str, ...] = ("code", "text")  # prompt kinds (spec/prompts.py), split evenly
     long_chars: int = 64_000  # the context of the long kinds, in characters (about 4 a token)
+    window: int = 0  # the drafter's context window (DFlashConfig.window; 0: the whole context)
 
     def __post_init__(self):
         unknown = set(self.kinds) - set(KINDS)
@@ -74,6 +75,8 @@ class TrainConfig:
                                   f"learns the answer tokens after it), got {self.max_new_tokens}")
         if self.block_size < 2:
             raise SparseSpecError(f"block size must be >= 2, got {self.block_size}")
+        if self.window < 0:
+            raise SparseSpecError(f"window must be >= 0 context tokens (0: the whole context), got {self.window}")
         if not self.time_limit >= 0:  # (nan too)
             raise SparseSpecError(f"time limit must be >= 0 seconds, got {self.time_limit}")
         inf = float("inf")  # (an infinite rate or clip trains nothing but NaNs; nan fails every comparison)
@@ -250,7 +253,7 @@ def block_loss(drafter: DFlash, target, data: Dataset, rows: torch.Tensor, ancho
     B = drafter.cfg.block_size
     tokens, feats, lengths = data.batch(rows)  # [n, T], [n, T, taps * H], [n]
     T = tokens.shape[1]
-    mask = block_mask(anchors, lengths, T, B)
+    mask = block_mask(anchors, lengths, T, B, drafter.cfg.window)
     hidden = drafter.train_hidden(target, feats, tokens, anchors, mask)[:, :, 1:]  # [n, M, B − 1, H]
     logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))  # [n, M, B − 1, V]
     labels = block_labels(tokens, anchors, lengths, B)[..., 1:]
@@ -345,7 +348,7 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     out.mkdir(parents=True, exist_ok=True)
     device = engine.device
     torch.manual_seed(cfg.seed)
-    dcfg = DFlashConfig(engine.config, cfg.layers, cfg.block_size, taps, cfg.intermediate_size)
+    dcfg = DFlashConfig(engine.config, cfg.layers, cfg.block_size, taps, cfg.intermediate_size, window=cfg.window)
     settings = {"target": dcfg.target.__dict__ | {"rope_scaling": dcfg.target.rope_scaling.__dict__},
                 "drafter": dcfg.to_json(), "data": {k: getattr(cfg, k) for k in ("prompts", "heldout",
                                                                                 "max_new_tokens", "seed")}}
@@ -434,7 +437,8 @@ def start_from(drafter: DFlash, path: Path) -> dict:
     grown drafter drafts exactly as the file's until training moves them; "grown_from_layers" says so)."""
     other = DFlash.load(path)
     mine, theirs = drafter.cfg.to_json(), other.cfg.to_json()
-    changed = sorted(k for k in mine if mine[k] != theirs.get(k))
+    # (a context window changes what a block sees, not the weights' shapes: a drafter may start from one without)
+    changed = sorted(k for k in mine.keys() | theirs.keys() if k != "window" and mine.get(k) != theirs.get(k))
     grow = changed == ["layers"] and other.cfg.layers < drafter.cfg.layers
     if changed and not grow:
         raise SparseSpecError(f"--init {path} is another drafter shape ({' / '.join(changed)} differ): start it "
