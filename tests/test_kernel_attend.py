@@ -257,6 +257,8 @@ def test_block_attention_in_fixed_chunks_is_bitwise_the_same_over_any_capacity_b
         assert torch.equal(alone, block[r:r + 1, :, t:t + 1]), (r, t)
     with pytest.raises(ValueError, match="multiple"):
         block_attention(q, k, v, positions, chunk=_block_n(D) + 8)
+    with pytest.raises(ValueError, match="tile 16 rows"):
+        block_attention(q, k, v, positions, chunk=chunk, tiles=BlockTiles(32, _block_n(D)))
 
 
 @pytest.mark.parametrize("tiles", [BlockTiles(16, 16, 4, 2), BlockTiles(32, 64, 8, 3), BlockTiles(64, 32, 8, 4),
@@ -322,6 +324,10 @@ def test_block_attention_in_a_sliding_window_equals_the_reference(window, tiles)
         v2[below[:, None].expand_as(v[..., 0])] = float("nan")
         assert torch.equal(block_attention(q, k2, v2, positions, splits=3, tiles=tiles, window=window),
                            block_attention(q, k, v, positions, splits=3, tiles=tiles, window=window))
+    from sparsespec.models.transformer import block_attention as op  # (what the model calls: the custom op)
+
+    torch.testing.assert_close(op(q, k, v, causal, 0, None, window=window),
+                               block_attention(q, k, v, causal, window=window), atol=0, rtol=0)
     with pytest.raises(ValueError, match="window"):
         block_attention(q, k, v, causal, window=-1)
     with pytest.raises(ValueError, match="window"):

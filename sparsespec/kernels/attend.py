@@ -263,9 +263,11 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     lo = split * chunk
     hi = tl.minimum(lo + chunk, tl.max(pos, 0) + 1)  # slots [lo, hi) of this program that any row sees
     # slots below `everyone` are seen by every row of the tile (the context of a block: all but its last key
-    # blocks), so their key blocks need no mask: the mask's compares (a tree's 64-bit ancestor shifts) are paid on
-    # the key blocks from `full` on only. The key blocks start where they did, and a masked score is -inf either
-    # way: the result is the same to the bit
+    # blocks), so their key blocks need no per-row mask: the mask's compares (a tree's 64-bit ancestor shifts) are
+    # paid on the key blocks from `full` on only. The key blocks start where they did, a masked score is -inf either
+    # way, and the unmasked loop keeps a (column) select between the scale and the softmax's subtraction as the
+    # masked loops have, so that no path lets the compiler fuse them into one rounding (an FMA): the result is the
+    # same to the bit whichever loop a key block falls in (a decode step and a verify column split them apart)
     if TREE:
         everyone = base
     else:
@@ -295,6 +297,7 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
         k_tile = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :]).to(DOT)
         v_tile = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :]).to(DOT)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
+        s = tl.where((slots < hi)[None, :], s, float("-inf"))  # (always true: see above)
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
     for start in range(tl.maximum(full_lo, full), hi, BLOCK_N):
         slots = start + offs_n
@@ -373,6 +376,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     if fixed:
         if chunk % tiles.keys:
             raise ValueError(f"block_attention's chunk must be a multiple of {tiles.keys} slots, got {chunk}")
+        if tiles.rows != INVARIANT_TILE:  # (another tile height sums a row's scores in another order)
+            raise ValueError(f"block_attention's fixed chunks tile {INVARIANT_TILE} rows, got {tiles.rows}")
         splits = triton.cdiv(max(S, 1), chunk)
     else:
         if splits is None:  # (the split count plans with the default key block: a sweep's other tiles keep it)

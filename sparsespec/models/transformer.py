@@ -208,14 +208,14 @@ INVARIANT_CHUNK = 512  # slots a split of the block attention in row-invariant s
 
 @torch.library.custom_op("sparsespec::block_attention", mutates_args=())
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    chunk: int = 0, tree: torch.Tensor | None = None) -> torch.Tensor:
+                    chunk: int = 0, tree: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     from ..kernels.attend import block_attention as kernel
 
-    return kernel(q, k, v, positions, chunk=chunk, tree=tree)
+    return kernel(q, k, v, positions, chunk=chunk, tree=tree, window=window)
 
 
 @block_attention.register_fake
-def _(q, k, v, positions, chunk=0, tree=None):
+def _(q, k, v, positions, chunk=0, tree=None, window=0):
     return q.new_empty(q.shape)
 
 
