@@ -325,6 +325,32 @@ def test_dflash_training_path_equals_the_inference_path(dtype, window):
         torch.testing.assert_close(trained[0, j], hidden[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [0, 3, 40])
+def test_a_drafters_block_attention_path_equals_its_masked_path(monkeypatch, window):
+    """The drafting pass through the model's block-attention op (the CUDA path; here the Triton kernels
+    interpreted) gives the masked dense path's hidden states, with and without a context window."""
+    from sparsespec.models import transformer
+    from sparsespec.spec import dflash
+
+    target = tiny_engine(0)
+    model = tiny_dflash(target, block=4)
+    model.cfg = dataclasses.replace(model.cfg, window=window)
+    T, a = 30, 21
+    tokens = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(window))
+    cache = KVCache(target.config, 2, T, torch.float32, "cpu")
+    _, feats = target.model.forward_tapped(tokens, torch.arange(T).expand(2, -1), cache, T, model.cfg.taps)
+    starts = torch.tensor([a, a - 6])
+    hidden = {}
+    for kernel in (False, True):
+        with monkeypatch.context() as mp:
+            for module in (transformer, dflash):
+                mp.setattr(module, "triton_ready", lambda device, on=kernel: on)
+            dcache = KVCache(model.cfg.layer_config, 2, T + 4, torch.float32, "cpu")
+            model.ingest(feats[:, :a], torch.arange(a).expand(2, -1), dcache)
+            hidden[kernel] = model.draft_hidden(target.model, tokens[:, a], starts, dcache, a + 4)  # [2, 4, H]
+    torch.testing.assert_close(hidden[True], hidden[False], atol=1e-4, rtol=1e-4)
+
+
 def test_block_mask_sees_context_strictly_before_the_anchor_and_its_own_block():
     anchors = torch.tensor([[2, 6]])
     m = block_mask(anchors, torch.tensor([7]), 8, 3)[0, 0]  # [6, 8 + 6]
