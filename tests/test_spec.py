@@ -88,13 +88,15 @@ def test_ngram_lookup_matches_a_search_of_the_whole_history(seed):
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
         max_n, min_n = rng.choice([(4, 2), (8, 4), (3, 1)])
         d = NgramDrafter(max_n=max_n, min_n=min_n)
-        d.start([prompt], None, 0)
+        d.start([[], prompt], None, 0)
+        d.start_row(0, prompt, None)  # (a row started again: as a new one)
         history = list(prompt)
-        for _ in range(30):
-            history += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+        for step in range(30):
+            if step:  # (the first lookup: the history is the prompt itself)
+                history += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
             k = rng.randrange(1, 6)
-            got = d.propose([history], [k], [SamplingConfig()], [None])[0][0]
-            assert got == search(history, k, range(max_n, min_n - 1, -1))
+            got = d.propose([history, history], [k, k], [SamplingConfig()] * 2, [None] * 2)[0]
+            assert got == [search(history, k, range(max_n, min_n - 1, -1))] * 2
 
 
 def self_drafter(policy: str = "binarypc", **options) -> SelfDrafter:
@@ -147,8 +149,10 @@ def test_a_windowed_dflash_drafter_is_lossless_and_sees_only_its_window(tmp_path
         runs[spec] = out.committed
     assert runs["window1000:dflash"] == runs["dflash"]
     assert make_drafter(f"window3:dflash:{tmp_path / 'd'}", target, "tiny").model.cfg.window == 3
+    assert make_drafter(f"tree5:ngram+window3:dflash:{tmp_path / 'd'}", target, "tiny").tree_nodes == 5
     for spec, match in (("window0:dflash", "window of N"), ("windowx:dflash", "window of N"),
-                        ("window8:ngram", "DFlash drafter's"), ("window8:self:binarypc", "DFlash drafter's")):
+                        (f"window{2**31}:dflash", "window of N"), ("window8:ngram", "DFlash drafter's"),
+                        ("window8:self:binarypc", "DFlash drafter's"), ("window8:tree5:dflash", "DFlash drafter's")):
         with pytest.raises(SparseSpecError, match=match):
             make_drafter(spec, target, "tiny")
 
@@ -325,16 +329,22 @@ def test_dflash_training_path_equals_the_inference_path(dtype, window):
         torch.testing.assert_close(trained[0, j], hidden[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels on CPU tensors (Triton's interpreter, set "
+                    "only without CUDA); tests/test_cuda.py runs the drafter's block path on the GPU")
 @pytest.mark.parametrize("window", [0, 3, 40])
 def test_a_drafters_block_attention_path_equals_its_masked_path(monkeypatch, window):
     """The drafting pass through the model's block-attention op (the CUDA path; here the Triton kernels
     interpreted) gives the masked dense path's hidden states, with and without a context window."""
+    pytest.importorskip("triton")
     from sparsespec.models import transformer
     from sparsespec.spec import dflash
 
     target = tiny_engine(0)
     model = tiny_dflash(target, block=4)
     model.cfg = dataclasses.replace(model.cfg, window=window)
+    calls = []
+    op = transformer.block_attention
+    monkeypatch.setattr(transformer, "block_attention", lambda *a, **k: calls.append(k) or op(*a, **k))
     T, a = 30, 21
     tokens = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(window))
     cache = KVCache(target.config, 2, T, torch.float32, "cpu")
@@ -348,6 +358,7 @@ def test_a_drafters_block_attention_path_equals_its_masked_path(monkeypatch, win
             dcache = KVCache(model.cfg.layer_config, 2, T + 4, torch.float32, "cpu")
             model.ingest(feats[:, :a], torch.arange(a).expand(2, -1), dcache)
             hidden[kernel] = model.draft_hidden(target.model, tokens[:, a], starts, dcache, a + 4)  # [2, 4, H]
+    assert calls and all(c["window"] == (window + 4 if window else 0) for c in calls)  # (the op ran, windowed)
     torch.testing.assert_close(hidden[True], hidden[False], atol=1e-4, rtol=1e-4)
 
 

@@ -52,6 +52,12 @@ class DraftSpec:
     def has_tree(self) -> bool:
         return self.kind == "tree" or (self.inner is not None and self.inner.has_tree())
 
+    def has_dflash(self) -> bool:
+        return self.kind == "dflash" or (self.inner is not None and self.inner.has_dflash())
+
+
+MAX_WINDOW = 1 << 30  # (a drafter's context window reaches the kernel as an int32 with its block added)
+
 
 def parse_drafter(spec: str) -> DraftSpec:
     """"none" | "ngram" | "dflash" (the drafter registered for the target) | "dflash:PATH" | "model:NAME" |
@@ -59,9 +65,9 @@ def parse_drafter(spec: str) -> DraftSpec:
     "self:POLICY[:key=value,...]" (the target drafts for itself under a sparse attention policy; the key
     weights=fp8 drafts with FP8 copies of the target's weights) | "treeN:DRAFTER" (a drafter of per-position
     choices, dflash, whose steps verify a tree of N drafted nodes: `spec.tree`; ngram+treeN:dflash puts prompt
-    lookup's copies in its trees) | "windowN:dflash[:PATH]" (the DFlash drafter's blocks see the last N context
-    tokens only, whatever its file says: e.g. tree15:window1024:dflash). Raises SparseSpecError for what no model
-    could make valid."""
+    lookup's copies in its trees) | "windowN:dflash[:PATH]" (the DFlash drafter's blocks see the last N >= 1
+    context tokens only, in place of its file's window: e.g. tree15:window1024:dflash). Raises SparseSpecError for
+    what no model could make valid."""
     if spec.startswith("ngram+"):  # prompt lookup first, the drafter after the plus otherwise
         inner = parse_drafter(spec[len("ngram+"):])
         if inner.kind == "none":
@@ -74,14 +80,14 @@ def parse_drafter(spec: str) -> DraftSpec:
         inner = parse_drafter(arg)
         if inner.has_tree():
             raise SparseSpecError(f"{spec}: one tree a drafter (treeN:dflash, or ngram+treeN:dflash)")
-        if "dflash" not in (inner.kind, inner.inner and inner.inner.kind):  # (DFlash alone drafts choices)
+        if not inner.has_dflash():  # (DFlash alone drafts choices)
             raise SparseSpecError(f"{spec}: a tree verify needs a drafter of per-position choices (dflash), not "
                                   f"{arg}")
         return DraftSpec("tree", nodes=int(kind[4:]), inner=inner, text=spec)
     if kind.startswith("window") and arg:  # a DFlash drafter's context window, set at load
-        if not (kind[6:].isascii() and kind[6:].isdigit()) or int(kind[6:]) < 1:
-            raise SparseSpecError(f"{spec}: windowN:dflash takes a window of N >= 1 context tokens (e.g. "
-                                  f"window1024:dflash)")
+        if not (kind[6:].isascii() and kind[6:].isdigit()) or not 1 <= int(kind[6:]) <= MAX_WINDOW:
+            raise SparseSpecError(f"{spec}: windowN:dflash takes a window of N context tokens, 1 <= N <= "
+                                  f"{MAX_WINDOW} (e.g. window1024:dflash)")
         inner = parse_drafter(arg)
         if inner.kind != "dflash":
             raise SparseSpecError(f"{spec}: a context window is a DFlash drafter's (windowN:dflash[:PATH]), not {arg}")

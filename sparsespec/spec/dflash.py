@@ -389,7 +389,7 @@ class DFlashDrafter(Drafter):
         self.cache: KVCache | None = None
         self.cuda_graph = self.compile = False  # the runner's settings (`bind`): graphed, and compiled, drafts
         self.graphs: DraftGraphs | None = None
-        self.kept = Kept()  # (batch, capacity, ranks) -> (cache, graphs): a loop over many prompts captures once a size
+        self.kept = Kept()  # (batch, capacity, ranks, window) -> (cache, graphs): a loop over many prompts captures once a size
         self.ranks = 0  # > 0: a tree verify's drafts (`propose_choices`), this many choices a position
 
     def choices(self, ranks: int) -> None:
@@ -410,7 +410,8 @@ class DFlashDrafter(Drafter):
         N = len(prompts)
         if self.cuda_graph:  # the graphs of an earlier call of this batch and capacity serve this one, cache emptied
             self.cache = self.graphs = None  # (an evicted size's memory freed before a new one's is taken)
-            self.cache, self.graphs = self.kept.get((N, capacity, self.ranks), lambda: self._graphed(N, capacity))
+            key = (N, capacity, self.ranks, self.model.cfg.window)  # (a window set later: other graphs)
+            self.cache, self.graphs = self.kept.get(key, lambda: self._graphed(N, capacity))
         else:
             self.cache, self.graphs = self._cache(N, capacity), None
         self.park = capacity

@@ -278,10 +278,12 @@ class _Lookup:
     def __init__(self, sizes: range, prompt: list[int] = ()):
         self.sizes = sizes
         self.prompt = list(prompt)
-        tokens = np.asarray(self.prompt, dtype=np.uint64)
-        self.tables = {n: _gram_table(tokens, n) for n in sizes}  # n -> (sorted hashes, ends), grams in the prompt
-        self.index: dict[tuple[int, ...], int] = {}  # grams that end past the prompt
-        self.indexed = len(self.prompt) + 1  # every n-gram ending (exclusive) before `indexed` is indexed
+        # the table: grams ending (exclusive) before the prompt's end; the one ending at its end is the history's own
+        # suffix until the history grows past the prompt, so it goes in the dict then, as every later one
+        tokens = np.asarray(self.prompt[:-1], dtype=np.uint64)
+        self.tables = {n: _gram_table(tokens, n) for n in sizes}  # n -> (sorted hashes, ends)
+        self.index: dict[tuple[int, ...], int] = {}  # grams that end at the prompt's end or later
+        self.indexed = max(len(self.prompt), 1)  # every n-gram ending (exclusive) before `indexed` is indexed
 
     def propose(self, history: list[int], k: int) -> list[int]:
         # index n-grams that end at or before len(history) - 1, so the current suffix never matches itself

@@ -438,7 +438,7 @@ def start_from(drafter: DFlash, path: Path) -> dict:
     other = DFlash.load(path)
     mine, theirs = drafter.cfg.to_json(), other.cfg.to_json()
     # (a context window changes what a block sees, not the weights' shapes: a drafter may start from one without)
-    changed = sorted(k for k in mine.keys() | theirs.keys() if k != "window" and mine.get(k) != theirs.get(k))
+    changed = sorted(k for k in mine if k != "window" and mine[k] != theirs.get(k))
     grow = changed == ["layers"] and other.cfg.layers < drafter.cfg.layers
     if changed and not grow:
         raise SparseSpecError(f"--init {path} is another drafter shape ({' / '.join(changed)} differ): start it "
