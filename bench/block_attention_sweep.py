@@ -25,10 +25,12 @@ import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
+from sparsespec.attention.dense import tree_mask
 from sparsespec.graphs import capture
 from sparsespec.kernels.attend import BlockTiles, block_attention, block_attention_ref, block_tiles
 from sparsespec.models.shapes import shape
 from sparsespec.sparse_bench import copy_bandwidth, time_ms
+from sparsespec.spec.tree import Pool, choose
 
 DEVICE = "cuda"
 
@@ -62,8 +64,6 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3", help="pipeline stages tried")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from sparsespec.spec.tree import Pool, choose
-
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -108,7 +108,6 @@ def main() -> None:
                 if tree is None:
                     mask = torch.arange(S, device=DEVICE) <= positions[:, None, :, None]  # [B, 1, T, S]
                 else:
-                    from sparsespec.attention.dense import tree_mask
                     mask = tree_mask(positions[:, 0], tree, S)[:, None]
                 sdpa = per_call_us(lambda i: F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=mask,
                                                                             enable_gqa=True), args.layers)

@@ -329,34 +329,36 @@ def test_dflash_training_path_equals_the_inference_path(dtype, window):
         torch.testing.assert_close(trained[0, j], hidden[0], atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels on CPU tensors (Triton's interpreter, set "
-                    "only without CUDA); tests/test_cuda.py runs the drafter's block path on the GPU")
 @pytest.mark.parametrize("window", [0, 3, 40])
 def test_a_drafters_block_attention_path_equals_its_masked_path(monkeypatch, window):
-    """The drafting pass through the model's block-attention op (the CUDA path; here the Triton kernels
-    interpreted) gives the masked dense path's hidden states, with and without a context window."""
+    """The drafting pass through the model's block-attention op (the CUDA path: the Triton kernels on the GPU, or
+    interpreted on CPU) gives the masked dense path's hidden states, with and without a context window."""
     pytest.importorskip("triton")
     from sparsespec.models import transformer
     from sparsespec.spec import dflash
 
+    from .conftest import DEVICE
+
     target = tiny_engine(0)
-    model = tiny_dflash(target, block=4)
+    target.model.to(DEVICE)
+    model = tiny_dflash(target, block=4).to(DEVICE)
     model.cfg = dataclasses.replace(model.cfg, window=window)
     calls = []
     op = transformer.block_attention
     monkeypatch.setattr(transformer, "block_attention", lambda *a, **k: calls.append(k) or op(*a, **k))
     T, a = 30, 21
-    tokens = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(window))
-    cache = KVCache(target.config, 2, T, torch.float32, "cpu")
-    _, feats = target.model.forward_tapped(tokens, torch.arange(T).expand(2, -1), cache, T, model.cfg.taps)
-    starts = torch.tensor([a, a - 6])
+    tokens = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(window)).to(DEVICE)
+    cache = KVCache(target.config, 2, T, torch.float32, DEVICE)
+    positions = torch.arange(T, device=DEVICE).expand(2, -1)
+    _, feats = target.model.forward_tapped(tokens, positions, cache, T, model.cfg.taps)
+    starts = torch.tensor([a, a - 6], device=DEVICE)
     hidden = {}
     for kernel in (False, True):
         with monkeypatch.context() as mp:
             for module in (transformer, dflash):
                 mp.setattr(module, "triton_ready", lambda device, on=kernel: on)
-            dcache = KVCache(model.cfg.layer_config, 2, T + 4, torch.float32, "cpu")
-            model.ingest(feats[:, :a], torch.arange(a).expand(2, -1), dcache)
+            dcache = KVCache(model.cfg.layer_config, 2, T + 4, torch.float32, DEVICE)
+            model.ingest(feats[:, :a], positions[:, :a], dcache)
             hidden[kernel] = model.draft_hidden(target.model, tokens[:, a], starts, dcache, a + 4)  # [2, 4, H]
     assert calls and all(c["window"] == (window + 4 if window else 0) for c in calls)  # (the op ran, windowed)
     torch.testing.assert_close(hidden[True], hidden[False], atol=1e-4, rtol=1e-4)

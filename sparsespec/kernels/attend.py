@@ -71,6 +71,17 @@ def _softmax_step(m_i, l_i, acc, s, v_tile, V_DTYPE: tl.constexpr, DOT: tl.const
 
 
 @triton.jit
+def _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, seen, qk_scale, stride_ks, stride_vs, offs_d,
+               V_DTYPE: tl.constexpr, DOT: tl.constexpr):
+    """One key block of the block attention: K/V rows `slots` [N] (zeros where not `valid`), scores of q_tile
+    [R, D] against them, -inf where not `seen` [R, N] (or [1, N]) -> the online softmax's m, l, acc after it."""
+    k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
+    s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [R, N]
+    s = tl.where(seen, s, float("-inf"))
+    return _softmax_step(m_i, l_i, acc, s, v_tile, V_DTYPE, DOT)
+
+
+@triton.jit
 def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chunk, PARTS,
                     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                     stride_ib, stride_ih, stride_cb, stride_ch,
@@ -287,23 +298,17 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
         for start in range(first, tl.minimum(full_lo, hi), BLOCK_N):
             slots = start + offs_n
             valid = (slots < hi) & (slots >= lowest)
-            k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
             seen = valid[None, :] & (slots[None, :] <= pos[:, None]) & (slots[None, :] >= low[:, None])
-            s = tl.where(seen, s, float("-inf"))
-            m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
+            m_i, l_i, acc = _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, seen, qk_scale,
+                                       stride_ks, stride_vs, offs_d, v.dtype.element_ty, DOT)
     for start in range(full_lo, full, BLOCK_N):
         slots = start + offs_n
-        k_tile = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :]).to(DOT)
-        v_tile = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :]).to(DOT)
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
-        s = tl.where((slots < hi)[None, :], s, float("-inf"))  # (always true: see above)
-        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
+        valid = slots < hi  # (always true: see above)
+        m_i, l_i, acc = _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, valid[None, :], qk_scale,
+                                   stride_ks, stride_vs, offs_d, v.dtype.element_ty, DOT)
     for start in range(tl.maximum(full_lo, full), hi, BLOCK_N):
         slots = start + offs_n
         valid = slots < hi
-        k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N]
         seen = valid[None, :] & (slots[None, :] <= pos[:, None])
         if WINDOW:
             seen = seen & (slots[None, :] >= low[:, None])
@@ -311,8 +316,8 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
             rel = slots - base  # [BLOCK_N]: block index, negative in the context
             bit = (anc[:, None] >> tl.maximum(rel, 0).to(tl.int64)[None, :]) & 1
             seen = seen & ((rel < 0)[None, :] | (bit == 1))
-        s = tl.where(seen, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
+        m_i, l_i, acc = _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, seen, qk_scale,
+                                   stride_ks, stride_vs, offs_d, v.dtype.element_ty, DOT)
 
     part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(2) + split  # [BLOCK_R]
     tl.store(m_part + part, m_i, mask=live)

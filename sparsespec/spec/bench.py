@@ -43,7 +43,8 @@ class DraftSpec:
     """A `--draft` value parsed (`parse_drafter`): its syntax checked before any model loads."""
     kind: str  # none | ngram | dflash | model | self | tree (treeN:INNER) | lookup (ngram+INNER) | window (windowN:INNER)
     arg: str = ""  # dflash's PATH ("": the target's registered drafter), model's NAME, self's POLICY[:options]
-    nodes: int = 0  # tree: drafted nodes a step; window: the context window
+    nodes: int = 0  # tree: drafted nodes a step
+    window: int = 0  # window: the DFlash drafter's context window
     inner: DraftSpec | None = None  # tree's and lookup's drafter
     text: str = ""  # as given
     options: tuple[str, ...] = ()  # self: the policy's options (weights= apart)
@@ -91,7 +92,7 @@ def parse_drafter(spec: str) -> DraftSpec:
         inner = parse_drafter(arg)
         if inner.kind != "dflash":
             raise SparseSpecError(f"{spec}: a context window is a DFlash drafter's (windowN:dflash[:PATH]), not {arg}")
-        return DraftSpec("window", nodes=int(kind[6:]), inner=inner, text=spec)
+        return DraftSpec("window", window=int(kind[6:]), inner=inner, text=spec)
     if kind in ("none", "ngram") and not arg or kind == "dflash" or kind == "model" and arg:
         return DraftSpec(kind, arg, text=spec)
     if kind == "self" and arg:
@@ -130,7 +131,7 @@ def make_drafter(spec: str | DraftSpec, engine: Engine, target_name: str, device
         return inner
     if d.kind == "window":
         drafter = make_drafter(d.inner, engine, target_name, device, dtype, progress, cuda_graph)
-        drafter.model.cfg = dataclasses.replace(drafter.model.cfg, window=d.nodes)
+        drafter.model.cfg = dataclasses.replace(drafter.model.cfg, window=d.window)
         drafter.name = d.text
         return drafter
     if d.kind == "none":
