@@ -279,7 +279,8 @@ def test_packed_data_holds_each_sequences_own_features_and_reloads_them_from_its
         lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
         torch.testing.assert_close(data.features[lo:hi].float(), alone[0].to(torch.bfloat16).float())
     rows = torch.tensor([3, 0, 5])
-    tokens, feats, lengths = data.batch(rows)
+    tokens, feats, lengths, cut = data.batch(rows)
+    assert not cut.any()  # (no window: every token has features)
     for j, r in enumerate(rows.tolist()):
         n = int(lengths[j])
         assert tokens[j, :n].tolist() == data.sequence(r)
@@ -288,6 +289,58 @@ def test_packed_data_holds_each_sequences_own_features_and_reloads_them_from_its
     again = train.Dataset.load(tmp_path / "d.safetensors", target, taps, batch=5)  # other batches, other padding
     assert torch.equal(again.tokens, data.tokens) and torch.equal(again.starts, data.starts)
     torch.testing.assert_close(again.features.float(), data.features.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_a_windowed_data_set_keeps_only_what_the_window_sees_and_trains_alike(setup, tmp_path):
+    """A drafter of context window W sees an answer and the W prompt tokens before it: a data set made for it keeps
+    only those tokens' features (each equal to the whole sequence's), the same blocks give the loss (and logits)
+    that the whole data set gives that drafter, save/load and subset keep the window, and a drafter it cannot serve
+    (no window, a wider one) is refused."""
+    from sparsespec.errors import SparseSpecError
+
+    target, data, _, taps = setup
+    W = 3
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 48, (int(n),), generator=g).tolist() for n in torch.randint(2, 14, (9,), generator=g)]
+    whole = regenerate(target, prompts, taps, 9, 4)
+    cut = regenerate(target, prompts, taps, 9, 4, window=W)
+    assert torch.equal(cut.tokens, whole.tokens) and torch.equal(cut.starts, whole.starts)
+    drop = (whole.starts - W).clamp(min=0)
+    assert torch.equal(cut.cut, drop) and drop.any() and (drop == 0).any()  # long prompts cut, short ones not
+    assert cut.features.shape[0] == whole.features.shape[0] - int(drop.sum())
+    for i in range(len(whole)):
+        lo, hi = int(whole.offsets[i]), int(whole.offsets[i + 1])
+        fo = cut.feature_offsets
+        torch.testing.assert_close(cut.features[int(fo[i]):int(fo[i + 1])].float(),
+                                   whole.features[lo + int(drop[i]):hi].float(), atol=1e-2, rtol=1e-2)
+    torch.manual_seed(0)
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps, window=W)).eval()
+    rows = torch.tensor([4, 0, 7, 2])
+    anchors = train.sample_anchors(whole, rows, 5, torch.Generator().manual_seed(1))
+    tokens, _, lengths, at = cut.batch(rows)
+    for j, r in enumerate(rows.tolist()):
+        assert tokens[j, :int(lengths[j])].tolist() == whole.sequence(r)[int(drop[r]):]
+    with torch.no_grad():
+        loss_w, logits_w, labels_w = train.block_loss(drafter, target.model, whole, rows, anchors)
+        loss_c, logits_c, labels_c = train.block_loss(drafter, target.model, cut, rows, anchors)
+    assert torch.equal(labels_c, labels_w)
+    torch.testing.assert_close(logits_c, logits_w, atol=2e-3, rtol=2e-3)  # (rotary at other absolute positions)
+    torch.testing.assert_close(loss_c, loss_w, atol=1e-4, rtol=1e-4)
+    assert train.decoding_acceptance(drafter, target.model, cut)[1] == \
+        train.decoding_acceptance(drafter, target.model, whole)[1]
+    cut.save(tmp_path / "c.safetensors")
+    again = train.Dataset.load(tmp_path / "c.safetensors", target, taps, batch=3, window=W)
+    assert torch.equal(again.tokens, whole.tokens) and again.window == W  # (the file holds whole sequences)
+    torch.testing.assert_close(again.features.float(), cut.features.float(), atol=1e-2, rtol=1e-2)
+    part = cut.subset(torch.tensor([5, 1]))
+    assert part.window == W and torch.equal(part.features, torch.cat(
+        [cut.features[int(cut.feature_offsets[r]):int(cut.feature_offsets[r + 1])] for r in (5, 1)]))
+    for other in (0, W + 1):
+        wrong = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps, window=other))
+        with pytest.raises(SparseSpecError, match="context window of 3 tokens"):
+            train.block_loss(wrong, target.model, cut, rows, anchors)
+    with pytest.raises(SparseSpecError, match="context windows 3 and 0"):
+        cut.concat(whole)
 
 
 def test_earlier_answers_add_to_new_ones_once_and_only_the_same_targets(setup, tmp_path):

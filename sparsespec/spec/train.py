@@ -2,7 +2,9 @@
 
     prompts (spec/prompts.py, train split) --target, greedy, chat template--> responses
     prompt + response --target forward, tapped layers--> features [T, taps * H]   (kept on the device; only the
-                                                                                   tokens are stored)
+                                                                                   tokens are stored; with a
+                                                                                   context window, only the
+                                                                                   tokens it sees: `Dataset`)
     per step: sequences x anchors among response tokens -> blocks [x_anchor, MASK x (B-1)] attending to context
     strictly before the anchor + their own block (block_mask) -> target LM head -> decay-weighted cross-entropy
 
@@ -91,14 +93,20 @@ PAD_MULTIPLE = 64  # a training batch's padded length on CUDA (`Dataset.padded`)
 @dataclass
 class Dataset:
     """Sequences (prompt + the target's response) packed end to end, no padding: sequence i is
-    tokens[offsets[i]:offsets[i + 1]], its response starts `starts[i]` tokens in; features[j] are the target's tapped
-    layer outputs at token j. Only the tokens are stored: the features (taps x hidden values a token, tens of GB for
-    thousands of answers) are recomputed from them by one forward pass (`tapped_features`) when a run resumes."""
+    tokens[offsets[i]:offsets[i + 1]], its response starts `starts[i]` tokens in. Only the tokens are stored: the
+    features (the target's tapped layer outputs, taps x hidden values a token, tens of GB for thousands of answers)
+    are recomputed from them by one forward pass (`tapped_features`) when a run resumes.
+
+    `window` (a drafter's context window, `DFlashConfig.window`; 0: none): a block anchored in an answer sees at most
+    the `window` tokens before it, so only each sequence's last `window` prompt tokens and its answer need features:
+    the first `cut[i]` tokens of sequence i have none (a 30k-token prompt keeps 1k tokens' features, not 30k).
+    features[j] belongs to the j-th token that has one, in order."""
 
     tokens: torch.Tensor  # [S] int64, every sequence's tokens
     offsets: torch.Tensor  # [N + 1] int64: sequence i is tokens[offsets[i]:offsets[i + 1]]
     starts: torch.Tensor  # [N] first response token of each sequence (counted from its own start)
-    features: torch.Tensor  # [S, taps * H] target layer outputs
+    features: torch.Tensor  # [S - cut.sum(), taps * H] target layer outputs of the tokens past each cut
+    window: int = 0
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
@@ -107,45 +115,66 @@ class Dataset:
     def lengths(self) -> torch.Tensor:  # [N] prompt + response tokens
         return self.offsets[1:] - self.offsets[:-1]
 
+    @property
+    def cut(self) -> torch.Tensor:  # [N] leading tokens of each sequence without features
+        return cut_before(self.starts, self.window)
+
+    @property
+    def feature_offsets(self) -> torch.Tensor:  # [N + 1]: sequence i's features are features[fo[i]:fo[i + 1]]
+        kept = self.lengths - self.cut
+        return torch.cat([kept.new_zeros(1), kept.cumsum(0)])
+
     def sequence(self, i: int) -> list[int]:
         return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])].tolist()
 
-    def padded(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows [n] -> (index [n, T] into the packed tokens, lengths [n]): right-padded (with each row's last token,
-        which every mask and label ignores) to the longest row, T; on CUDA T is rounded up to a multiple of
-        PAD_MULTIPLE, as the attention's kernels are planned per shape (cuDNN: a plan built for every new length cost
-        more than the step itself until a few hundred lengths had been seen)."""
-        lengths = self.lengths[rows]
+    def padded(self, rows: torch.Tensor, cut: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [n] -> (index [n, T] into the packed tokens, lengths [n]) of each row's tokens from its `cut` [n] on
+        (default: all of them): right-padded (with each row's last token, which every mask and label ignores) to
+        the longest row, T; on CUDA T is rounded up to a multiple of PAD_MULTIPLE, as the attention's kernels are
+        planned per shape (cuDNN: a plan built for every new length cost more than the step itself until a few
+        hundred lengths had been seen)."""
+        cut = torch.zeros_like(rows) if cut is None else cut
+        lengths = self.lengths[rows] - cut
         T = int(lengths.max())
         if rows.device.type == "cuda":
             T = -(-T // PAD_MULTIPLE) * PAD_MULTIPLE
         at = torch.minimum(torch.arange(T, device=rows.device), lengths[:, None] - 1)
-        return self.offsets[rows][:, None] + at, lengths
+        return self.offsets[rows][:, None] + cut[:, None] + at, lengths
 
-    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rows [n] -> tokens [n, T], features [n, T, taps * H], lengths [n] (padded as `padded`)."""
-        index, lengths = self.padded(rows)
-        return self.tokens[index], self.features[index], lengths
+    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows [n] -> tokens [n, T], features [n, T, taps * H], lengths [n] of each row's tokens that have features
+        (padded as `padded`), and where they begin in the row, cut [n] (0 without a window): token t of the batch
+        is token cut + t of its sequence."""
+        cut = self.cut[rows]
+        index, lengths = self.padded(rows, cut)
+        at = index - (self.offsets[rows] + cut)[:, None]  # [n, T] position among the row's featured tokens
+        return self.tokens[index], self.features[self.feature_offsets[rows][:, None] + at], lengths, cut
 
     def subset(self, rows: torch.Tensor) -> "Dataset":
         """The sequences `rows` [n] (in that order), packed anew."""
         lengths = self.lengths[rows]
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        index = torch.cat([torch.arange(int(self.offsets[r]), int(self.offsets[r + 1]), device=self.tokens.device)
-                           for r in rows.tolist()])
-        return Dataset(self.tokens[index], offsets, self.starts[rows], self.features[index])
+        fo = self.feature_offsets
+        ranges = [(int(self.offsets[r]), int(self.offsets[r + 1]), int(fo[r]), int(fo[r + 1])) for r in rows.tolist()]
+        dev = self.tokens.device
+        index = torch.cat([torch.arange(a, b, device=dev) for a, b, _, _ in ranges])
+        findex = torch.cat([torch.arange(a, b, device=dev) for _, _, a, b in ranges])
+        return Dataset(self.tokens[index], offsets, self.starts[rows], self.features[findex], self.window)
 
     def concat(self, other: "Dataset") -> "Dataset":
         """This data set, then the sequences of `other` whose prompt it does not hold yet (a greedy target answers a
-        prompt alike every time: one copy is enough)."""
+        prompt alike every time: one copy is enough). Both must keep features alike (the same window)."""
+        if other.window != self.window:
+            raise SparseSpecError(f"cannot join data sets of context windows {self.window} and {other.window}")
         have = {tuple(self.sequence(i)[:int(self.starts[i])]) for i in range(len(self))}
         new = [i for i in range(len(other)) if tuple(other.sequence(i)[:int(other.starts[i])]) not in have]
         add = other.subset(torch.tensor(new, dtype=torch.long, device=other.tokens.device))
         return Dataset(torch.cat([self.tokens, add.tokens]), torch.cat([self.offsets, add.offsets[1:] + self.offsets[-1]]),
-                       torch.cat([self.starts, add.starts]), torch.cat([self.features, add.features]))
+                       torch.cat([self.starts, add.starts]), torch.cat([self.features, add.features]), self.window)
 
     def save(self, path: Path, target: str = "") -> None:
-        """The tokens (int32), offsets and starts; `target`: the answering model's fingerprint (`fingerprint`)."""
+        """The tokens (int32), offsets and starts (whole sequences, whatever the window); `target`: the answering
+        model's fingerprint (`fingerprint`)."""
         from safetensors.torch import save_file
 
         save_file({"tokens": self.tokens.int().contiguous().cpu(),
@@ -153,8 +182,9 @@ class Dataset:
                   metadata={"target": target})
 
     @classmethod
-    def load(cls, path: Path, engine: Engine, taps: tuple[int, ...], batch: int) -> "Dataset":
-        """A saved data set, its features recomputed by `engine`'s model; one made by another model is refused."""
+    def load(cls, path: Path, engine: Engine, taps: tuple[int, ...], batch: int, window: int = 0) -> "Dataset":
+        """A saved data set, its features recomputed by `engine`'s model (for a drafter of context `window`: only
+        the tokens such a drafter sees); one made by another model is refused."""
         from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
@@ -167,7 +197,14 @@ class Dataset:
             raise SparseSpecError(f"unreadable data set {path}: {e}") from None
         if made_by and made_by != fingerprint(engine):
             raise SparseSpecError(f"{path} holds another model's answers: training data must be this target's own")
-        return cls(**d, features=tapped_features(engine, d["tokens"], d["offsets"], taps, batch))
+        features = tapped_features(engine, d["tokens"], d["offsets"], taps, batch, cut_before(d["starts"], window))
+        return cls(**d, features=features, window=window)
+
+
+def cut_before(starts: torch.Tensor, window: int) -> torch.Tensor:
+    """starts [N] (each sequence's first answer token) -> [N] its leading tokens that no block of a drafter with
+    context `window` sees (0: none; every block is anchored in the answer and sees `window` tokens back)."""
+    return (starts - window).clamp(min=0) if window else torch.zeros_like(starts)
 
 
 def fingerprint(engine: Engine) -> str:
@@ -182,34 +219,39 @@ def fingerprint(engine: Engine) -> str:
 
 @torch.no_grad()
 def tapped_features(engine: Engine, tokens: torch.Tensor, offsets: torch.Tensor, taps: tuple[int, ...],
-                    batch: int) -> torch.Tensor:
-    """The target's tapped layer outputs [S, taps * H] (bf16) over packed sequences (tokens [S], offsets [N + 1]),
-    `batch` sequences a forward pass in order of length, each pass padded only to its own longest sequence."""
+                    batch: int, cut: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's tapped layer outputs [S - cut.sum(), taps * H] (bf16) over packed sequences (tokens [S], offsets
+    [N + 1]): those of each sequence's tokens from its cut[i] on (default: all), packed in order. `batch` sequences
+    a forward pass (over whole sequences) in order of length, each pass padded only to its own longest sequence."""
     from ..cache import KVCache
 
     device = engine.device
     tokens, offsets = tokens.to(device), offsets.to(device)
+    lengths = offsets[1:] - offsets[:-1]
+    cut = torch.zeros_like(lengths) if cut is None else cut.to(device)
+    kept = lengths - cut
+    kept_at = torch.cat([kept.new_zeros(1), kept.cumsum(0)])  # [N + 1]: where each sequence's features go
     width = len(taps) * engine.config.hidden_size
-    out = torch.empty(tokens.shape[0], width, dtype=torch.bfloat16, device=device)
-    order = torch.argsort(offsets[1:] - offsets[:-1], stable=True)  # [N] shortest first: passes of like lengths
+    out = torch.empty(int(kept_at[-1]), width, dtype=torch.bfloat16, device=device)
+    order = torch.argsort(lengths, stable=True)  # [N] shortest first: passes of like lengths
     for i in range(0, order.shape[0], batch):
         rows = order[i:i + batch]
-        lo, hi = offsets[rows], offsets[rows + 1]
-        lengths = hi - lo
-        T = int(lengths.max())
+        n = lengths[rows]
+        T = int(n.max())
         at = torch.arange(T, device=device)
-        valid = at < lengths[:, None]  # [n, T]
-        index = lo[:, None] + torch.minimum(at, lengths[:, None] - 1)
-        cache = KVCache(engine.config, lo.shape[0], T, engine.dtype, device)
-        _, f = engine.model.forward_tapped(tokens[index], at.expand(lo.shape[0], -1), cache, T, taps)
-        out[index[valid]] = f[valid].to(torch.bfloat16)  # causal: padding after a row never changes its features
+        keep = (at >= cut[rows, None]) & (at < n[:, None])  # [n, T]: causal, padding after a row never changes it
+        index = offsets[rows, None] + torch.minimum(at, n[:, None] - 1)
+        cache = KVCache(engine.config, rows.shape[0], T, engine.dtype, device)
+        _, f = engine.model.forward_tapped(tokens[index], at.expand(rows.shape[0], -1), cache, T, taps)
+        out[(kept_at[rows, None] + at - cut[rows, None])[keep]] = f[keep].to(torch.bfloat16)
     return out
 
 
 @torch.no_grad()  # not inference_mode: training saves these tensors for backward
 def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], max_new: int, batch: int,
-               progress: bool = False, label: str = "data") -> Dataset:
-    """The target answers every prompt (token ids) greedily; its tapped features over prompt + answer. The prompts
+               progress: bool = False, label: str = "data", window: int = 0) -> Dataset:
+    """The target answers every prompt (token ids) greedily; its tapped features over prompt + answer (for a drafter
+    of context `window`: over the answer and the `window` prompt tokens before it, `Dataset`). The prompts
     are answered `batch` at a time in order of length (a batch's prompts alike, its cache one size bucket) through
     one `RunnerPool`, so a batch of a size seen before replays the captured step instead of capturing its own; the
     answers come back in the prompts' order."""
@@ -226,16 +268,19 @@ def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], 
                 answers[r] = answer
             bar.advance(task, len(rows))
     del runners  # their caches, before the features pass
-    return packed(engine, [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts], taps, batch)
+    return packed(engine, [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts], taps, batch, window)
 
 
-def packed(engine: Engine, seqs: list[list[int]], starts: list[int], taps: tuple[int, ...], batch: int) -> Dataset:
-    """Sequences (prompt + answer, the answer from starts[i] on) packed end to end, with `engine`'s features."""
+def packed(engine: Engine, seqs: list[list[int]], starts: list[int], taps: tuple[int, ...], batch: int,
+           window: int = 0) -> Dataset:
+    """Sequences (prompt + answer, the answer from starts[i] on) packed end to end, with `engine`'s features (those
+    a drafter of context `window` reads: `Dataset`)."""
     device = engine.device
     tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
     offsets = torch.tensor([0] + [len(s) for s in seqs], device=device).cumsum(0)
-    return Dataset(tokens, offsets, torch.tensor(starts, device=device),
-                   tapped_features(engine, tokens, offsets, taps, batch))
+    starts = torch.tensor(starts, device=device)
+    return Dataset(tokens, offsets, starts, tapped_features(engine, tokens, offsets, taps, batch,
+                                                            cut_before(starts, window)), window)
 
 
 def sample_anchors(data: Dataset, rows: torch.Tensor, m: int, generator: torch.Generator) -> torch.Tensor:
@@ -250,10 +295,14 @@ def block_loss(drafter: DFlash, target, data: Dataset, rows: torch.Tensor, ancho
     """(weighted cross-entropy, logits [n, M, B − 1, V], labels [n, M, B − 1]) for the blocks at `anchors` of `rows`:
     the predicted positions 1..B − 1 of each block (position 0 holds the given token). The logits are the LM head's
     own (bf16 on CUDA: no fp32 copy of them is made, `block_ce` reads them as they are)."""
-    B = drafter.cfg.block_size
-    tokens, feats, lengths = data.batch(rows)  # [n, T], [n, T, taps * H], [n]
+    B, window = drafter.cfg.block_size, drafter.cfg.window
+    if data.window and not 0 < window <= data.window:
+        raise SparseSpecError(f"a data set with features for a context window of {data.window} tokens trains and "
+                              f"measures drafters of at most that window, not {window or 'the whole context'}")
+    tokens, feats, lengths, cut = data.batch(rows)  # [n, T], [n, T, taps * H], [n], [n]
+    anchors = anchors - cut[:, None]  # (the batch's token t is the row's token cut + t)
     T = tokens.shape[1]
-    mask = block_mask(anchors, lengths, T, B, drafter.cfg.window)
+    mask = block_mask(anchors, lengths, T, B, window)
     hidden = drafter.train_hidden(target, feats, tokens, anchors, mask)[:, :, 1:]  # [n, M, B − 1, H]
     logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))  # [n, M, B − 1, V]
     labels = block_labels(tokens, anchors, lengths, B)[..., 1:]
@@ -377,7 +426,7 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
     data_path, held_path = out / f"data{part}.safetensors", out / f"heldout{part}.safetensors"
     t0 = time.perf_counter()
     if data_path.is_file() and held_path.is_file():
-        data, held = (Dataset.load(p, engine, dcfg.taps, cfg.gen_batch) for p in (data_path, held_path))
+        data, held = (Dataset.load(p, engine, dcfg.taps, cfg.gen_batch, cfg.window) for p in (data_path, held_path))
     else:
         train_p = [engine.encode(p.text, chat=True)
                    for p in ranks.share(make_prompts(cfg.prompts, "train", cfg.kinds, cfg.seed,
@@ -385,10 +434,12 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         held_p = [engine.encode(p.text, chat=True)
                   for p in ranks.share(make_prompts(cfg.heldout, "heldout", cfg.kinds, cfg.seed,
                                                              cfg.long_chars))]
-        data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train")
-        held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out")
+        data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train",
+                          cfg.window)
+        held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out",
+                          cfg.window)
         for path in add_data:  # each process its share of them
-            extra = Dataset.load(path, engine, dcfg.taps, cfg.gen_batch)
+            extra = Dataset.load(path, engine, dcfg.taps, cfg.gen_batch, cfg.window)
             data = data.concat(extra.subset(torch.arange(ranks.rank, len(extra), ranks.size, device=device)))
         data.save(data_path, fingerprint(engine))
         held.save(held_path, fingerprint(engine))
