@@ -25,6 +25,9 @@
 #   bench     bench spec --target ft: the base drafter (a), then every run above that made a drafter (ONLY may skip
 #             some), held-out DOMAIN prompts, T = 0, compiled, on cuda with --row-invariant (verify and decode
 #             round alike: greedy output identical in bf16)
+#   bench-general  (with MIX) the same drafters on held-out general prompts (code and text)
+# MIX=F: every train eda run answers a mixed pool, a share F of general code and text prompts beside the domain's
+# (`train eda --mix`), as a fine-tuned target's traffic mixes them; the retrain stays on the domain.
 # Every run after the loss run starts from its answers (same prompts, seed and sizes; the retrain answers anew).
 # Sizes (environment): DEVICE (cuda), FT_STEPS (300), FT_EXAMPLES (4096), PROMPTS (1024), FRACTION (0.5),
 # GEN_BATCH (128 prompts a generation batch), PROBE (32 answer tokens a probe), PRIVATE (256), STEPS (100000),
@@ -51,7 +54,8 @@ eda() {  # eda STEP OPTIONS...
   run=$1; shift
   step $run $S train eda --target $root/ft --base-drafter "$base" --domain $domain --out $root/$run \
     --prompts $prompts --fraction ${FRACTION:-0.5} --private-size ${PRIVATE:-256} --steps ${STEPS:-100000} \
-    --gen-batch ${GEN_BATCH:-128} --time-limit $time --device $dev --progress $EXTRA $EDA_EXTRA "$@"
+    --gen-batch ${GEN_BATCH:-128} --time-limit $time --device $dev --progress ${MIX:+--mix $MIX} $EXTRA $EDA_EXTRA \
+    "$@"
 }
 reuse() {  # reuse RUN: RUN starts from the loss run's answers
   if [ -f $root/loss.done ] && [ ! -d $root/$1 ]; then
@@ -78,7 +82,10 @@ done
 step bench $S bench spec --target $root/ft --drafters $drafters --kinds $domain \
   --prompts ${BENCH_PROMPTS:-32} --batch 1 --temperatures 0 --max-new-tokens ${NEW:-128} --block-size 16 \
   --device $dev $([ "$dev" = cuda ] && echo --compile --row-invariant) --out $root/bench
+[ -n "$MIX" ] && step bench-general $S bench spec --target $root/ft --drafters $drafters --kinds code,text \
+  --prompts ${BENCH_PROMPTS:-32} --batch 1 --temperatures 0 --max-new-tokens ${NEW:-128} --block-size 16 \
+  --device $dev $([ "$dev" = cuda ] && echo --compile --row-invariant) --out $root/bench-general
 [ -f $root/log ] && tail -40 $root/log
 [ -n "$OUT" ] || exit 0
-cd $root && tar czf $OUT/eda-$domain.tar.gz log ft/adapter.json */drafter.json */summary.json bench/spec.* \
+cd $root && tar czf $OUT/eda-$domain.tar.gz log ft/adapter.json */drafter.json */summary.json bench*/spec.* \
   2>/dev/null; ls -la $OUT

@@ -265,8 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--probe-tokens", type=_positive_int, default=0, metavar="K", help="select prompts before "
                     "answering them: score every prompt's first K answer tokens, then answer only the kept "
                     "prompts in full (regenerated data; without it every prompt is answered in full and scored)")
-    _positive_options(te, ("prompts", 1024, "domain prompts the target answers"),
-                      ("heldout", 32, "held-out domain prompts for the acceptance (tau) estimate"),
+    te.add_argument("--mix", type=_float, default=0.0, metavar="F", help="share of the prompts (train and "
+                    "held-out) that are general code and text prompts instead of the domain's, as a fine-tuned "
+                    "target's traffic mixes them: what a selection rule must sort out (default: %(default)s)")
+    _positive_options(te, ("prompts", 1024, "prompts the target answers (the domain's, but for --mix)"),
+                      ("heldout", 32, "held-out prompts for the acceptance (tau) estimate (likewise)"),
                       *_DATA_OPTIONS, ("steps", 1000, "optimisation steps"), *_STEP_OPTIONS)
     te.add_argument("--lr", type=_float, default=3e-4, help="AdamW peak learning rate (default: %(default)s)")
     te.add_argument("--time-limit", type=_float, default=0, help="seconds of optimisation (default: 0, none)")
@@ -765,7 +768,8 @@ def _eda(args) -> None:
     from .spec.train import TrainConfig
 
     cfg = EdaConfig(domain=args.domain, data=args.data, select=args.select, fraction=args.fraction,
-                    private_size=args.private_size, train_fc=args.train_fc, probe_tokens=args.probe_tokens)
+                    private_size=args.private_size, train_fc=args.train_fc, probe_tokens=args.probe_tokens,
+                    mix=args.mix)
     tcfg = TrainConfig(prompts=args.prompts, heldout=args.heldout, max_new_tokens=args.max_new_tokens,
                        gen_batch=_gen_batch(args), steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr,
                        eval_every=args.eval_every, time_limit=args.time_limit, seed=args.seed, kinds=(args.domain,))

@@ -302,6 +302,36 @@ def test_probe_selection_answers_only_the_prompts_whose_probes_score_highest(tmp
         EdaConfig(data="original", probe_tokens=5)
 
 
+def test_a_mixed_pool_answers_general_prompts_beside_the_domains_in_train_and_held_out_alike(tmp_path):
+    """--mix F: a share F of the prompts (train and held-out) is general code and text, the rest the domain's; the
+    run answers exactly those, and selects among all of them; refused for the original text (it has no general
+    prompts) and for F outside [0, 1)."""
+    from sparsespec.spec.eda import pool_prompts
+    from sparsespec.spec.prompts import make_prompts
+
+    cfg = EdaConfig(domain="kjv", select="loss", fraction=0.5, private_size=8, score_anchors=4, mix=0.25)
+    pool = pool_prompts(cfg, 8, "train", 0)
+    assert pool[:6] == [p.text for p in make_prompts(6, "train", ("kjv",), 0)]
+    assert pool[6:] == [p.text for p in make_prompts(2, "train", ("code", "text"), 0)]
+    assert pool_prompts(EdaConfig(domain="kjv"), 8, "train", 0) == [p.text for p in make_prompts(8, "train", ("kjv",), 0)]
+    assert len(pool_prompts(EdaConfig(domain="kjv", mix=0.9), 1, "heldout", 0)) == 1
+    engine = byte_engine(0)
+    torch.manual_seed(0)
+    DFlash(DFlashConfig(engine.config, layers=1, block_size=4, taps=(0, 1))).save(
+        tmp_path / "base", dtype=torch.float32, meta={"heldout_tau": 1.0})
+    tcfg = TrainConfig(prompts=8, heldout=4, max_new_tokens=6, gen_batch=4, steps=2, batch=2, anchors=4,
+                       eval_every=2, kinds=("kjv",))
+    summary = train_eda(engine, tmp_path / "base", cfg, tcfg, tmp_path / "run", "byte", log=lambda *_: None)
+    assert summary["samples"] == 8 and summary["kept"] == 4 and "--mix 0.25" in summary["made_by"]
+    for name, split, n in (("data", "train", 8), ("heldout", "heldout", 4)):
+        data = Dataset.load(tmp_path / "run" / f"{name}.safetensors", engine, (0, 1), 4)
+        asked = [engine.encode(t, chat=True) for t in pool_prompts(cfg, n, split, 0)]
+        assert [data.sequence(i)[:int(data.starts[i])] for i in range(n)] == asked
+    for bad in (dict(mix=1.0), dict(mix=-0.1), dict(mix=0.5, data="original")):
+        with pytest.raises(SparseSpecError, match="mix must be in"):
+            EdaConfig(**bad)
+
+
 def test_cli_train_eda_and_finetune_refuse_bad_options_with_one_line(tmp_path, capsys):
     from sparsespec.cli import main
 
@@ -312,6 +342,8 @@ def test_cli_train_eda_and_finetune_refuse_bad_options_with_one_line(tmp_path, c
                   "--out", str(tmp_path / "r")],
                  ["train", "eda", "--target", "x", "--base-drafter", "b", "--domain", "kjv", "--out", "r",
                   "--fraction", "1.5"],
+                 ["train", "eda", "--target", "x", "--base-drafter", str(tmp_path / "base"), "--domain", "kjv",
+                  "--out", str(tmp_path / "m"), "--mix", "1"],
                  ["train", "finetune", "--domain", "kjv", "--out", str(tmp_path / "f"), "--alpha", "-1"],
                  ["train", "eda", "--target", "x", "--base-drafter", str(tmp_path / "base"), "--domain", "kjv",
                   "--out", str(tmp_path / "s"), "--select", "shift"]):  # shift needs a fine-tune, not any model

@@ -14,6 +14,9 @@
         with K tokens only, those probes are scored, and only the kept prompts are answered in full (the answers,
         EDA's largest cost, shrink to about K / max_new_tokens + fraction of answering every prompt)
     optimisation: train.py's loop (`fit`) on the kept samples, held-out τ on the domain's held-out prompts
+    a mixed pool (--mix F): a share F of the prompts (train and held-out alike) is the base's general traffic (code
+        and text prompts, which the fine-tune may have changed little) instead of the domain's, as a fine-tuned
+        target's real traffic mixes them: a selection rule has to find the samples the base drafter now gets wrong
 
 The adapted drafter is a DFlash drafter file like any other (its json records `private_size`, the base drafter and
 the recipe), usable with `--draft dflash:PATH` against the fine-tuned target.
@@ -51,6 +54,7 @@ class EdaConfig:
     train_fc: bool = False  # also adapt the feature projection (fc)
     score_anchors: int = 32  # blocks a sample is scored on
     probe_tokens: int = 0  # 0: score full answers; K: score K-token answers, then answer only the kept prompts
+    mix: float = 0.0  # share of the prompt pool (train and held-out) that is general code and text, not the domain
 
     def __post_init__(self):
         if self.domain not in DOMAINS:
@@ -66,6 +70,18 @@ class EdaConfig:
         if self.probe_tokens < 0 or (self.probe_tokens and self.data != "regenerated"):
             raise SparseSpecError(f"probe tokens must be >= 0, and only regenerated data is probed (got "
                                   f"{self.probe_tokens} with {self.data} data)")
+        if not 0 <= self.mix < 1 or (self.mix and self.data != "regenerated"):
+            raise SparseSpecError(f"mix must be in [0, 1), and only a regenerated pool mixes in general prompts (the "
+                                  f"domain's original text follows its own prompts only), got {self.mix} with "
+                                  f"{self.data} data")
+
+
+def pool_prompts(cfg: EdaConfig, n: int, split: str, seed: int) -> list[str]:
+    """The n prompt texts a run answers from `split`: round(cfg.mix · n) general ones (code and text, as the base
+    drafter was trained on) after the rest from the domain; deterministic in (cfg.domain, cfg.mix, n, split, seed)."""
+    general = round(cfg.mix * n)
+    texts = [p.text for p in make_prompts(n - general, split, (cfg.domain,), seed)] if n > general else []
+    return texts + ([p.text for p in make_prompts(general, split, ("code", "text"), seed)] if general else [])
 
 
 def decouple(base: DFlash, private_size: int) -> DFlash:
@@ -262,7 +278,8 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     trainable, total = adapt_parameters(drafter, cfg.train_fc)
     log(f"eda: {trainable:,} of {total:,} drafter parameters trainable ({100 * trainable / total:.1f}%: private MLPs "
         f"of {cfg.private_size}{' and the feature projection' if cfg.train_fc else ''})")
-    settings = {"target": target_name, "base": str(base_path), "eda": asdict(cfg),
+    eda = {k: v for k, v in asdict(cfg).items() if k != "mix" or v}  # (runs from before --mix resume)
+    settings = {"target": target_name, "base": str(base_path), "eda": eda,
                 "data": {k: getattr(tcfg, k) for k in ("prompts", "heldout", "max_new_tokens", "seed")}}
     check_settings(out / "settings.json", settings)
 
@@ -273,11 +290,9 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     if data_path.is_file() and held_path.is_file():
         data, held = (Dataset.load(p, engine, taps, tcfg.gen_batch) for p in (data_path, held_path))
     else:
-        held_p = [engine.encode(p.text, chat=True) for p in make_prompts(tcfg.heldout, "heldout", (cfg.domain,),
-                                                                           tcfg.seed)]
+        held_p = [engine.encode(t, chat=True) for t in pool_prompts(cfg, tcfg.heldout, "heldout", tcfg.seed)]
         if cfg.data == "regenerated":
-            train_p = [engine.encode(p.text, chat=True) for p in make_prompts(tcfg.prompts, "train", (cfg.domain,),
-                                                                                tcfg.seed)]
+            train_p = [engine.encode(t, chat=True) for t in pool_prompts(cfg, tcfg.prompts, "train", tcfg.seed)]
             if cfg.probe_tokens:  # only the kept prompts are answered in full
                 keep, probe_s = choose_prompts(engine, base, train_p, cfg, tcfg, scores_path, progress, reference)
                 train_p = [train_p[i] for i in keep.tolist()]
