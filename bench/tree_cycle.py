@@ -11,7 +11,7 @@ Also the dense decode step (the plain loop's step) for scale, and with --profile
 (torch.profiler: device time by kernel, largest first).
 
     python bench/tree_cycle.py [--shape qwen2.5-coder-1.5b] [--sizes 1x1024,4x1024] [--nodes 15] [--block 16]
-        [--layers 3] [--intermediate 2048] [--steps 30] [--compile] [--profile] [--out DIR]
+        [--layers 3] [--intermediate 2048] [--window N] [--steps 30] [--compile] [--profile] [--out DIR]
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16, help="the drafter's block and the line's verify width")
     ap.add_argument("--layers", type=int, default=3, help="drafter layers (the shipped 1.5B drafter: 3)")
     ap.add_argument("--intermediate", type=int, default=2048, help="drafter MLP width (the shipped 1.5B's: 2048)")
+    ap.add_argument("--window", type=int, default=0, help="the drafter's context window (0: the whole context)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also the kernels of a step of each (torch.profiler)")
@@ -105,9 +106,10 @@ def main() -> None:
     args = ap.parse_args()
     cfg, model = step_model(args, args.shape)
     dflash = DFlash.random(DFlashConfig(cfg, layers=args.layers, block_size=args.block,
-                                        intermediate_size=args.intermediate))
+                                        intermediate_size=args.intermediate, window=args.window))
     print(f"{args.shape}, random bf16 weights and K/V; a random DFlash drafter of {args.layers} layers, block "
-          f"{args.block}; tree of {args.nodes} nodes; compile={args.compile}; ms")
+          f"{args.block}, context window {args.window or 'none'}; tree of {args.nodes} nodes; "
+          f"compile={args.compile}; ms")
     print("| batch x context | verify as | draft | tree | verify | argmax | settle | ingest | parts | step "
           "| host | dense step |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

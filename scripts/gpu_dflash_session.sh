@@ -16,7 +16,8 @@
 #                                                                        and tree15, compiled, with kernels
 #      long-b16, long-b4, long-b1  issue 15: held-out long-code prompts of CHARS characters (default 100,000:
 #             ~22k-30k tokens), batch 16 (16 prompts, T = 0, 400 s), 4 (8, T = 0 and 1, 250 s), 1 (4, T = 0, 200 s)
-#    each with DRAFTERS (default "dflash:D ngram+dflash:D", D the drafter); LIMIT (seconds) replaces every limit.
+#    each with DRAFTERS (default "dflash:D ngram+dflash:D", D the drafter); LIMIT (seconds) replaces every limit;
+#    BLOCK the block size (default 16; at long context a tuned drafter's runs rarely pass 8: a narrower verify).
 # RUN: the run folder (default /root/run; passed on to gpu_train_dflash.sh). SKIP_TRAIN=1 benches the drafter
 # already in it, or DRAFTER (a path without .safetensors, e.g. the shipped
 # sparsespec/drafters/qwen2.5-coder-1.5b-dflash). Each line of progress goes to the log with the time.
@@ -39,7 +40,7 @@ bench() {  # NAME SECONDS [bench spec options ...]
   run=$1; limit=${LIMIT:-$2}; shift 2
   echo "$run start $(date +%T)"
   timeout $((limit + 300)) python3 -m sparsespec bench spec --target "$model" --target-name "$name" \
-    --drafters ${DRAFTERS:-dflash:$D ngram+dflash:$D} --max-new-tokens 128 --block-size 16 --device cuda \
+    --drafters ${DRAFTERS:-dflash:$D ngram+dflash:$D} --max-new-tokens 128 --block-size ${BLOCK:-16} --device cuda \
     --time-limit "$limit" --out $E/spec-$run "$@" > $E/spec-$run.log 2>&1
   rc=$?
   echo "$run done $(date +%T) rc $rc (124: stopped by the backstop, 300 s past the time limit)"

@@ -1,0 +1,31 @@
+#!/bin/sh
+# On the device machine: the standing GPU check of the kernels and the verify's launch tuning (issue 15), random
+# weights only (no model to carry). Run it detached, then again with OUT set to bring the results back:
+#   OUT= setsid nohup sh scripts/gpu_kernels.sh > /root/kernels.out 2>&1 &      (read /root/kernels/log)
+#   sh scripts/gpu_kernels.sh                                                     (OUT set: $OUT/kernels.tar.gz)
+# Steps (each once into /root/kernels/<step>, skipped when done: scripts/steps.sh; ONLY picks some):
+#   tests   the CUDA tests of the kernels and of the loops on them (block attention, trees, whole steps, drafters)
+#   sweep   bench/block_attention_sweep.py: every launch of the block attention against the default, SDPA and the
+#           bytes floor, decode steps and verify blocks (widths 1, 4, 8, 16), lines and trees
+#   verify  bench/verify_cost.py at (16, 25600): the step of 1, 4, 8 and 16 tokens, kernels of the widest and of 1
+#   cycle   bench/tree_cycle.py at (16, 25600) and (4, 25600): a DFlash step's parts, line and tree15, with kernels
+#   cycle-window  the same with a drafter of context window 1024 (its attention reads 1k slots, not 25k)
+# SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
+export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+root=/root/kernels
+mkdir -p $root
+. scripts/steps.sh
+step tests python3 -m pytest -q -p no:cacheprovider tests/test_kernel_attend.py tests/test_tree.py tests/test_cuda.py \
+  tests/test_spec.py tests/test_dflash_train.py
+step sweep python3 bench/block_attention_sweep.py --shapes ${SHAPES:-qwen2.5-coder-1.5b,llama-3.1-8b} \
+  --sizes ${SIZES:-16x25600,4x25600,1x32768} --widths 1,4,8,16 --out $root/sweep.json
+step sweep-tree python3 bench/block_attention_sweep.py --shapes qwen2.5-coder-1.5b --sizes 16x25600,4x25600 \
+  --widths 16 --tree --out $root/sweep_tree.json
+step verify python3 bench/verify_cost.py --models qwen2.5-coder-1.5b --widths 1,4,8,16 --context 25600 --batch 16 \
+  --profile --out $root/verify
+step cycle python3 bench/tree_cycle.py --sizes 16x25600,4x25600 --compile --profile --out $root/cycle
+step cycle-window python3 bench/tree_cycle.py --sizes 16x25600,4x25600 --compile --window 1024 \
+  --out $root/cycle-window
+tail -60 $root/log
+[ -n "$OUT" ] || exit 0
+cd $root && tar czf $OUT/kernels.tar.gz log *.json verify/*.json cycle*/tree_cycle.json 2>/dev/null; ls -la $OUT
