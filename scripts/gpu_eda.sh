@@ -27,7 +27,9 @@
 #             round alike: greedy output identical in bf16)
 #   bench-general  (with MIX) the same drafters on held-out general prompts (code and text)
 # MIX=F: every train eda run answers a mixed pool, a share F of general code and text prompts beside the domain's
-# (`train eda --mix`), as a fine-tuned target's traffic mixes them; the retrain stays on the domain.
+# (`train eda --mix`), as a fine-tuned target's traffic mixes them, in a folder of its own (DOMAIN-mixF: the runs
+# of another mix are not reused); `original` is skipped (the domain's text has no general prompts), the retrain
+# stays on the domain.
 # Every run after the loss run starts from its answers (same prompts, seed and sizes; the retrain answers anew).
 # Sizes (environment): DEVICE (cuda), FT_STEPS (300), FT_EXAMPLES (4096), PROMPTS (1024), FRACTION (0.5),
 # GEN_BATCH (128 prompts a generation batch), PROBE (32 answer tokens a probe), PRIVATE (256), STEPS (100000),
@@ -40,7 +42,7 @@ model=$1; base=$2; domain=$3
 [ -n "$model" ] && [ -n "$base" ] && [ -n "$domain" ] || { echo "usage: gpu_eda.sh MODEL BASE_DRAFTER DOMAIN"; exit 2; }
 export PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 dev=${DEVICE:-cuda}; time=${TIME:-120}; prompts=${PROMPTS:-1024}
-root=${ROOT:-/root/eda}/$domain
+root=${ROOT:-/root/eda}/$domain${MIX:+-mix$MIX}
 mkdir -p $root
 . scripts/steps.sh
 if [ -n "$FT" ] && [ ! -e $root/ft ]; then
@@ -67,7 +69,7 @@ reuse reducible; eda reducible --select reducible
 reuse acceptance; eda acceptance --select acceptance
 reuse shift; eda shift --select shift
 reuse random; eda random --select random
-eda original --select loss --data original
+[ -n "$MIX" ] || eda original --select loss --data original
 eda probe-loss --select loss --probe-tokens ${PROBE:-32}
 eda probe-shift --select shift --probe-tokens ${PROBE:-32}
 eda probe-random --select random --probe-tokens ${PROBE:-32}

@@ -6,7 +6,8 @@
 # Steps (each once into /root/kernels/<step>, skipped when done: scripts/steps.sh; ONLY picks some):
 #   tests   the CUDA tests of the kernels and of the loops on them (block attention, trees, whole steps, drafters)
 #   sweep   bench/block_attention_sweep.py: every launch of the block attention against the default, SDPA and the
-#           bytes floor, decode steps and verify blocks (widths 1, 4, 8, 16), lines and trees
+#           bytes floor, decode steps and verify blocks (widths 1, 4, 8, 16) in both shapes
+#   sweep-tree  the same for tree blocks of 16 (the 1.5B's shape)
 #   verify  bench/verify_cost.py at (16, 25600): the step of 1, 4, 8 and 16 tokens, kernels of the widest and of 1
 #   cycle   bench/tree_cycle.py at (16, 25600) and (4, 25600): a DFlash step's parts, line and tree15, with kernels
 #   cycle-window  the same with a drafter of context window 1024 (its attention reads 1k slots, not 25k)

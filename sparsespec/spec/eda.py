@@ -77,8 +77,9 @@ class EdaConfig:
 
 
 def pool_prompts(cfg: EdaConfig, n: int, split: str, seed: int) -> list[str]:
-    """The n prompt texts a run answers from `split`: round(cfg.mix · n) general ones (code and text, as the base
-    drafter was trained on) after the rest from the domain; deterministic in (cfg.domain, cfg.mix, n, split, seed)."""
+    """The n prompt texts a run answers from `split`: round(cfg.mix · n) general ones (code and text, the kinds a
+    base drafter is trained on; with the same seed, train-split ones may be prompts it was trained on: traffic it
+    knows) after the rest from the domain; deterministic in (cfg.domain, cfg.mix, n, split, seed)."""
     general = round(cfg.mix * n)
     texts = [p.text for p in make_prompts(n - general, split, (cfg.domain,), seed)] if n > general else []
     return texts + ([p.text for p in make_prompts(general, split, ("code", "text"), seed)] if general else [])

@@ -155,11 +155,8 @@ class Dataset:
         lengths = self.lengths[rows]
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         fo = self.feature_offsets
-        ranges = [(int(self.offsets[r]), int(self.offsets[r + 1]), int(fo[r]), int(fo[r + 1])) for r in rows.tolist()]
-        dev = self.tokens.device
-        index = torch.cat([torch.arange(a, b, device=dev) for a, b, _, _ in ranges])
-        findex = torch.cat([torch.arange(a, b, device=dev) for _, _, a, b in ranges])
-        return Dataset(self.tokens[index], offsets, self.starts[rows], self.features[findex], self.window)
+        return Dataset(self.tokens[_spans(self.offsets[rows], self.offsets[rows + 1])], offsets, self.starts[rows],
+                       self.features[_spans(fo[rows], fo[rows + 1])], self.window)
 
     def concat(self, other: "Dataset") -> "Dataset":
         """This data set, then the sequences of `other` whose prompt it does not hold yet (a greedy target answers a
@@ -199,6 +196,13 @@ class Dataset:
             raise SparseSpecError(f"{path} holds another model's answers: training data must be this target's own")
         features = tapped_features(engine, d["tokens"], d["offsets"], taps, batch, cut_before(d["starts"], window))
         return cls(**d, features=features, window=window)
+
+
+def _spans(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """lo, hi [n] -> the indices lo[0]..hi[0] - 1, then lo[1]..hi[1] - 1, ... concatenated [sum(hi - lo)]."""
+    n = hi - lo
+    first = torch.cumsum(n, 0) - n  # [n]: where each span starts in the output
+    return torch.arange(int(n.sum()), device=lo.device) + torch.repeat_interleave(lo - first, n)
 
 
 def cut_before(starts: torch.Tensor, window: int) -> torch.Tensor:
