@@ -11,6 +11,9 @@
 #   verify  bench/verify_cost.py at (16, 25600): the step of 1, 4, 8 and 16 tokens, kernels of the widest and of 1
 #   cycle   bench/tree_cycle.py at (16, 25600) and (4, 25600): a DFlash step's parts, line and tree15, with kernels
 #   cycle-window  the same with a drafter of context window 1024 (its attention reads 1k slots, not 25k)
+#   verify-8b  bench/verify_cost.py in the Llama-3.1-8B shape at (1, 131072) and (4, 131072), widths 1, 8, 16, with a
+#           3-layer drafter's draft and context update: the step costs issue 15's 128k projection reads
+#           (`python bench/project_dflash.py --spec SPEC.jsonl --verify verify-8b-1x131072/verify_cost.json --layers 3`)
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 root=/root/kernels
@@ -27,6 +30,10 @@ step verify python3 bench/verify_cost.py --models qwen2.5-coder-1.5b --widths 1,
 step cycle python3 bench/tree_cycle.py --sizes 16x25600,4x25600 --compile --profile --out $root/cycle
 step cycle-window python3 bench/tree_cycle.py --sizes 16x25600,4x25600 --compile --window 1024 \
   --out $root/cycle-window
+for size in 1x131072 4x131072; do
+  step verify-8b-$size python3 bench/verify_cost.py --models llama-3.1-8b --widths 1,8,16 --context ${size#*x} \
+    --batch ${size%x*} --drafters 3 --out $root/verify-8b-$size
+done
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
-cd $root && tar czf $OUT/kernels.tar.gz log *.json verify/*.json cycle*/tree_cycle.json 2>/dev/null; ls -la $OUT
+cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cycle*/tree_cycle.json 2>/dev/null; ls -la $OUT
