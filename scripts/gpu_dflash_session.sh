@@ -15,7 +15,8 @@
 #             problems, no compile (300 s; greedy identity)       cycle  bench/tree_cycle.py: a step's parts, line
 #                                                                        and tree15, compiled, with kernels
 #      long-b16, long-b4, long-b1  issue 15: held-out long-code prompts of CHARS characters (default 100,000:
-#             ~22k-30k tokens), batch 16 (16 prompts, T = 0, 400 s), 4 (8, T = 0 and 1, 250 s), 1 (4, T = 0, 200 s)
+#             ~22k-30k tokens), batch 16 (16 prompts, T = 0, 400 s), 4 (8, T = 0 and 1, 250 s), 1 (4, T = 0, 200 s);
+#             LONG_KINDS other long kinds (e.g. long-code,long-text: document questions and summaries too)
 #    each with DRAFTERS (default "dflash:D ngram+dflash:D", D the drafter); LIMIT (seconds) replaces every limit;
 #    BLOCK the block size (default 16; at long context a tuned drafter's runs rarely pass 8: a narrower verify).
 # RUN: the run folder (default /root/run; passed on to gpu_train_dflash.sh). SKIP_TRAIN=1 benches the drafter
@@ -52,11 +53,11 @@ for run in ${RUNS:-t0-b1 t1-b1 b4}; do
     b4) bench $run 150 --compile --kinds humaneval --prompts 32 --batch 4 --temperatures 0,1 ;;
     text) bench $run 150 --compile --kinds text --prompts 48 --batch 1 --temperatures 0,1 ;;
     fp32) bench $run 300 --dtype float32 --kinds humaneval --prompts 164 --batch 8 --temperatures 0 ;;
-    long-b16) bench $run 400 --compile --kinds long-code --long-chars ${CHARS:-100000} --prompts 16 --batch 16 \
+    long-b16) bench $run 400 --compile --kinds ${LONG_KINDS:-long-code} --long-chars ${CHARS:-100000} --prompts 16 --batch 16 \
       --temperatures 0 ;;
-    long-b4) bench $run 250 --compile --kinds long-code --long-chars ${CHARS:-100000} --prompts 8 --batch 4 \
+    long-b4) bench $run 250 --compile --kinds ${LONG_KINDS:-long-code} --long-chars ${CHARS:-100000} --prompts 8 --batch 4 \
       --temperatures 0,1 ;;
-    long-b1) bench $run 200 --compile --kinds long-code --long-chars ${CHARS:-100000} --prompts 4 --batch 1 \
+    long-b1) bench $run 200 --compile --kinds ${LONG_KINDS:-long-code} --long-chars ${CHARS:-100000} --prompts 4 --batch 1 \
       --temperatures 0 ;;
     cycle) echo "cycle start $(date +%T)"  # a step's parts, line against tree15 (random weights in the shape)
       timeout 600 python3 bench/tree_cycle.py --shape "$name" --compile --profile --out $E/tree-cycle \
