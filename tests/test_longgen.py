@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsespec.attention import make_policy
-from sparsespec.eval.longgen import dense_nll, distinct, report, teacher_forced_agreement
+from sparsespec.eval.longgen import dense_scores, distinct, report, teacher_forced_agreement
 from sparsespec.generate import GenerationConfig
 
 from .test_spec import tiny_engine
@@ -19,16 +19,30 @@ def test_distinct_counts_unique_ngrams():
 
 @torch.inference_mode()
 @pytest.mark.parametrize("chunk", [3, 256])
-def test_dense_nll_is_the_full_forwards(chunk):
+def test_dense_scores_are_the_full_forwards(chunk):
+    """The chunked pass's per-token loss equals one forward's; its departures are the steps where the forward's
+    argmax is not the text's token, each with its log-probability margin; dense's own greedy text has none, and
+    that text with one token changed departs there (and, past it, wherever the changed context changes the argmax)."""
     engine = tiny_engine(0)
     g = torch.Generator().manual_seed(1)
     prompt, text = torch.randint(1, 64, (20,), generator=g).tolist(), torch.randint(1, 64, (11,), generator=g).tolist()
-    got = dense_nll(engine, prompt, text, chunk=chunk)
-    tokens = torch.tensor([prompt + text])
-    hidden = engine.model(tokens, torch.arange(tokens.shape[1])[None], _cache(engine, tokens.shape[1]))
-    logp = torch.log_softmax(engine.model.logits(hidden[0, len(prompt) - 1:-1]), -1)
-    want = -logp.gather(-1, torch.tensor(text)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(got), want, atol=1e-4)
+    got, departures = dense_scores(engine, prompt, text, chunk=chunk)
+
+    def forward(text):
+        tokens = torch.tensor([prompt + text])
+        hidden = engine.model(tokens, torch.arange(tokens.shape[1])[None], _cache(engine, tokens.shape[1]))
+        return torch.log_softmax(engine.model.logits(hidden[0, len(prompt) - 1:-1]), -1)  # [len(text), V]
+
+    logp = forward(text)
+    own = logp.gather(-1, torch.tensor(text)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(got), -own, atol=1e-4)
+    best, choice = logp.max(-1)
+    assert [i for i, _ in departures] == (choice != torch.tensor(text)).nonzero()[:, 0].tolist()
+    assert all(abs(m - float(best[i] - own[i])) < 1e-4 and m > 0 for i, m in departures)
+    greedy = engine.generate([prompt], GenerationConfig(max_new_tokens=11, stop_on_eos=False)).token_ids[0]
+    assert dense_scores(engine, prompt, greedy, chunk=chunk)[1] == []
+    changed = greedy[:5] + [(greedy[5] + 1) % 64] + greedy[6:]
+    assert dense_scores(engine, prompt, changed, chunk=chunk)[1][0][0] == 5
 
 
 def _cache(engine, capacity):
@@ -70,10 +84,11 @@ def test_long_essay_prompts_ask_for_an_essay_on_a_document_of_the_context():
         assert "essay" in request or "report" in request
 
 
-def _row(prompt, policy, ppl, keys=None):
-    return {"prompt": prompt, "kind": "long-code", "prompt_tokens": 100, "policy": policy, "generated": 8,
-            "dense_ppl": ppl, "distinct2": 1.0, "distinct4": 1.0, "agreement": 0.5, "first_divergence": 3,
-            "keys": keys, "tokens": [1] * 8}
+def _row(prompt, policy, ppl, keys=None, departures=None):
+    row = {"prompt": prompt, "kind": "long-code", "prompt_tokens": 100, "policy": policy, "generated": 8,
+           "dense_ppl": ppl, "distinct2": 1.0, "distinct4": 1.0, "agreement": 0.5, "first_divergence": 3,
+           "keys": keys, "tokens": [1] * 8}
+    return row if departures is None else {**row, "departures": departures}
 
 
 def test_report_compares_policies_on_the_prompts_every_policy_finished(tmp_path):
@@ -82,6 +97,11 @@ def test_report_compares_policies_on_the_prompts_every_policy_finished(tmp_path)
     table = report(rows, tmp_path, "t")
     assert "| dense | 2 | 8 | 1.00 |" in table and "| topk | 2 | 8 | 3.00 |" in table and "| 20 |" in table
     assert (tmp_path / "longgen.md").read_text() == table and (tmp_path / "longgen.png").is_file()
+    assert "| 3 | - | 20 |" in table  # rows from before departures were recorded
+    rows = [_row(0, "dense", 1.0, departures=[]), _row(0, "topk", 2.0, 10, [[7, 0.02], [14, 0.14]]),
+            _row(1, "dense", 1.0, departures=[]), _row(1, "topk", 4.0, 30, [])]
+    table = report(rows, None, "t")
+    assert "| 3 | 0.0 | all |" in table and "| 3 | 1.0 (<= 0.14) | 20 |" in table
 
 
 def test_longgen_report_renders_a_folder_without_a_model(capsys, tmp_path, monkeypatch):

@@ -72,19 +72,32 @@ def distinct(tokens: list[int], n: int) -> float:
 
 
 @torch.inference_mode()
-def dense_nll(engine: Engine, prompt: list[int], text: list[int], chunk: int = 256) -> list[float]:
-    """The dense model's negative log-likelihood of each token of `text` after `prompt` (teacher-forced, the text
-    verified in chunks of `chunk` tokens)."""
+def dense_scores(engine: Engine, prompt: list[int], text: list[int],
+                 chunk: int = 256) -> tuple[list[float], list[tuple[int, float]]]:
+    """The dense model read along `text` after `prompt` (teacher-forced, the text verified in chunks of `chunk`
+    tokens) -> (its negative log-likelihood of each token; its departures: the steps i where its own greedy choice is
+    not text[i], each with its margin, the log-probability of its choice less text[i]'s, in nats). A text with no
+    departure is dense's own greedy continuation; one with a few small ones is it, but for those near-ties (a loop
+    in it is then the model's own)."""
     runner = Runner(engine.model, 1, len(prompt) + len(text), cuda_graph=False)
-    first = torch.log_softmax(engine.model.logits(runner.prefill([prompt])).float(), -1)  # [1, V]: text[0]
-    out = [-float(first[0, text[0]])]
+    nll: list[float] = []
+    departures: list[tuple[int, float]] = []
+
+    def read(logits: torch.Tensor, at: int) -> None:  # logits [w, V] predicting text[at:at + w]
+        logp = torch.log_softmax(logits.float(), -1)
+        want = torch.tensor(text[at:at + logp.shape[0]], device=logp.device)
+        own = logp.gather(-1, want[:, None])[:, 0]
+        best, choice = logp.max(-1)
+        nll.extend((-own).tolist())
+        departures.extend((at + j, float(best[j] - own[j])) for j in (choice != want).nonzero()[:, 0].tolist())
+
+    read(engine.model.logits(runner.prefill([prompt])), 0)  # [1, V]: text[0]
     for start in range(0, len(text) - 1, chunk):
         piece = text[start:min(start + chunk, len(text) - 1)]  # its logits predict text[start + 1:...]
         logits, _ = runner.verify(torch.tensor([piece], device=runner.device))  # [1, w, V]
         runner.truncate([runner.cache.lengths[0] + len(piece)])
-        target = torch.tensor(text[start + 1:start + 1 + len(piece)], device=logits.device)
-        out += (-torch.log_softmax(logits[0].float(), -1).gather(-1, target[:, None])[:, 0]).tolist()
-    return out
+        read(logits[0], start + 1)
+    return nll, departures
 
 
 @torch.inference_mode()
@@ -130,7 +143,7 @@ def run_longgen(engine: Engine, cfg: LongGenConfig, out: Path | None = None, pro
                 text = engine.generate([prompt], gen, policy=policy).token_ids[0]
                 if dense_text is None:
                     dense_text = text
-                nll = dense_nll(engine, prompt, text)
+                nll, departures = dense_scores(engine, prompt, text)
                 fresh = cfg.policy(spec)  # the agreement pass starts from a new index
                 row = {"prompt": i, "kind": p.kind, "prompt_tokens": len(prompt), "prompt_digest": digests[i],
                        "policy": spec, "generated": len(text),
@@ -139,7 +152,8 @@ def run_longgen(engine: Engine, cfg: LongGenConfig, out: Path | None = None, pro
                        "agreement": teacher_forced_agreement(engine, fresh, prompt, dense_text),
                        "first_divergence": next((j for j, (a, b) in enumerate(zip(text, dense_text)) if a != b),
                                                 min(len(text), len(dense_text))),
-                       "keys": None if policy is None else policy.mean_attended, "tokens": text}
+                       "keys": None if policy is None else policy.mean_attended,
+                       "departures": [[j, round(m, 4)] for j, m in departures], "tokens": text}
                 rows.append(row)
                 if out is not None:
                     out.mkdir(parents=True, exist_ok=True)
@@ -158,8 +172,9 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
     rows = [r for r in rows if r["prompt"] in complete]
     mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
     lines = [title, "", "| policy | prompts | tokens | dense ppl of its text | distinct-2 | distinct-4 | "
-             "top-1 agreement (teacher-forced) | first divergence (median) | keys / head |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "top-1 agreement (teacher-forced) | first divergence (median) | dense departs from its text | "
+             "keys / head |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     table = []
     for name in policies:
         rs = [r for r in rows if r["policy"] == name]
@@ -169,7 +184,7 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
         table.append((name, cells))
         lines.append(f"| {name} | {len(rs)} | {mean([r['generated'] for r in rs]):.0f} | {cells['ppl']:.2f} | "
                      f"{cells['d2']:.3f} | {cells['d4']:.3f} | {100 * cells['agree']:.1f}% | "
-                     f"{statistics.median(r['first_divergence'] for r in rs):.0f} | "
+                     f"{statistics.median(r['first_divergence'] for r in rs):.0f} | {_departures(rs)} | "
                      f"{f'{mean(keys):.0f}' if keys else 'all'} |")
     text = "\n".join(lines) + "\n"
     if out is not None:
@@ -177,6 +192,16 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
         (out / "longgen.md").write_text(text)
         _plot(table, out / "longgen.png", title)
     return text
+
+
+def _departures(rows: list[dict]) -> str:
+    """The report's cell: the mean count of steps at which dense's greedy choice departs from a policy's text (and
+    the largest margin, nats); '-' for rows from before it was recorded."""
+    if any("departures" not in r for r in rows):
+        return "-"
+    count = statistics.fmean(len(r["departures"]) for r in rows)
+    widest = max((m for r in rows for _, m in r["departures"]), default=None)
+    return f"{count:.1f}" + ("" if widest is None else f" (<= {widest:.2f})")
 
 
 def _plot(table: list[tuple[str, dict]], path: Path, title: str) -> None:
