@@ -41,7 +41,8 @@ ROW_FILES = ("spec.jsonl",)  # in a results folder, beside spec.settings.json (r
 @dataclass(frozen=True)
 class DraftSpec:
     """A `--draft` value parsed (`parse_drafter`): its syntax checked before any model loads."""
-    kind: str  # none | ngram | dflash | model | self | tree (treeN:INNER) | lookup (ngram+INNER) | window (windowN:INNER)
+    # none | ngram | dflash | model | self | tree (treeN:INNER) | lookup (ngram+INNER) | window (windowN:INNER)
+    kind: str
     arg: str = ""  # dflash's PATH ("": the target's registered drafter), model's NAME, self's POLICY[:options]
     nodes: int = 0  # tree: drafted nodes a step
     window: int = 0  # window: the DFlash drafter's context window
@@ -50,11 +51,9 @@ class DraftSpec:
     options: tuple[str, ...] = ()  # self: the policy's options (weights= apart)
     fp8: bool = False  # self: weights=fp8
 
-    def has_tree(self) -> bool:
-        return self.kind == "tree" or (self.inner is not None and self.inner.has_tree())
-
-    def has_dflash(self) -> bool:
-        return self.kind == "dflash" or (self.inner is not None and self.inner.has_dflash())
+    def has(self, kind: str) -> bool:
+        """Whether this drafter, or one it wraps at any depth, is of `kind` (e.g. a tree, a DFlash drafter)."""
+        return self.kind == kind or (self.inner is not None and self.inner.has(kind))
 
 
 MAX_WINDOW = 1 << 30  # (a drafter's context window reaches the kernel as an int32 with its block added)
@@ -79,9 +78,9 @@ def parse_drafter(spec: str) -> DraftSpec:
         if not (kind[4:].isascii() and kind[4:].isdigit()) or int(kind[4:]) < 1:
             raise SparseSpecError(f"{spec}: treeN:DRAFTER takes a number of tree nodes N >= 1 (e.g. tree15:dflash)")
         inner = parse_drafter(arg)
-        if inner.has_tree():
+        if inner.has("tree"):
             raise SparseSpecError(f"{spec}: one tree a drafter (treeN:dflash, or ngram+treeN:dflash)")
-        if not inner.has_dflash():  # (DFlash alone drafts choices)
+        if not inner.has("dflash"):  # (DFlash alone drafts choices)
             raise SparseSpecError(f"{spec}: a tree verify needs a drafter of per-position choices (dflash), not "
                                   f"{arg}")
         return DraftSpec("tree", nodes=int(kind[4:]), inner=inner, text=spec)

@@ -389,7 +389,8 @@ class DFlashDrafter(Drafter):
         self.cache: KVCache | None = None
         self.cuda_graph = self.compile = False  # the runner's settings (`bind`): graphed, and compiled, drafts
         self.graphs: DraftGraphs | None = None
-        self.kept = Kept()  # (batch, capacity, ranks, window) -> (cache, graphs): a loop over many prompts captures once a size
+        # (batch, capacity, ranks, window) -> (cache, graphs): a loop over many prompts captures once a size
+        self.kept = Kept()
         self.ranks = 0  # > 0: a tree verify's drafts (`propose_choices`), this many choices a position
 
     def choices(self, ranks: int) -> None:
