@@ -327,8 +327,9 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
 
 def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool) -> BlockTiles:
     """The launch of a block of T queries a row, G query heads a KV head, head_dim D: all G * T rows in one tile
-    (rounded up to a power of two) so that each K/V row is read once per KV head — or, with fixed chunks
-    (`fixed`), tiles of INVARIANT_TILE rows whatever G * T is."""
+    (rounded up to a power of two) so that each K/V row is read once per KV head, up to the caps below (a larger
+    block takes several tiles, which read the same K/V mostly from L2) — or, with fixed chunks (`fixed`), tiles of
+    INVARIANT_TILE rows whatever G * T is."""
     keys = _block_n(D)
     if fixed:
         # one tile shape (and so one MMA shape and one reduction layout) for a decode step's rows and a verify
@@ -336,10 +337,13 @@ def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool) -> Bloc
         # price: each of a block's G * T / 16 tiles reads the split's K/V (side by side, so mostly from L2)
         return BlockTiles(INVARIANT_TILE, keys, 4, 2)
     # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
-    # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3
-    # (a tile's queries at most 64 KiB, so that they and 3 stages of K/V fit in shared memory: an fp32 block of
-    # 7 x 32 rows at head_dim 128 asked 321 KiB of the H200's 227)
-    cap = max(16, 65536 // (D * torch.finfo(dtype).bits // 8))
+    # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3.
+    # Two caps on a tile's rows: its queries at most 64 KiB, so that they and 3 stages of K/V fit in shared memory
+    # (an fp32 block of 7 x 32 rows at head_dim 128 asked 321 KiB of the H200's 227); and its fp32 accumulator at
+    # most 64 x 128 values (4 warps' registers): 6 x 16 = 96 rows at head_dim 128 (the 1.5B's width-16 verify) took
+    # 239 / 91 / 46 us in one 128-row tile at 16x25.6k / 4x25.6k / 1x32k against 170 / 62 / 34 in two of 64
+    # (H200, docs/results/sparse_gpu.md, thirty-eighth session)
+    cap = max(16, min(65536 // (D * torch.finfo(dtype).bits // 8), 8192 // D))
     return BlockTiles(min(max(16, triton.next_power_of_2(G * T)), cap), keys, 4, 2 if T == 1 else 3)
 
 
@@ -348,7 +352,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                     tree: torch.Tensor | None = None, tiles: BlockTiles | None = None,
                     window: int = 0) -> torch.Tensor:
     """A few query positions per row over the KV cache (a speculative verify block, GQA), split-K in Triton: every
-    query head of a KV head and every position of the block in one tile, so each K/V row is read once per KV head.
+    query head of a KV head and every position of the block in one tile (up to `block_tiles`' caps), so each K/V
+    row is read once per KV head.
 
     q          [B, Hq, T, D]   bf16/fp16/fp32 (any strides but the last); query head h uses KV head h // (Hq // Hkv)
     k, v       [B, Hkv, S, D]  q's dtype; slots [0, max(positions[b]) + 1) of row b are read
