@@ -167,16 +167,24 @@ class DFlash(nn.Module):
     def draft_tokens(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
                      kv_len: int) -> torch.Tensor:
         """As `draft_hidden` -> the block's greedy proposals [N, B − 1] (the target's LM head, argmax)."""
-        hidden = self.draft_hidden(target, tokens, start, cache, kv_len)
-        return target.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype)).argmax(-1)
+        return self.block_logits(target, self.draft_hidden(target, tokens, start, cache, kv_len)).argmax(-1)
 
     def draft_choices(self, target: Transformer, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
                       kv_len: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As `draft_hidden` -> each block position's `ranks` likeliest tokens [N, B − 1, ranks], best first, and
         their log-probabilities [N, B − 1, ranks] fp32 (what a tree verify chooses from: `spec.tree`)."""
-        hidden = self.draft_hidden(target, tokens, start, cache, kv_len)
-        logp, ids = target.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype)).log_softmax(-1).topk(ranks, -1)
+        logits = self.block_logits(target, self.draft_hidden(target, tokens, start, cache, kv_len))
+        logp, ids = logits.log_softmax(-1).topk(ranks, -1)
         return ids, logp
+
+    @staticmethod
+    def block_logits(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, B, H] of blocks -> the target LM head's fp32 logits [N, B − 1, vocab] of their proposals (every
+        position but the first). The product runs over all N · B rows and drops the first position's afterwards: with
+        N · (B − 1) rows (240 at N = 16, B = 16) cuBLAS took 16-row tiles that each re-read the whole head (1.8 ms a
+        draft at (16, 25.6k) on the H200; 0.45 ms at N = 4), where N · B rows (256, the verify's shape) took one tile
+        (0.17 ms; docs/results/spec_self.md, thirty-eighth session)."""
+        return target.logits(hidden.to(target.embed_tokens.weight.dtype))[:, 1:]
 
     # --- training: many blocks per sequence, one masked attention --------------------------------------------
 
