@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--window", type=int, default=0, help="the drafter's context window: a block sees the last N "
                     "context tokens before it (the drafter's attention then costs the same at any context length); "
                     "0: the whole context (default: %(default)s)")
+    td.add_argument("--spans", type=int, default=0, help="also train on each training prompt's last N tokens, "
+                    "labelled by the target's own next-token choices up to where the text leaves them (one pass a "
+                    "prompt, no generation: far more training tokens from long prompts); 0: none (default: "
+                    "%(default)s)")
 
     tf = trs.add_parser("finetune", help="fine-tune a target on a domain with LoRA (the targets EDA adapts to)")
     tf.add_argument("--model", default=DEFAULT_MODEL, help="base model: registry name, GGUF file or HF checkpoint "
@@ -699,7 +703,7 @@ def cmd_train(args) -> None:
                       time_limit=args.time_limit, seed=args.seed,
                       kinds=tuple(k.strip() for k in args.kinds.split(",")),
                       long_chars=args.long_chars or TrainConfig.long_chars,
-                      window=args.window)  # invalid options fail before any process
+                      window=args.window, spans=args.spans)  # invalid options fail before any process
     _writable_folder(args.out)
     if args.init and not all(f.is_file() for f in drafter_files(Path(args.init))):
         raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")

@@ -2,11 +2,13 @@
 with either off by one must accept clearly fewer tokens (the check the DFlash spec warns about)."""
 
 import copy
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
+from sparsespec.cache import KVCache
 from sparsespec.spec import train
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter, block_labels, block_mask
@@ -44,7 +46,7 @@ def test_regenerate_answers_each_prompt_in_its_place():
         assert data.sequence(i)[start:] == target.generate([p], gen).token_ids[0], i
         # its features (computed in passes of like lengths) are the sequence's own, as a pass of it alone gives them
         seq = torch.tensor(data.sequence(i))
-        alone = train.tapped_features(target, seq, torch.tensor([0, len(seq)]), (0, 1), 1)
+        alone, _ = train.tapped_features(target, seq, torch.tensor([0, len(seq)]), (0, 1), 1)
         here = data.features[int(data.offsets[i]):int(data.offsets[i + 1])]
         torch.testing.assert_close(here.float(), alone.float(), rtol=1e-2, atol=1e-2)
 
@@ -105,7 +107,10 @@ def test_a_context_mask_that_includes_the_anchor_trains_a_useless_drafter(setup,
 
 def test_labels_shifted_by_one_train_a_useless_drafter(setup, monkeypatch):
     _, _, good = _train(setup)
-    shifted = lambda tokens, anchors, lengths, B: block_labels(tokens, anchors + 1, lengths, B)  # noqa: E731
+
+    def shifted(tokens, anchors, lengths, B, greedy):
+        return block_labels(tokens, anchors + 1, lengths, B, greedy)
+
     _, _, bad = _train(setup, monkeypatch, labels=shifted)
     assert bad < good - 1.0, (good, bad)
 
@@ -279,7 +284,7 @@ def test_packed_data_holds_each_sequences_own_features_and_reloads_them_from_its
         lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
         torch.testing.assert_close(data.features[lo:hi].float(), alone[0].to(torch.bfloat16).float())
     rows = torch.tensor([3, 0, 5])
-    tokens, feats, lengths, cut = data.batch(rows)
+    tokens, feats, lengths, cut, _ = data.batch(rows)
     assert not cut.any()  # (no window: every token has features)
     for j, r in enumerate(rows.tolist()):
         n = int(lengths[j])
@@ -317,7 +322,7 @@ def test_a_windowed_data_set_keeps_only_what_the_window_sees_and_trains_alike(se
     drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps, window=W)).eval()
     rows = torch.tensor([4, 0, 7, 2])
     anchors = train.sample_anchors(whole, rows, 5, torch.Generator().manual_seed(1))
-    tokens, _, lengths, at = cut.batch(rows)
+    tokens, _, lengths, at, _ = cut.batch(rows)
     for j, r in enumerate(rows.tolist()):
         assert tokens[j, :int(lengths[j])].tolist() == whole.sequence(r)[int(drop[r]):]
     with torch.no_grad():
@@ -381,6 +386,65 @@ def test_earlier_answers_add_to_new_ones_once_and_only_the_same_targets(setup, t
     assert 1 <= summary["heldout_tau_decoding"] <= prompts_cfg.block_size
     drafter = DFlash.load(tmp_path / "a" / "drafter")
     assert summary["trainable_parameters"] == summary["parameters"] == sum(p.numel() for p in drafter.parameters())
+
+
+def test_spans_of_the_prompts_are_labelled_by_the_targets_own_choices(setup, tmp_path):
+    """`--spans N`: each training prompt's last N tokens join the data, labelled by the target's argmax after each
+    token (from the features' pass: each equal to a pass over the sequence alone); on the target's own answers
+    those choices are the answers' tokens; the labelling survives save/load and a resume, and a set labelled by
+    tokens does not join one labelled by choices."""
+    from sparsespec.errors import SparseSpecError
+
+    target, data, _, taps = setup
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 48, (int(n),), generator=g).tolist() for n in torch.randint(6, 16, (7,), generator=g)]
+    answered = regenerate(target, prompts, taps, 9, 4, greedy=True)
+    spans = train.packed(target, prompts, [len(p) - 5 for p in prompts], taps, 3, window=2, greedy=True)
+    for d in (answered, spans):
+        fo = d.feature_offsets
+        for i in range(len(d)):
+            seq = torch.tensor([d.sequence(i)])
+            logits = target.model.logits(target.model(seq, torch.arange(seq.shape[1])[None],
+                                                      KVCache(target.config, 1, seq.shape[1], target.dtype,
+                                                              target.device), seq.shape[1]))[0]  # [T, V]
+            top2 = logits.topk(2, -1).values
+            clear = (top2[:, 0] - top2[:, 1] > 1e-3)[int(d.cut[i]):]  # (near-ties may fall either way)
+            mine = d.greedy[int(fo[i]):int(fo[i + 1])]
+            assert torch.equal(mine[clear], logits.argmax(-1)[int(d.cut[i]):][clear]), i
+    # on its own answers the target's choices are the answer's tokens (labels alike but for near-ties)
+    rows = torch.arange(len(answered))
+    tokens, _, lengths, _, greedy = answered.batch(rows)
+    starts = answered.starts
+    for j in range(len(answered)):
+        own = greedy[j, int(starts[j]) - 1:int(lengths[j]) - 1] == tokens[j, int(starts[j]):int(lengths[j])]
+        assert own.float().mean() > 0.9, j
+    drafter = DFlash(DFlashConfig(target.config, layers=1, block_size=4, taps=taps, window=2)).eval()
+    rows = torch.arange(len(spans))
+    anchors = train.sample_anchors(spans, rows, 3, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        labels = train.block_loss(drafter, target.model, spans, rows, anchors)[2]
+    tokens, _, lengths, cut, greedy = spans.batch(rows)
+    assert torch.equal(labels, block_labels(tokens, anchors - cut[:, None], lengths, 4, greedy)[..., 1:])
+    assert (labels >= 0).any() and not torch.equal(labels, block_labels(tokens, anchors - cut[:, None], lengths,
+                                                                         4)[..., 1:])  # (the text is not its own)
+    answered.save(tmp_path / "g.safetensors", train.fingerprint(target))
+    again = train.Dataset.load(tmp_path / "g.safetensors", target, taps, batch=2)
+    assert again.greedy is not None and torch.equal(again.greedy, answered.greedy)
+    with pytest.raises(SparseSpecError, match="labelled by"):
+        data.concat(again)
+    whole = train.packed(target, prompts, [len(p) - 5 for p in prompts], taps, 3, greedy=True)  # (no window)
+    assert torch.equal(again.concat(whole).greedy, torch.cat([again.greedy, whole.greedy]))
+    # end to end: a run with spans trains on answers and spans, records them, and resumes on the same labels
+    cfg = TrainConfig(prompts=4, heldout=2, max_new_tokens=8, gen_batch=4, steps=2, batch=2, anchors=4,
+                      block_size=4, eval_every=2, taps=2, spans=6)
+    engine = byte_engine(0)
+    summary = train.train_dflash(engine, cfg, tmp_path / "s", "byte", log=lambda *_: None)
+    seen = train.Dataset.load(tmp_path / "s" / "data.safetensors", engine, (0, 1), 4)
+    assert len(seen) == 8 and seen.greedy is not None and int((seen.lengths - seen.starts)[4:].max()) == 6
+    assert "--spans 6" in summary["made_by"]
+    assert json.loads((tmp_path / "s" / "settings.json").read_text())["data"]["spans"] == 6
+    with pytest.raises(SparseSpecError):
+        TrainConfig(spans=1)
 
 
 def test_the_schedule_warms_up_then_decays_to_zero_over_the_progress():

@@ -389,6 +389,19 @@ def test_block_labels_are_same_position_and_weights_decay():
     assert (w[2:] < w[1:-1]).all()
 
 
+def test_labels_from_the_targets_choices_end_where_the_text_leaves_them():
+    """With the target's choices (greedy[j]: its argmax after token j), block position k is labelled greedy[a + k − 1]
+    while the text from the anchor a on has been the target's own choices, and nothing after the first token that
+    was not; on the target's own text they are the token labels."""
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    greedy = torch.tensor([[11, 12, 99, 14, 15, 16, 17, 18]])  # after 12 the target would write 99, the text has 13
+    anchors, lengths = torch.tensor([[0, 1, 3, 5]]), torch.tensor([8])
+    labels = block_labels(tokens, anchors, lengths, 4, greedy)
+    assert labels.tolist() == [[[-100, 11, 12, 99], [-100, 12, 99, -100], [-100, 14, 15, 16], [-100, 16, 17, -100]]]
+    own = torch.cat([tokens[:, 1:], torch.tensor([[5]])], 1)  # the target wrote this text: its choices are it
+    assert torch.equal(block_labels(tokens, anchors, lengths, 4, own), block_labels(tokens, anchors, lengths, 4))
+
+
 def test_dflash_save_load_roundtrip(tmp_path):
     target = tiny_engine(0)
     model = tiny_dflash(target)

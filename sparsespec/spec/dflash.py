@@ -296,12 +296,25 @@ def block_mask(anchors: torch.Tensor, lengths: torch.Tensor, T: int, B: int, win
     return torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]
 
 
-def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor, B: int) -> torch.Tensor:
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor, B: int,
+                 greedy: torch.Tensor | None = None) -> torch.Tensor:
     """tokens [N, T], anchors [N, M] -> labels [N, M, B]: block position k predicts tokens[anchor + k];
-    -100 (ignored) at k = 0 (the given token) and past the sequence's end."""
-    pos = anchors[..., None] + torch.arange(B, device=tokens.device)  # [N, M, B]
+    -100 (ignored) at k = 0 (the given token) and past the sequence's end.
+
+    greedy [N, T] (the target's argmax after each token, teacher-forced on `tokens`): position k predicts
+    greedy[anchor + k − 1] instead — what greedy decoding from the anchor writes there — as long as the sequence
+    has followed the target so far (tokens[anchor + j] == greedy[anchor + j − 1] for 0 < j < k); past the first
+    token where it did not, what the target would write is unknown, and the labels are -100. On the target's own
+    greedy answers this is `tokens` (but where a near-tie fell the other way)."""
+    k = torch.arange(B, device=tokens.device)
+    pos = anchors[..., None] + k  # [N, M, B]
     labels = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos)
-    invalid = (pos >= lengths[:, None, None]) | (torch.arange(B, device=tokens.device) == 0)
+    invalid = (pos >= lengths[:, None, None]) | (k == 0)
+    if greedy is not None:
+        choice = greedy.gather(1, (pos - 1).clamp(0, tokens.shape[1] - 1).flatten(1)).view_as(pos)  # [N, M, B]
+        followed = (labels == choice) | (k == 0)  # position j's token is what the target chose there
+        known = torch.cat([followed[..., :1], followed[..., :-1]], -1).long().cumprod(-1).bool()  # all j < k
+        labels, invalid = choice, invalid | ~known
     return labels.masked_fill(invalid, -100)
 
 

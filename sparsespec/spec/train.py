@@ -59,6 +59,7 @@ class TrainConfig:
     kinds: tuple[str, ...] = ("code", "text")  # prompt kinds (spec/prompts.py), split evenly
     long_chars: int = 64_000  # the context of the long kinds, in characters (about 4 a token)
     window: int = 0  # the drafter's context window (DFlashConfig.window; 0: the whole context)
+    spans: int = 0  # also train on each training prompt's last N tokens, labelled by the target's own choices
 
     def __post_init__(self):
         unknown = set(self.kinds) - set(KINDS)
@@ -79,6 +80,8 @@ class TrainConfig:
             raise SparseSpecError(f"block size must be >= 2, got {self.block_size}")
         if self.window < 0:
             raise SparseSpecError(f"window must be >= 0 context tokens (0: the whole context), got {self.window}")
+        if self.spans < 0 or self.spans == 1:
+            raise SparseSpecError(f"spans must be 0 (none) or >= 2 prompt tokens, got {self.spans}")
         if not self.time_limit >= 0:  # (nan too)
             raise SparseSpecError(f"time limit must be >= 0 seconds, got {self.time_limit}")
         inf = float("inf")  # (an infinite rate or clip trains nothing but NaNs; nan fails every comparison)
@@ -88,6 +91,7 @@ class TrainConfig:
 
 
 PAD_MULTIPLE = 64  # a training batch's padded length on CUDA (`Dataset.padded`)
+LOGIT_ROWS = 1024  # tokens a product with the LM head when `tapped_features` takes the target's choices
 
 
 @dataclass
@@ -100,13 +104,19 @@ class Dataset:
     `window` (a drafter's context window, `DFlashConfig.window`; 0: none): a block anchored in an answer sees at most
     the `window` tokens before it, so only each sequence's last `window` prompt tokens and its answer need features:
     the first `cut[i]` tokens of sequence i have none (a 30k-token prompt keeps 1k tokens' features, not 30k).
-    features[j] belongs to the j-th token that has one, in order."""
+    features[j] belongs to the j-th token that has one, in order.
+
+    `greedy` (or None): the target's own next-token choice (argmax) after each token that has features, aligned
+    with them. With it a block's labels are the target's choices, not the sequence's tokens, and end where the
+    sequence leaves them (`block_labels`): text the target did not write (a prompt's own span, `spans`) then
+    teaches exactly what greedy decoding from each anchor would produce, as far as it is known."""
 
     tokens: torch.Tensor  # [S] int64, every sequence's tokens
     offsets: torch.Tensor  # [N + 1] int64: sequence i is tokens[offsets[i]:offsets[i + 1]]
     starts: torch.Tensor  # [N] first response token of each sequence (counted from its own start)
     features: torch.Tensor  # [S - cut.sum(), taps * H] target layer outputs of the tokens past each cut
     window: int = 0
+    greedy: torch.Tensor | None = None  # [S - cut.sum()] int64: the target's argmax after each of those tokens
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
@@ -141,61 +151,73 @@ class Dataset:
         at = torch.minimum(torch.arange(T, device=rows.device), lengths[:, None] - 1)
         return self.offsets[rows][:, None] + cut[:, None] + at, lengths
 
-    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor | None]:
         """rows [n] -> tokens [n, T], features [n, T, taps * H], lengths [n] of each row's tokens that have features
-        (padded as `padded`), and where they begin in the row, cut [n] (0 without a window): token t of the batch
-        is token cut + t of its sequence."""
+        (padded as `padded`), where they begin in the row, cut [n] (0 without a window): token t of the batch is
+        token cut + t of its sequence; and the target's choices after them, greedy [n, T] (None without)."""
         cut = self.cut[rows]
         index, lengths = self.padded(rows, cut)
-        at = index - (self.offsets[rows] + cut)[:, None]  # [n, T] position among the row's featured tokens
-        return self.tokens[index], self.features[self.feature_offsets[rows][:, None] + at], lengths, cut
+        at = self.feature_offsets[rows][:, None] + index - (self.offsets[rows] + cut)[:, None]  # [n, T] into features
+        return (self.tokens[index], self.features[at], lengths, cut,
+                None if self.greedy is None else self.greedy[at])
 
     def subset(self, rows: torch.Tensor) -> "Dataset":
         """The sequences `rows` [n] (in that order), packed anew."""
         lengths = self.lengths[rows]
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         fo = self.feature_offsets
+        kept = _spans(fo[rows], fo[rows + 1])
         return Dataset(self.tokens[_spans(self.offsets[rows], self.offsets[rows + 1])], offsets, self.starts[rows],
-                       self.features[_spans(fo[rows], fo[rows + 1])], self.window)
+                       self.features[kept], self.window, None if self.greedy is None else self.greedy[kept])
 
     def concat(self, other: "Dataset") -> "Dataset":
         """This data set, then the sequences of `other` whose prompt it does not hold yet (a greedy target answers a
-        prompt alike every time: one copy is enough). Both must keep features alike (the same window)."""
+        prompt alike every time: one copy is enough). Both must keep features alike (the same window) and label
+        alike (both with the target's choices, `greedy`, or neither)."""
         if other.window != self.window:
             raise SparseSpecError(f"cannot join data sets of context windows {self.window} and {other.window}")
+        if (other.greedy is None) != (self.greedy is None):
+            raise SparseSpecError("cannot join a data set labelled by the target's choices with one labelled by its "
+                                  "tokens")
         have = {tuple(self.sequence(i)[:int(self.starts[i])]) for i in range(len(self))}
         new = [i for i in range(len(other)) if tuple(other.sequence(i)[:int(other.starts[i])]) not in have]
         add = other.subset(torch.tensor(new, dtype=torch.long, device=other.tokens.device))
         return Dataset(torch.cat([self.tokens, add.tokens]), torch.cat([self.offsets, add.offsets[1:] + self.offsets[-1]]),
-                       torch.cat([self.starts, add.starts]), torch.cat([self.features, add.features]), self.window)
+                       torch.cat([self.starts, add.starts]), torch.cat([self.features, add.features]), self.window,
+                       None if self.greedy is None else torch.cat([self.greedy, add.greedy]))
 
     def save(self, path: Path, target: str = "") -> None:
-        """The tokens (int32), offsets and starts (whole sequences, whatever the window); `target`: the answering
-        model's fingerprint (`fingerprint`)."""
+        """The tokens (int32), offsets and starts (whole sequences, whatever the window), and how they are labelled
+        (`greedy`: recomputed with the features); `target`: the answering model's fingerprint (`fingerprint`)."""
         from safetensors.torch import save_file
 
         save_file({"tokens": self.tokens.int().contiguous().cpu(),
                    **{k: getattr(self, k).contiguous().cpu() for k in ("offsets", "starts")}}, str(path),
-                  metadata={"target": target})
+                  metadata={"target": target, "labels": "tokens" if self.greedy is None else "greedy"})
 
     @classmethod
-    def load(cls, path: Path, engine: Engine, taps: tuple[int, ...], batch: int, window: int = 0) -> "Dataset":
+    def load(cls, path: Path, engine: Engine, taps: tuple[int, ...], batch: int, window: int = 0,
+             greedy: bool = False) -> "Dataset":
         """A saved data set, its features recomputed by `engine`'s model (for a drafter of context `window`: only
-        the tokens such a drafter sees); one made by another model is refused."""
+        the tokens such a drafter sees), and its choices where it was saved labelled by them or `greedy` asks for
+        them; one made by another model is refused."""
         from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
         try:
             with safe_open(str(path), "pt") as f:
-                made_by = (f.metadata() or {}).get("target", "")
+                meta = f.metadata() or {}
+                made_by, greedy = meta.get("target", ""), greedy or meta.get("labels") == "greedy"
             d = {k: v.to(engine.device) for k, v in load_file(str(path)).items()}
             d["tokens"] = d["tokens"].long()
         except (OSError, SafetensorError, KeyError) as e:
             raise SparseSpecError(f"unreadable data set {path}: {e}") from None
         if made_by and made_by != fingerprint(engine):
             raise SparseSpecError(f"{path} holds another model's answers: training data must be this target's own")
-        features = tapped_features(engine, d["tokens"], d["offsets"], taps, batch, cut_before(d["starts"], window))
-        return cls(**d, features=features, window=window)
+        features, choices = tapped_features(engine, d["tokens"], d["offsets"], taps, batch,
+                                            cut_before(d["starts"], window), greedy)
+        return cls(**d, features=features, window=window, greedy=choices)
 
 
 def _spans(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -223,10 +245,13 @@ def fingerprint(engine: Engine) -> str:
 
 @torch.no_grad()
 def tapped_features(engine: Engine, tokens: torch.Tensor, offsets: torch.Tensor, taps: tuple[int, ...],
-                    batch: int, cut: torch.Tensor | None = None) -> torch.Tensor:
+                    batch: int, cut: torch.Tensor | None = None,
+                    greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's tapped layer outputs [S - cut.sum(), taps * H] (bf16) over packed sequences (tokens [S], offsets
-    [N + 1]): those of each sequence's tokens from its cut[i] on (default: all), packed in order. `batch` sequences
-    a forward pass (over whole sequences) in order of length, each pass padded only to its own longest sequence."""
+    [N + 1]): those of each sequence's tokens from its cut[i] on (default: all), packed in order; with `greedy`,
+    also its argmax next token after each of them [S - cut.sum()] (else None), from the same pass. `batch`
+    sequences a forward pass (over whole sequences) in order of length, each pass padded only to its own longest
+    sequence."""
     from ..cache import KVCache
 
     device = engine.device
@@ -237,6 +262,7 @@ def tapped_features(engine: Engine, tokens: torch.Tensor, offsets: torch.Tensor,
     kept_at = torch.cat([kept.new_zeros(1), kept.cumsum(0)])  # [N + 1]: where each sequence's features go
     width = len(taps) * engine.config.hidden_size
     out = torch.empty(int(kept_at[-1]), width, dtype=torch.bfloat16, device=device)
+    choices = torch.empty(int(kept_at[-1]), dtype=torch.long, device=device) if greedy else None
     order = torch.argsort(lengths, stable=True)  # [N] shortest first: passes of like lengths
     for i in range(0, order.shape[0], batch):
         rows = order[i:i + batch]
@@ -246,19 +272,24 @@ def tapped_features(engine: Engine, tokens: torch.Tensor, offsets: torch.Tensor,
         keep = (at >= cut[rows, None]) & (at < n[:, None])  # [n, T]: causal, padding after a row never changes it
         index = offsets[rows, None] + torch.minimum(at, n[:, None] - 1)
         cache = KVCache(engine.config, rows.shape[0], T, engine.dtype, device)
-        _, f = engine.model.forward_tapped(tokens[index], at.expand(rows.shape[0], -1), cache, T, taps)
-        out[(kept_at[rows, None] + at - cut[rows, None])[keep]] = f[keep].to(torch.bfloat16)
-    return out
+        h, f = engine.model.forward_tapped(tokens[index], at.expand(rows.shape[0], -1), cache, T, taps)
+        dest = (kept_at[rows, None] + at - cut[rows, None])[keep]
+        out[dest] = f[keep].to(torch.bfloat16)
+        if greedy:  # the LM head over the kept tokens only, LOGIT_ROWS at a time (a 152k vocabulary: 0.6 GB fp32)
+            h = h[keep]
+            choices[dest] = torch.cat([engine.model.logits(h[j:j + LOGIT_ROWS]).argmax(-1)
+                                       for j in range(0, h.shape[0], LOGIT_ROWS)])
+    return out, choices
 
 
 @torch.no_grad()  # not inference_mode: training saves these tensors for backward
 def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], max_new: int, batch: int,
-               progress: bool = False, label: str = "data", window: int = 0) -> Dataset:
+               progress: bool = False, label: str = "data", window: int = 0, greedy: bool = False) -> Dataset:
     """The target answers every prompt (token ids) greedily; its tapped features over prompt + answer (for a drafter
     of context `window`: over the answer and the `window` prompt tokens before it, `Dataset`). The prompts
     are answered `batch` at a time in order of length (a batch's prompts alike, its cache one size bucket) through
     one `RunnerPool`, so a batch of a size seen before replays the captured step instead of capturing its own; the
-    answers come back in the prompts' order."""
+    answers come back in the prompts' order. `greedy`: labelled by the target's choices too (`Dataset`)."""
     gen = GenerationConfig(max_new_tokens=max_new)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
@@ -272,19 +303,20 @@ def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], 
                 answers[r] = answer
             bar.advance(task, len(rows))
     del runners  # their caches, before the features pass
-    return packed(engine, [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts], taps, batch, window)
+    return packed(engine, [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts], taps, batch, window,
+                  greedy)
 
 
 def packed(engine: Engine, seqs: list[list[int]], starts: list[int], taps: tuple[int, ...], batch: int,
-           window: int = 0) -> Dataset:
+           window: int = 0, greedy: bool = False) -> Dataset:
     """Sequences (prompt + answer, the answer from starts[i] on) packed end to end, with `engine`'s features (those
-    a drafter of context `window` reads: `Dataset`)."""
+    a drafter of context `window` reads) and, with `greedy`, its choices after them (`Dataset`)."""
     device = engine.device
     tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
     offsets = torch.tensor([0] + [len(s) for s in seqs], device=device).cumsum(0)
     starts = torch.tensor(starts, device=device)
-    return Dataset(tokens, offsets, starts, tapped_features(engine, tokens, offsets, taps, batch,
-                                                            cut_before(starts, window)), window)
+    features, choices = tapped_features(engine, tokens, offsets, taps, batch, cut_before(starts, window), greedy)
+    return Dataset(tokens, offsets, starts, features, window, choices)
 
 
 def sample_anchors(data: Dataset, rows: torch.Tensor, m: int, generator: torch.Generator) -> torch.Tensor:
@@ -303,13 +335,13 @@ def block_loss(drafter: DFlash, target, data: Dataset, rows: torch.Tensor, ancho
     if data.window and not 0 < window <= data.window:
         raise SparseSpecError(f"a data set with features for a context window of {data.window} tokens trains and "
                               f"measures drafters of at most that window, not {window or 'the whole context'}")
-    tokens, feats, lengths, cut = data.batch(rows)  # [n, T], [n, T, taps * H], [n], [n]
+    tokens, feats, lengths, cut, greedy = data.batch(rows)  # [n, T], [n, T, taps * H], [n], [n], [n, T] or None
     anchors = anchors - cut[:, None]  # (the batch's token t is the row's token cut + t)
     T = tokens.shape[1]
     mask = block_mask(anchors, lengths, T, B, window)
     hidden = drafter.train_hidden(target, feats, tokens, anchors, mask)[:, :, 1:]  # [n, M, B − 1, H]
     logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))  # [n, M, B − 1, V]
-    labels = block_labels(tokens, anchors, lengths, B)[..., 1:]
+    labels = block_labels(tokens, anchors, lengths, B, greedy)[..., 1:]
     ce, w = block_ce(logits, labels)
     return (ce * w).sum() / w.sum().clamp(min=1e-6), logits, labels
 
@@ -411,6 +443,8 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         settings["data"]["long_chars"] = cfg.long_chars
     if add_data:
         settings["data"]["add_data"] = [str(p) for p in add_data]
+    if cfg.spans:
+        settings["data"]["spans"] = cfg.spans
     settings["processes"] = ranks.size  # each process keeps its own share of the data: a resume needs as many
     if ranks.main:  # writes a new run's settings; the other processes then compare theirs
         check_settings(out / "settings.json", settings)
@@ -438,12 +472,16 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         held_p = [engine.encode(p.text, chat=True)
                   for p in ranks.share(make_prompts(cfg.heldout, "heldout", cfg.kinds, cfg.seed,
                                                              cfg.long_chars))]
+        greedy = cfg.spans > 0  # (spans are labelled by the target's choices: the whole set then is)
         data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train",
-                          cfg.window)
+                          cfg.window, greedy)
         held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out",
                           cfg.window)
+        if cfg.spans:  # each prompt's own last tokens, teacher-forced: one pass a prompt, no generation
+            data = data.concat(packed(engine, train_p, [max(1, len(p) - cfg.spans) for p in train_p], dcfg.taps,
+                                      cfg.gen_batch, cfg.window, greedy=True))
         for path in add_data:  # each process its share of them
-            extra = Dataset.load(path, engine, dcfg.taps, cfg.gen_batch, cfg.window)
+            extra = Dataset.load(path, engine, dcfg.taps, cfg.gen_batch, cfg.window, greedy)
             data = data.concat(extra.subset(torch.arange(ranks.rank, len(extra), ranks.size, device=device)))
         data.save(data_path, fingerprint(engine))
         held.save(held_path, fingerprint(engine))
