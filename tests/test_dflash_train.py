@@ -443,6 +443,14 @@ def test_spans_of_the_prompts_are_labelled_by_the_targets_own_choices(setup, tmp
     assert len(seen) == 8 and seen.greedy is not None and int((seen.lengths - seen.starts)[4:].max()) == 6
     assert "--spans 6" in summary["made_by"]
     assert json.loads((tmp_path / "s" / "settings.json").read_text())["data"]["spans"] == 6
+    saved = (tmp_path / "s" / "data.safetensors").stat().st_mtime_ns
+    more = train.train_dflash(engine, replace(cfg, steps=4), tmp_path / "s", "byte", log=lambda *_: None)  # resumes
+    assert more["history"][-1]["step"] == 4 and (tmp_path / "s" / "data.safetensors").stat().st_mtime_ns == saved
+    # an earlier spans run's data joins a run without spans: the new answers are then labelled by choices too
+    joined = train.train_dflash(engine, replace(cfg, spans=0, seed=1), tmp_path / "t", "byte", log=lambda *_: None,
+                                add_data=(tmp_path / "s" / "data.safetensors",))
+    assert train.Dataset.load(tmp_path / "t" / "data.safetensors", engine, (0, 1), 4).greedy is not None
+    assert joined["heldout_tau"] >= 1
     with pytest.raises(SparseSpecError):
         TrainConfig(spans=1)
 

@@ -287,13 +287,13 @@ def test_block_attention_with_other_tiles_equals_the_reference(tiles, tree):
 
 
 def test_block_tiles_defaults_and_checks():
-    """One tile of every row of a block (a power of two, capped by the queries' bytes and the accumulator's size),
+    """One tile of every row of a block (a power of two, capped by the accumulator's size),
     16-row tiles with fixed chunks; invalid launches refused."""
     assert block_tiles(6, 16, 128, torch.bfloat16, False) == BlockTiles(64, 64, 4, 3)  # 96 rows: 2 tiles of 64
     assert block_tiles(6, 8, 128, torch.bfloat16, False) == BlockTiles(64, 64, 4, 3)
     assert block_tiles(6, 1, 128, torch.bfloat16, False) == BlockTiles(16, 64, 4, 2)
     assert block_tiles(7, 16, 64, torch.bfloat16, False).rows == 128  # head_dim 64: a 128 x 64 accumulator
-    assert block_tiles(7, 32, 256, torch.float32, False).rows == 32  # capped at 64 KiB of queries
+    assert block_tiles(7, 32, 256, torch.float32, False).rows == 32  # 32 x 256 accumulator values, 32 KiB of queries
     assert block_tiles(6, 16, 128, torch.bfloat16, True) == BlockTiles(16, 64, 4, 2)
     for bad in ({"rows": 24, "keys": 64}, {"rows": 16, "keys": 8}, {"rows": 16, "keys": 16, "warps": 3},
                 {"rows": 16, "keys": 16, "stages": 0}):

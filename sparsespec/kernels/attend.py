@@ -338,12 +338,12 @@ def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool) -> Bloc
         return BlockTiles(INVARIANT_TILE, keys, 4, 2)
     # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
     # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3.
-    # Two caps on a tile's rows: its queries at most 64 KiB, so that they and 3 stages of K/V fit in shared memory
-    # (an fp32 block of 7 x 32 rows at head_dim 128 asked 321 KiB of the H200's 227); and its fp32 accumulator at
-    # most 64 x 128 values (4 warps' registers): 6 x 16 = 96 rows at head_dim 128 (the 1.5B's width-16 verify) took
-    # 239 / 91 / 46 us in one 128-row tile at 16x25.6k / 4x25.6k / 1x32k against 170 / 62 / 34 in two of 64
-    # (H200, docs/results/sparse_gpu.md, thirty-eighth session)
-    cap = max(16, min(65536 // (D * torch.finfo(dtype).bits // 8), 8192 // D))
+    # A tile's fp32 accumulator holds at most 64 x 128 values (4 warps' registers): 6 x 16 = 96 rows at head_dim 128
+    # (the 1.5B's width-16 verify) took 239 / 91 / 46 us in one 128-row tile at 16x25.6k / 4x25.6k / 1x32k against
+    # 170 / 62 / 34 in two of 64 (H200, docs/results/sparse_gpu.md, thirty-eighth session). Its queries then take at
+    # most 32 KiB, so that they and 3 stages of K/V fit in shared memory (an fp32 block of 7 x 32 rows at head_dim
+    # 128 had asked 321 KiB of the H200's 227 before a cap)
+    cap = max(16, 8192 // D)
     return BlockTiles(min(max(16, triton.next_power_of_2(G * T)), cap), keys, 4, 2 if T == 1 else 3)
 
 

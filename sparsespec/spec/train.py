@@ -178,8 +178,8 @@ class Dataset:
         if other.window != self.window:
             raise SparseSpecError(f"cannot join data sets of context windows {self.window} and {other.window}")
         if (other.greedy is None) != (self.greedy is None):
-            raise SparseSpecError("cannot join a data set labelled by the target's choices with one labelled by its "
-                                  "tokens")
+            raise SparseSpecError("cannot join a data set labelled by the target's choices (a run with --spans) with "
+                                  "one labelled by its tokens")
         have = {tuple(self.sequence(i)[:int(self.starts[i])]) for i in range(len(self))}
         new = [i for i in range(len(other)) if tuple(other.sequence(i)[:int(other.starts[i])]) not in have]
         add = other.subset(torch.tensor(new, dtype=torch.long, device=other.tokens.device))
@@ -196,19 +196,30 @@ class Dataset:
                    **{k: getattr(self, k).contiguous().cpu() for k in ("offsets", "starts")}}, str(path),
                   metadata={"target": target, "labels": "tokens" if self.greedy is None else "greedy"})
 
+    @staticmethod
+    def metadata(path: Path) -> dict:
+        """A saved data set's metadata: "target" (the answering model's fingerprint), "labels" ("greedy": the
+        target's choices; "tokens" or absent: the tokens)."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                return f.metadata() or {}
+        except (OSError, SafetensorError) as e:
+            raise SparseSpecError(f"unreadable data set {path}: {e}") from None
+
     @classmethod
     def load(cls, path: Path, engine: Engine, taps: tuple[int, ...], batch: int, window: int = 0,
              greedy: bool = False) -> "Dataset":
         """A saved data set, its features recomputed by `engine`'s model (for a drafter of context `window`: only
         the tokens such a drafter sees), and its choices where it was saved labelled by them or `greedy` asks for
         them; one made by another model is refused."""
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        meta = cls.metadata(path)
+        made_by, greedy = meta.get("target", ""), greedy or meta.get("labels") == "greedy"
         try:
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-                made_by, greedy = meta.get("target", ""), greedy or meta.get("labels") == "greedy"
             d = {k: v.to(engine.device) for k, v in load_file(str(path)).items()}
             d["tokens"] = d["tokens"].long()
         except (OSError, SafetensorError, KeyError) as e:
@@ -472,7 +483,9 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         held_p = [engine.encode(p.text, chat=True)
                   for p in ranks.share(make_prompts(cfg.heldout, "heldout", cfg.kinds, cfg.seed,
                                                              cfg.long_chars))]
-        greedy = cfg.spans > 0  # (spans are labelled by the target's choices: the whole set then is)
+        # spans are labelled by the target's choices, and so then is the whole set (as is one that joins a set so
+        # labelled by an earlier run: `--add-data`)
+        greedy = cfg.spans > 0 or any(Dataset.metadata(path).get("labels") == "greedy" for path in add_data)
         data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train",
                           cfg.window, greedy)
         held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out",
