@@ -2,7 +2,9 @@
 per prompt kind, how often the target's greedy choice is the text's next token in the last N prompt tokens, how many
 of a block's B − 1 positions carry a label (the target's choices up to where the text leaves them:
 `block_labels(..., greedy)`) in spans and in the target's own answers, the labelled tokens a prompt gives each way,
-and a drafter's τ estimate (uniform anchors, `train.acceptance`) on each.
+and a drafter's τ estimate (uniform anchors, `train.acceptance`) on each — which a span's unlabelled positions cap
+(a block's run ends at its first unlabelled position), so beside it the drafter's hit rate at the first position
+(always labelled) and over all labelled positions, comparable across the two.
 
     python bench/span_labels.py --target qwen2.5-coder-1.5b --kinds long-code,long-text --long-chars 8000 \
         --prompts 2 --spans 1024 --max-new-tokens 64 [--drafter PATH] [--window 0] [--device cuda] [--out F.json]
@@ -23,7 +25,7 @@ from sparsespec.generate import Engine
 from sparsespec.spec.dflash import DFlash, block_labels
 from sparsespec.spec.prompts import make_prompts
 from sparsespec.spec.registry import drafter_path
-from sparsespec.spec.train import Dataset, acceptance, autocast_for, packed, regenerate, sample_anchors
+from sparsespec.spec.train import Dataset, acceptance, autocast_for, block_loss, packed, regenerate, sample_anchors
 
 
 def label_yield(data: Dataset, B: int, anchors: int = 64) -> tuple[float, float]:
@@ -39,6 +41,16 @@ def label_yield(data: Dataset, B: int, anchors: int = 64) -> tuple[float, float]
     pos = sample_anchors(data, rows, anchors, torch.Generator(device=tokens.device).manual_seed(0)) - cut[:, None]
     labelled = (block_labels(tokens, pos, lengths, B, greedy)[..., 1:] >= 0).sum(-1).float()
     return agree, float(labelled.mean())
+
+
+def hit_rates(drafter: DFlash, target, data: Dataset, anchors: int = 64) -> tuple[float, float]:
+    """(the drafter's argmax = label at block position 1, over all labelled positions) at `anchors` uniform anchors
+    a row."""
+    rows = torch.arange(len(data), device=data.tokens.device)
+    pos = sample_anchors(data, rows, anchors, torch.Generator(device=data.tokens.device).manual_seed(0))
+    _, logits, labels = block_loss(drafter, target, data, rows, pos)  # [n, M, B − 1, V], [n, M, B − 1]
+    hit, known = logits.argmax(-1) == labels, labels >= 0
+    return float(hit[..., 0][known[..., 0]].float().mean()), float(hit[known].float().mean())
 
 
 def main() -> None:
@@ -73,21 +85,22 @@ def main() -> None:
             agree, labelled = label_yield(data, B)
             with autocast_for(engine.device):
                 tau = acceptance(drafter, engine.model, data)
+                first, every = hit_rates(drafter, engine.model, data)
             row[name] = {"tokens": float((data.lengths - data.starts).float().mean()), "agree": agree,
-                         "labelled": labelled, "tau": tau}
+                         "labelled": labelled, "tau": tau, "hit_first": first, "hit_labelled": every}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
     print(f"Prompt spans against answers as DFlash training data: {args.target} ({dtype}, {args.device}), drafter "
           f"{path} (block {B}, window {window or 'none'}), spans of {args.spans} tokens, answers of at most "
           f"{args.max_new_tokens}\n")
     print("| kind | prompt tokens | data | tokens a prompt | target's choice = next token | labelled positions "
-          f"of {B - 1} | drafter τ (uniform anchors) |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+          f"of {B - 1} | drafter τ (uniform anchors) | drafter hits, position 1 | drafter hits, labelled |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         for name in ("answers", "spans"):
             d = r[name]
             print(f"| {r['kind']} | {r['prompt_tokens']:.0f} | {name} | {d['tokens']:.0f} | {d['agree']:.3f} | "
-                  f"{d['labelled']:.2f} | {d['tau']:.2f} |")
+                  f"{d['labelled']:.2f} | {d['tau']:.2f} | {d['hit_first']:.3f} | {d['hit_labelled']:.3f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "drafter": str(path), "rows": rows}, f, indent=1)
