@@ -390,9 +390,10 @@ def test_earlier_answers_add_to_new_ones_once_and_only_the_same_targets(setup, t
 
 def test_spans_of_the_prompts_are_labelled_by_the_targets_own_choices(setup, tmp_path):
     """`--spans N`: each training prompt's last N tokens join the data, labelled by the target's argmax after each
-    token (from the features' pass: each equal to a pass over the sequence alone); on the target's own answers
-    those choices are the answers' tokens; the labelling survives save/load and a resume, and a set labelled by
-    tokens does not join one labelled by choices."""
+    token (from the features' pass: each equal to a pass over the sequence alone), a run's spans and answers from one
+    pass as they are from two; on the target's own answers those choices are the answers' tokens; the labelling
+    survives save/load and a resume, and a set labelled by tokens does not join one labelled by choices (but one
+    that adds a spans run's data is labelled by choices)."""
     from sparsespec.errors import SparseSpecError
 
     target, data, _, taps = setup
@@ -400,7 +401,15 @@ def test_spans_of_the_prompts_are_labelled_by_the_targets_own_choices(setup, tmp
     prompts = [torch.randint(0, 48, (int(n),), generator=g).tolist() for n in torch.randint(6, 16, (7,), generator=g)]
     answered = regenerate(target, prompts, taps, 9, 4, greedy=True)
     spans = train.packed(target, prompts, [len(p) - 5 for p in prompts], taps, 3, window=2, greedy=True)
-    for d in (answered, spans):
+    # a run's set: the answers, then the spans, both from the answers' pass (the spans' are those of their own pass)
+    both = regenerate(target, prompts, taps, 9, 4, window=2, spans=5)
+    alone = regenerate(target, prompts, taps, 9, 4, window=2, greedy=True).concat(spans)
+    assert len(both) == 2 * len(prompts) and torch.equal(both.tokens, alone.tokens)
+    assert torch.equal(both.starts, alone.starts) and torch.equal(both.offsets, alone.offsets)
+    torch.testing.assert_close(both.features.float(), alone.features.float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError):  # (answers 3 tokens earlier need features the window did not keep)
+        spans.view(spans.starts - 3, spans.lengths)
+    for d in (answered, spans, both):
         fo = d.feature_offsets
         for i in range(len(d)):
             seq = torch.tensor([d.sequence(i)])

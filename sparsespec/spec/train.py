@@ -162,6 +162,19 @@ class Dataset:
         return (self.tokens[index], self.features[at], lengths, cut,
                 None if self.greedy is None else self.greedy[at])
 
+    def view(self, starts: torch.Tensor, ends: torch.Tensor) -> "Dataset":
+        """Each sequence up to ends[i] [N], its answer from starts[i] [N] on: a set of other answers in the same
+        sequences, whose features (and choices) are this set's — which must hold every one the new answers need
+        (its own answers start no later, counting the window)."""
+        cut = cut_before(starts, self.window)
+        if not bool(((cut >= self.cut) & (0 <= starts) & (starts <= ends) & (ends <= self.lengths)).all()):
+            raise ValueError("a view's answers must lie in its sequences and need no features this set lacks")
+        fo = self.feature_offsets[:-1] - self.cut  # [N]: where each sequence's token 0 would be among the features
+        kept = _spans(fo + cut, fo + ends)
+        return Dataset(self.tokens[_spans(self.offsets[:-1], self.offsets[:-1] + ends)],
+                       torch.cat([ends.new_zeros(1), ends.cumsum(0)]), starts, self.features[kept], self.window,
+                       None if self.greedy is None else self.greedy[kept])
+
     def subset(self, rows: torch.Tensor) -> "Dataset":
         """The sequences `rows` [n] (in that order), packed anew."""
         lengths = self.lengths[rows]
@@ -295,12 +308,15 @@ def tapped_features(engine: Engine, tokens: torch.Tensor, offsets: torch.Tensor,
 
 @torch.no_grad()  # not inference_mode: training saves these tensors for backward
 def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], max_new: int, batch: int,
-               progress: bool = False, label: str = "data", window: int = 0, greedy: bool = False) -> Dataset:
+               progress: bool = False, label: str = "data", window: int = 0, greedy: bool = False,
+               spans: int = 0) -> Dataset:
     """The target answers every prompt (token ids) greedily; its tapped features over prompt + answer (for a drafter
     of context `window`: over the answer and the `window` prompt tokens before it, `Dataset`). The prompts
     are answered `batch` at a time in order of length (a batch's prompts alike, its cache one size bucket) through
     one `RunnerPool`, so a batch of a size seen before replays the captured step instead of capturing its own; the
-    answers come back in the prompts' order. `greedy`: labelled by the target's choices too (`Dataset`)."""
+    answers come back in the prompts' order. `greedy`: labelled by the target's choices too (`Dataset`). `spans`:
+    then also each prompt's last `spans` tokens as a sequence of its own (after the answers, labelled by the target's
+    choices), their features and choices from the same pass as the answer's."""
     gen = GenerationConfig(max_new_tokens=max_new)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
@@ -314,8 +330,12 @@ def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], 
                 answers[r] = answer
             bar.advance(task, len(rows))
     del runners  # their caches, before the features pass
-    return packed(engine, [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts], taps, batch, window,
-                  greedy)
+    seqs, ends = [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts]
+    if not spans:
+        return packed(engine, seqs, ends, taps, batch, window, greedy)
+    both = packed(engine, seqs, [max(1, n - spans) for n in ends], taps, batch, window, greedy=True)  # span + answer
+    ends = torch.tensor(ends, device=both.tokens.device)
+    return both.view(ends, both.lengths).concat(both.view(both.starts, ends))
 
 
 def packed(engine: Engine, seqs: list[list[int]], starts: list[int], taps: tuple[int, ...], batch: int,
@@ -487,12 +507,9 @@ def train_dflash(engine: Engine, cfg: TrainConfig, out: Path, target_name: str, 
         # labelled by an earlier run: `--add-data`)
         greedy = cfg.spans > 0 or any(Dataset.metadata(path).get("labels") == "greedy" for path in add_data)
         data = regenerate(engine, train_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "train",
-                          cfg.window, greedy)
+                          cfg.window, greedy, cfg.spans)
         held = regenerate(engine, held_p, dcfg.taps, cfg.max_new_tokens, cfg.gen_batch, progress, "held-out",
                           cfg.window)
-        if cfg.spans:  # each prompt's own last tokens, teacher-forced: one pass a prompt, no generation
-            data = data.concat(packed(engine, train_p, [max(1, len(p) - cfg.spans) for p in train_p], dcfg.taps,
-                                      cfg.gen_batch, cfg.window, greedy=True))
         for path in add_data:  # each process its share of them
             extra = Dataset.load(path, engine, dcfg.taps, cfg.gen_batch, cfg.window, greedy)
             data = data.concat(extra.subset(torch.arange(ranks.rank, len(extra), ranks.size, device=device)))
