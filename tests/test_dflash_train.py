@@ -399,16 +399,21 @@ def test_spans_of_the_prompts_are_labelled_by_the_targets_own_choices(setup, tmp
     target, data, _, taps = setup
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 48, (int(n),), generator=g).tolist() for n in torch.randint(6, 16, (7,), generator=g)]
+    prompts.append([7, 30, 2])  # (shorter than a span: all but its first token)
     answered = regenerate(target, prompts, taps, 9, 4, greedy=True)
-    spans = train.packed(target, prompts, [len(p) - 5 for p in prompts], taps, 3, window=2, greedy=True)
-    # a run's set: the answers, then the spans, both from the answers' pass (the spans' are those of their own pass)
-    both = regenerate(target, prompts, taps, 9, 4, window=2, spans=5)
-    alone = regenerate(target, prompts, taps, 9, 4, window=2, greedy=True).concat(spans)
-    assert len(both) == 2 * len(prompts) and torch.equal(both.tokens, alone.tokens)
-    assert torch.equal(both.starts, alone.starts) and torch.equal(both.offsets, alone.offsets)
-    torch.testing.assert_close(both.features.float(), alone.features.float(), atol=1e-2, rtol=1e-2)
-    with pytest.raises(ValueError):  # (answers 3 tokens earlier need features the window did not keep)
-        spans.view(spans.starts - 3, spans.lengths)
+    spans = train.packed(target, prompts, [max(1, len(p) - 5) for p in prompts], taps, 3, window=2, greedy=True)
+    # a run's set: the answers, then the spans, both from the answers' pass (as from a pass of their own)
+    for window, own in ((2, spans), (0, train.packed(target, prompts, [max(1, len(p) - 5) for p in prompts], taps, 3,
+                                                     greedy=True))):
+        both = regenerate(target, prompts, taps, 9, 4, window=window, spans=5)
+        alone = regenerate(target, prompts, taps, 9, 4, window=window, greedy=True).concat(own)
+        assert len(both) == 2 * len(prompts) and torch.equal(both.tokens, alone.tokens)
+        assert torch.equal(both.starts, alone.starts) and torch.equal(both.offsets, alone.offsets)
+        torch.testing.assert_close(both.features.float(), alone.features.float(), atol=1e-2, rtol=1e-2)
+        assert both.greedy.shape == alone.greedy.shape == both.features.shape[:1]
+    rows = torch.arange(len(spans))
+    with pytest.raises(ValueError):  # (answers a token earlier need features the window did not keep)
+        spans.view(rows, spans.starts - 1, spans.lengths)
     for d in (answered, spans, both):
         fo = d.feature_offsets
         for i in range(len(d)):
@@ -441,7 +446,7 @@ def test_spans_of_the_prompts_are_labelled_by_the_targets_own_choices(setup, tmp
     assert again.greedy is not None and torch.equal(again.greedy, answered.greedy)
     with pytest.raises(SparseSpecError, match="labelled by"):
         data.concat(again)
-    whole = train.packed(target, prompts, [len(p) - 5 for p in prompts], taps, 3, greedy=True)  # (no window)
+    whole = train.packed(target, prompts, [max(1, len(p) - 5) for p in prompts], taps, 3, greedy=True)  # (no window)
     assert torch.equal(again.concat(whole).greedy, torch.cat([again.greedy, whole.greedy]))
     # end to end: a run with spans trains on answers and spans, records them, and resumes on the same labels
     cfg = TrainConfig(prompts=4, heldout=2, max_new_tokens=8, gen_batch=4, steps=2, batch=2, anchors=4,

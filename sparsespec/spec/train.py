@@ -162,39 +162,35 @@ class Dataset:
         return (self.tokens[index], self.features[at], lengths, cut,
                 None if self.greedy is None else self.greedy[at])
 
-    def view(self, starts: torch.Tensor, ends: torch.Tensor) -> "Dataset":
-        """Each sequence up to ends[i] [N], its answer from starts[i] [N] on: a set of other answers in the same
-        sequences, whose features (and choices) are this set's — which must hold every one the new answers need
-        (its own answers start no later, counting the window)."""
+    def view(self, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> "Dataset":
+        """A set packed anew from the sequences `rows` [n] (in that order; one may come twice), row i up to its token
+        ends[i] [n] with its answer from starts[i] [n] on (e.g. a prompt's span and its answer, two rows of one
+        sequence), its features (and choices) this set's, which must hold every one the new rows need (their
+        answers start no earlier, counting the window)."""
         cut = cut_before(starts, self.window)
-        if not bool(((cut >= self.cut) & (0 <= starts) & (starts <= ends) & (ends <= self.lengths)).all()):
+        if not bool(((cut >= self.cut[rows]) & (0 <= starts) & (starts <= ends) & (ends <= self.lengths[rows])).all()):
             raise ValueError("a view's answers must lie in its sequences and need no features this set lacks")
-        fo = self.feature_offsets[:-1] - self.cut  # [N]: where each sequence's token 0 would be among the features
+        fo = self.feature_offsets[rows] - self.cut[rows]  # [n]: where each row's token 0 would be among the features
         kept = _spans(fo + cut, fo + ends)
-        return Dataset(self.tokens[_spans(self.offsets[:-1], self.offsets[:-1] + ends)],
+        return Dataset(self.tokens[_spans(self.offsets[rows], self.offsets[rows] + ends)],
                        torch.cat([ends.new_zeros(1), ends.cumsum(0)]), starts, self.features[kept], self.window,
                        None if self.greedy is None else self.greedy[kept])
 
     def subset(self, rows: torch.Tensor) -> "Dataset":
         """The sequences `rows` [n] (in that order), packed anew."""
-        lengths = self.lengths[rows]
-        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        fo = self.feature_offsets
-        kept = _spans(fo[rows], fo[rows + 1])
-        return Dataset(self.tokens[_spans(self.offsets[rows], self.offsets[rows + 1])], offsets, self.starts[rows],
-                       self.features[kept], self.window, None if self.greedy is None else self.greedy[kept])
+        return self.view(rows, self.starts[rows], self.lengths[rows])
 
     def concat(self, other: "Dataset") -> "Dataset":
-        """This data set, then the sequences of `other` whose prompt it does not hold yet (a greedy target answers a
-        prompt alike every time: one copy is enough). Both must keep features alike (the same window) and label
-        alike (both with the target's choices, `greedy`, or neither)."""
+        """This data set, then the sequences of `other` (with their answers' starts) that it does not hold yet (a
+        greedy target answers a prompt alike every time: one copy is enough). Both must keep features alike (the same
+        window) and label alike (both with the target's choices, `greedy`, or neither)."""
         if other.window != self.window:
             raise SparseSpecError(f"cannot join data sets of context windows {self.window} and {other.window}")
         if (other.greedy is None) != (self.greedy is None):
             raise SparseSpecError("cannot join a data set labelled by the target's choices (a run with --spans) with "
                                   "one labelled by its tokens")
-        have = {tuple(self.sequence(i)[:int(self.starts[i])]) for i in range(len(self))}
-        new = [i for i in range(len(other)) if tuple(other.sequence(i)[:int(other.starts[i])]) not in have]
+        have = {(tuple(self.sequence(i)), int(self.starts[i])) for i in range(len(self))}
+        new = [i for i in range(len(other)) if (tuple(other.sequence(i)), int(other.starts[i])) not in have]
         add = other.subset(torch.tensor(new, dtype=torch.long, device=other.tokens.device))
         return Dataset(torch.cat([self.tokens, add.tokens]), torch.cat([self.offsets, add.offsets[1:] + self.offsets[-1]]),
                        torch.cat([self.starts, add.starts]), torch.cat([self.features, add.features]), self.window,
@@ -315,8 +311,9 @@ def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], 
     are answered `batch` at a time in order of length (a batch's prompts alike, its cache one size bucket) through
     one `RunnerPool`, so a batch of a size seen before replays the captured step instead of capturing its own; the
     answers come back in the prompts' order. `greedy`: labelled by the target's choices too (`Dataset`). `spans`:
-    then also each prompt's last `spans` tokens as a sequence of its own (after the answers, labelled by the target's
-    choices), their features and choices from the same pass as the answer's."""
+    then also each prompt's last `spans` tokens (all but its first, if it is no longer) as a sequence of its own,
+    after the answers, their features and choices from the same pass as the answer's; the whole set is then
+    labelled by the target's choices, whatever `greedy` says."""
     gen = GenerationConfig(max_new_tokens=max_new)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
@@ -334,8 +331,8 @@ def regenerate(engine: Engine, prompts: list[list[int]], taps: tuple[int, ...], 
     if not spans:
         return packed(engine, seqs, ends, taps, batch, window, greedy)
     both = packed(engine, seqs, [max(1, n - spans) for n in ends], taps, batch, window, greedy=True)  # span + answer
-    ends = torch.tensor(ends, device=both.tokens.device)
-    return both.view(ends, both.lengths).concat(both.view(both.starts, ends))
+    ends, rows = torch.tensor(ends, device=both.tokens.device), torch.arange(len(both), device=both.tokens.device)
+    return both.view(rows.repeat(2), torch.cat([ends, both.starts]), torch.cat([both.lengths, ends]))
 
 
 def packed(engine: Engine, seqs: list[list[int]], starts: list[int], taps: tuple[int, ...], batch: int,
