@@ -22,35 +22,29 @@ import time
 import torch
 
 from sparsespec.generate import Engine
-from sparsespec.spec.dflash import DFlash, block_labels
+from sparsespec.spec.dflash import DFlash
 from sparsespec.spec.prompts import make_prompts
 from sparsespec.spec.registry import drafter_path
-from sparsespec.spec.train import Dataset, acceptance, autocast_for, block_loss, packed, regenerate, sample_anchors
+from sparsespec.spec.train import Dataset, acceptance, autocast_for, block_loss, regenerate, sample_anchors
 
 
-def label_yield(data: Dataset, B: int, anchors: int = 64) -> tuple[float, float]:
-    """(share of the kept tokens whose next token is the target's choice, mean labelled positions of a block of B
-    over `anchors` uniform anchors a row) over the rows' answers (their spans)."""
-    rows = torch.arange(len(data), device=data.tokens.device)
-    tokens, _, lengths, cut, greedy = data.batch(rows)  # [n, T] each
-    starts = data.starts - cut
+def agreement(data: Dataset) -> float:
+    """The share of the rows' answer (span) tokens that are the target's own choice after the token before."""
+    tokens, _, lengths, cut, greedy = data.batch(torch.arange(len(data), device=data.tokens.device))  # [n, T] each
     at = torch.arange(tokens.shape[1], device=tokens.device)
-    scored = (at[None] >= starts[:, None] - 1) & (at[None] < lengths[:, None] - 1)  # choices of answer tokens
-    follows = greedy[:, :-1] == tokens[:, 1:]
-    agree = float(follows[scored[:, :-1]].float().mean())
-    pos = sample_anchors(data, rows, anchors, torch.Generator(device=tokens.device).manual_seed(0)) - cut[:, None]
-    labelled = (block_labels(tokens, pos, lengths, B, greedy)[..., 1:] >= 0).sum(-1).float()
-    return agree, float(labelled.mean())
+    scored = (at[None] >= (data.starts - cut)[:, None] - 1) & (at[None] < lengths[:, None] - 1)  # choices of them
+    return float((greedy[:, :-1] == tokens[:, 1:])[scored[:, :-1]].float().mean())
 
 
-def hit_rates(drafter: DFlash, target, data: Dataset, anchors: int = 64) -> tuple[float, float]:
-    """(the drafter's argmax = label at block position 1, over all labelled positions) at `anchors` uniform anchors
-    a row."""
+def block_stats(drafter: DFlash, target, data: Dataset, anchors: int = 64) -> tuple[float, float, float]:
+    """At `anchors` uniform anchors a row: (mean labelled positions of a block, the drafter's argmax = label at block
+    position 1, over all labelled positions)."""
     rows = torch.arange(len(data), device=data.tokens.device)
     pos = sample_anchors(data, rows, anchors, torch.Generator(device=data.tokens.device).manual_seed(0))
     _, logits, labels = block_loss(drafter, target, data, rows, pos)  # [n, M, B − 1, V], [n, M, B − 1]
     hit, known = logits.argmax(-1) == labels, labels >= 0
-    return float(hit[..., 0][known[..., 0]].float().mean()), float(hit[known].float().mean())
+    return (float(known.sum(-1).float().mean()), float(hit[..., 0][known[..., 0]].float().mean()),
+            float(hit[known].float().mean()))
 
 
 def main() -> None:
@@ -78,15 +72,15 @@ def main() -> None:
         t0 = time.perf_counter()
         ids = [engine.encode(p.text, chat=True)
                for p in make_prompts(args.prompts, "heldout", (kind,), 0, args.long_chars)]
-        answers = regenerate(engine, ids, taps, args.max_new_tokens, len(ids), window=window, greedy=True)
-        spans = packed(engine, ids, [max(1, len(p) - args.spans) for p in ids], taps, len(ids), window, greedy=True)
+        both = regenerate(engine, ids, taps, args.max_new_tokens, len(ids), window=window, spans=args.spans)
+        n = torch.arange(len(ids), device=both.tokens.device)
+        answers, spans = both.subset(n), both.subset(n + len(ids))  # (a run's set: the answers, then the spans)
         row = {"kind": kind, "prompts": len(ids), "prompt_tokens": sum(map(len, ids)) / len(ids)}
         for name, data in (("answers", answers), ("spans", spans)):
-            agree, labelled = label_yield(data, B)
             with autocast_for(engine.device):
                 tau = acceptance(drafter, engine.model, data)
-                first, every = hit_rates(drafter, engine.model, data)
-            row[name] = {"tokens": float((data.lengths - data.starts).float().mean()), "agree": agree,
+                labelled, first, every = block_stats(drafter, engine.model, data)
+            row[name] = {"tokens": float((data.lengths - data.starts).float().mean()), "agree": agreement(data),
                          "labelled": labelled, "tau": tau, "hit_first": first, "hit_labelled": every}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
