@@ -2,8 +2,9 @@
 # Here, around the device calls: the tracked tree travels with every call and a call carries at most 64 MiB. With
 # both shipped drafters (0.5B 24.5 MB, 1.5B 52 MB) the whole tree is ~95 MB, so every call needs a slim tree, and a
 # 52 MiB model part fits only beside one.
-#   sh scripts/slim.sh out    move the tracked files of 500 kB and more (the shipped drafters, the eval rows) to
-#                             .slim/ (git-ignored), keeping their paths (the tree then travels at ~9 MB)
+#   sh scripts/slim.sh out    move the tracked files of 500 kB and more (the shipped drafters, the eval rows) and the
+#                             result files of 20 kB and more to .slim/ (git-ignored), keeping their paths (the tree
+#                             then travels at ~3 MB, so a 55 MiB model part fits beside it)
 #   sh scripts/slim.sh in     put them back, and check that git sees the tree unchanged
 # A moved file travels as a carried path (at most ~55 MB a call beside the slim tree), e.g. carry
 # [".slim/sparsespec/drafters/qwen2.5-coder-1.5b-dflash.safetensors"] and, on the device, `cp -a .slim/. DEST/`
@@ -15,7 +16,9 @@ store=.slim
 case $1 in
   out)
     [ ! -e $store/.slimmed ] || { echo "already slimmed (files in $store): sh scripts/slim.sh in"; exit 1; }
-    git ls-files -z | xargs -0 du -b | awk '$1 >= 500000 {print $2}' > /tmp/slim.list
+    # files of 500 kB and more, and the result files of 20 kB and more (no device run reads docs/results)
+    git ls-files -z | xargs -0 du -b | awk '$1 >= 500000 || ($1 >= 20000 && $2 ~ /^docs\/results\//) {print $2}' \
+      > /tmp/slim.list
     mkdir -p $store
     while read -r f; do mkdir -p "$store/$(dirname "$f")"; mv "$f" "$store/$f"; done < /tmp/slim.list
     cp /tmp/slim.list $store/.slimmed
