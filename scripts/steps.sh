@@ -6,7 +6,7 @@ step() {  # (its variable is _step: the scripts' own names stay theirs)
   _step=$1; shift
   [ -f $root/$_step.done ] && return 0
   case " ${ONLY:-$_step} " in *" $_step "*) ;; *) return 0 ;; esac
-  echo "== $_step: $*" >> $root/log
+  echo "== $_step $(date +%T): $*" >> $root/log
   { "$@" 2>&1; echo $? > $root/$_step.rc; } | grep --line-buffered -v -i warn >> $root/log
-  [ "$(cat $root/$_step.rc)" = 0 ] && touch $root/$_step.done || echo "== $_step failed" >> $root/log
+  [ "$(cat $root/$_step.rc)" = 0 ] && touch $root/$_step.done || echo "== $_step failed $(date +%T)" >> $root/log
 }
