@@ -18,7 +18,8 @@
 #             ~22k-30k tokens), batch 16 (16 prompts, T = 0, 400 s), 4 (8, T = 0 and 1, 250 s), 1 (4, T = 0, 200 s);
 #             LONG_KINDS other long kinds (e.g. long-code,long-text: document questions and summaries too)
 #    each with DRAFTERS (default "dflash:D ngram+dflash:D", D the drafter); LIMIT (seconds) replaces every limit;
-#    BLOCK the block size (default 16; at long context a tuned drafter's runs rarely pass 8: a narrower verify).
+#    BLOCK the block size (default 16; at long context a tuned drafter's runs rarely pass 8: a narrower verify);
+#    BENCH_OPTS more `bench spec` options for every run (e.g. --ignore-eos: every row decodes all its tokens).
 # RUN: the run folder (default /root/run; passed on to gpu_train_dflash.sh). SKIP_TRAIN=1 benches the drafter
 # already in it, or DRAFTER (a path without .safetensors, e.g. the shipped
 # sparsespec/drafters/qwen2.5-coder-1.5b-dflash). Each line of progress goes to the log with the time.
@@ -42,7 +43,7 @@ bench() {  # NAME SECONDS [bench spec options ...]
   echo "$run start $(date +%T)"
   timeout $((limit + 300)) python3 -m sparsespec bench spec --target "$model" --target-name "$name" \
     --drafters ${DRAFTERS:-dflash:$D ngram+dflash:$D} --max-new-tokens 128 --block-size ${BLOCK:-16} --device cuda \
-    --time-limit "$limit" --out $E/spec-$run "$@" > $E/spec-$run.log 2>&1
+    --time-limit "$limit" --out $E/spec-$run $BENCH_OPTS "$@" > $E/spec-$run.log 2>&1
   rc=$?
   echo "$run done $(date +%T) rc $rc (124: stopped by the backstop, 300 s past the time limit)"
 }

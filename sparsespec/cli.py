@@ -308,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "token and the proposals; default: %(default)s)")
     sp.add_argument("--batch", type=_positive_int, default=1, help="prompts of a kind decoded together (plain and "
                     "speculative); tokens/s is the batch's")
+    sp.add_argument("--ignore-eos", action="store_true", help="every row runs to --max-new-tokens past its EOS "
+                    "(a batch keeps all its rows decoding; the report says how much of the output came after an EOS)")
     sp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     sp.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     sp.add_argument("--no-cuda-graph", action="store_true", help="cuda: run plain and verify steps eagerly")
@@ -838,7 +840,7 @@ def cmd_bench(args) -> None:
             args.drafters, lookup_alone = ["ngram"], True
     cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts, kinds=kinds, temperatures=temps,
                       max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars,
-                      batch=args.batch)
+                      batch=args.batch, ignore_eos=args.ignore_eos)
     if not args.time_limit >= 0:  # (nan too)
         raise SparseSpecError(f"--time-limit must be >= 0 seconds, got {args.time_limit:g}")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -874,7 +876,8 @@ def cmd_bench(args) -> None:
                      time_limit=args.time_limit)
     device = torch_device_name(args.device)
     print(report(rows, out, f"Speculative decoding, target {name} ({dtype}, {_weights(args.target)}) on {device}, "
-                            f"block {cfg.block_size}, {cfg.max_new_tokens} new tokens, held-out prompts"))
+                            f"block {cfg.block_size}, {cfg.max_new_tokens} new tokens"
+                            f"{' (EOS ignored)' if cfg.ignore_eos else ''}, held-out prompts"))
 
 
 def cmd_bench_sparse(args) -> None:

@@ -640,6 +640,32 @@ def test_bench_decodes_batches_of_prompts_together(tmp_path):
     assert "batch" in cfg.settings() and "batch" not in BenchConfig().settings()
 
 
+def test_bench_runs_rows_past_their_eos_when_asked_and_reports_what_came_after(tmp_path):
+    from sparsespec.spec.bench import BenchConfig, before_eos, report, run_bench
+    from sparsespec.spec.prompts import make_prompts
+
+    from .conftest import byte_engine
+
+    engine = byte_engine()
+    cfg = BenchConfig(drafters=("a",), prompts=2, kinds=("code",), temperatures=(0.0,), max_new_tokens=12,
+                      block_size=3, batch=2)
+    prompt = engine.encode(make_prompts(2, "heldout", ("code",), cfg.seed, cfg.long_chars)[0].text, chat=True)
+    free = engine.generate([prompt], GenerationConfig(max_new_tokens=12, stop_on_eos=False)).token_ids[0]
+    engine.eos_ids = frozenset({free[4]})  # the first prompt's fifth token (or an earlier copy of it) ends its text
+    eos = free.index(free[4])
+    stopped = run_bench(engine, {"a": _Counted()}, cfg, tmp_path / "stop")
+    assert stopped[0]["tokens"] == eos + 1 and "eos_at" not in stopped[0]
+    rows = run_bench(engine, {"a": _Counted()}, dataclasses.replace(cfg, ignore_eos=True), tmp_path / "all")
+    assert [r["tokens"] for r in rows] == [12, 12] and rows[0]["eos_at"] == eos and all(r["identical"] for r in rows)
+    assert rows[0]["committed"][:1] and sum(rows[0]["committed"]) == 11
+    share, tau = before_eos(rows)
+    n_after = sum(12 - (12 if r["eos_at"] is None else r["eos_at"] + 1) for r in rows)
+    assert share == pytest.approx(n_after / 24) and 1 <= tau <= cfg.block_size
+    assert "after a row's first EOS" in report(rows, None, "t")
+    assert cfg.settings() == {k: v for k, v in dataclasses.replace(cfg, ignore_eos=True).settings().items()
+                              if k != "ignore_eos"}
+
+
 def test_bench_replays_a_divergence_from_the_rows_committed_schedule(tmp_path, monkeypatch):
     """A greedy row whose speculative output left plain decoding (made up here: one token of a real speculative
     output changed) is written with the divergence the replay of both loops finds, at that token."""

@@ -161,6 +161,9 @@ class BenchConfig:
     seed: int = 0
     long_chars: int = 64_000
     batch: int = 1  # prompts decoded together (plain and speculative)
+    # every row runs to max_new_tokens past its EOS (a batch then decodes all its rows at every step, as a serving
+    # engine that refills finished rows would); each row records where its plain output's first EOS is (`eos_at`)
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if self.prompts < 1 or self.max_new_tokens < 2 or self.block_size < 2 or self.long_chars < 1000:
@@ -177,7 +180,8 @@ class BenchConfig:
         """What a results folder's rows depend on besides the target and device: everything but the drafters and
         temperatures, which only select rows (the prompts and their sampling seeds depend on prompts and kinds)."""
         skip = ({"drafters", "temperatures"} | ({"long_chars"} if not any(k.startswith("long") for k in self.kinds)
-                                                 else set()) | ({"batch"} if self.batch == 1 else set()))
+                                                 else set()) | ({"batch"} if self.batch == 1 else set())
+                | ({"ignore_eos"} if not self.ignore_eos else set()))
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
@@ -228,7 +232,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                     continue
                 sampling = SamplingConfig(temperature=T, seed=cfg.seed + first)
                 gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, cuda_graph=cuda_graph,
-                                       compile=compile)
+                                       compile=compile, stop_on_eos=not cfg.ignore_eos)
                 plain = engine.generate(ids, gen, runners=runners)
                 plain_tps = _output_rate([len(t) for t in plain.token_ids], plain.decode_s)
                 bar.advance(task, 1 + len(drafters) - len(todo))
@@ -244,6 +248,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                                      "setup_s": s.setup_s,
                                      "plain_tokens_per_s": plain_tps, "speedup": speedup, "identical": same,
                                      **({"copied": s.copied} if s.copied else {}),
+                                     **({"eos_at": first_eos(engine, s.token_ids)} if cfg.ignore_eos else {}),
                                      "divergence": None if same in (None, True) else divergence(
                                          engine, prompt, ref, s.token_ids, s.committed, cfg.block_size, gen,
                                          drafter.taps, runners)})
@@ -336,6 +341,28 @@ def spacing(dtype: torch.dtype, x: float) -> float:
     return float(torch.finfo(dtype).eps) * 2.0 ** math.floor(math.log2(abs(x)))
 
 
+def first_eos(engine: Engine, tokens: list[int]) -> int | None:
+    """The index of the first EOS token in an output, None without one."""
+    return next((i for i, t in enumerate(tokens) if t in engine.eos_ids), None)
+
+
+def before_eos(rows: list[dict]) -> tuple[float, float]:
+    """For rows run past their EOS (`ignore_eos`): (the share of their output tokens after each row's first EOS,
+    τ over the verify steps whose pending token came before it). A row's output index 0 is its first token
+    (prefill), and its verify step s commits `committed[s]` tokens after the ones before."""
+    tokens = past = steps = kept = 0
+    for r in rows:
+        n = r["tokens"]
+        end = n if r.get("eos_at") is None else r["eos_at"] + 1  # tokens up to and including the EOS
+        tokens, past = tokens + n, past + n - end
+        at = 1  # the output index the next step's first committed token takes
+        for c in r["committed"]:
+            if at >= end:
+                break
+            steps, kept, at = steps + 1, kept + c, at + c
+    return past / max(1, tokens), kept / max(1, steps)
+
+
 def _output_rate(tokens: list[int], seconds: float) -> float:
     """A batch's output tokens per second after each row's first token."""
     return sum(n - 1 for n in tokens) / seconds if seconds > 0 else float("nan")
@@ -367,7 +394,10 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
         lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | {speedup} | {ident} |")
     sources = [source_line(d, kind, T, g) for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
                if any(r.get("copied") for r in g)]
-    table = "\n".join(lines + ([""] + sources if sources else []))
+    past = [f"- {d}, {kind}, T = {T:g}: {100 * share:.0f}% of the tokens come after a row's first EOS; τ over the "
+            f"steps before it {tau:.2f}" for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
+            if "eos_at" in g[0] for share, tau in [before_eos(g)]]
+    table = "\n".join(lines + ([""] + sources if sources else []) + ([""] + past if past else []))
     if out is not None:
         (out / "spec.md").write_text(table + "\n")
         _plot(rows, out / "spec_histogram.png", title)
