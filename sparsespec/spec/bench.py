@@ -162,7 +162,7 @@ class BenchConfig:
     long_chars: int = 64_000
     batch: int = 1  # prompts decoded together (plain and speculative)
     # every row runs to max_new_tokens past its EOS (a batch then decodes all its rows at every step, as a serving
-    # engine that refills finished rows would); each row records where its plain output's first EOS is (`eos_at`)
+    # engine that refills finished rows would); each row records where its output's first EOS is (`eos_at`)
     ignore_eos: bool = False
 
     def __post_init__(self):
