@@ -625,7 +625,7 @@ def test_bench_spec_refuses_a_negative_time_limit_in_one_line(capsys, limit):
 
 
 def test_bench_decodes_batches_of_prompts_together(tmp_path):
-    from sparsespec.spec.bench import BenchConfig, run_bench
+    from sparsespec.spec.bench import BenchConfig, paced, report, run_bench
 
     from .conftest import byte_engine
 
@@ -638,6 +638,13 @@ def test_bench_decodes_batches_of_prompts_together(tmp_path):
     assert drafter.starts == 2 and all(r["identical"] for r in rows)  # a batch of two, then the last alone
     assert rows[0]["tokens_per_s"] == rows[1]["tokens_per_s"]  # the batch's rate
     assert "batch" in cfg.settings() and "batch" not in BenchConfig().settings()
+    # each batch takes its slowest row's steps: plain decoding its longest output's, speculation its most verify steps
+    assert [r["first"] for r in rows] == [0, 0, 2] and all(r["plain_tokens"] == r["tokens"] for r in rows)
+    assert paced(rows) == (max(r["tokens"] for r in rows[:2]) - 1 + rows[2]["tokens"] - 1,
+                           max(r["steps"] for r in rows[:2]) + rows[2]["steps"])
+    one = [{**r, "first": 0} for r in rows]  # the three rows as one batch
+    assert paced(one) == (max(r["tokens"] for r in rows) - 1, max(r["steps"] for r in rows))
+    assert "paced τ" in report(rows, None, "t") and paced([{"steps": 1, "batch": 2}]) is None
 
 
 def test_bench_runs_rows_past_their_eos_when_asked_and_reports_what_came_after(tmp_path):

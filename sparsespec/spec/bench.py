@@ -243,7 +243,8 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                     for i, p, s, ref, prompt in zip(members, group, results, plain.token_ids, ids):
                         same = s.token_ids == ref if T == 0 else None
                         rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,
-                                     "batch": len(group), "tokens": len(s.token_ids), "steps": s.steps,
+                                     "batch": len(group), "first": first, "plain_tokens": len(ref),
+                                     "tokens": len(s.token_ids), "steps": s.steps,
                                      "tau": s.tau, "committed": s.committed, "tokens_per_s": tps,
                                      "setup_s": s.setup_s,
                                      "plain_tokens_per_s": plain_tps, "speedup": speedup, "identical": same,
@@ -363,6 +364,20 @@ def before_eos(rows: list[dict]) -> tuple[float, float]:
     return past / max(1, tokens), kept / max(1, steps)
 
 
+def paced(rows: list[dict]) -> tuple[int, int] | None:
+    """(plain steps, speculative steps) of the batches that `rows` belong to, each batch's as its slowest row's
+    (a batch decodes until its last row stops: plain decoding its longest output's steps after the first token,
+    speculation the most verify steps any of its rows took). Their ratio is the τ that a fixed cost per step turns
+    into the batch's speedup; None for rows that do not say their batch (`first`, written since the 39th session)."""
+    if not all("first" in r and "plain_tokens" in r for r in rows):
+        return None
+    batches: dict[int, list[dict]] = defaultdict(list)
+    for r in rows:
+        batches[r["first"]].append(r)
+    return (sum(max(r["plain_tokens"] for r in b) - 1 for b in batches.values()),
+            sum(max(r["steps"] for r in b) for b in batches.values()))
+
+
 def _output_rate(tokens: list[int], seconds: float) -> float:
     """A batch's output tokens per second after each row's first token."""
     return sum(n - 1 for n in tokens) / seconds if seconds > 0 else float("nan")
@@ -370,10 +385,11 @@ def _output_rate(tokens: list[int], seconds: float) -> float:
 
 def report(rows: list[dict], out: Path | None, title: str) -> str:
     """Markdown table per (drafter, kind, T): τ, tokens/s, plain tokens/s, speedup, identical outputs, then for a
-    drafter of two sources its copied and drafted steps (`source_line`); and a histogram plot of tokens committed
-    per verify step. Rates are over the whole set (its tokens over its seconds), so the speedup is the set's
-    wall-clock ratio: a mean of per-prompt rates would weigh a prompt the drafter copies whole (10x) as much as one
-    it barely helps, though it takes a fraction of the time."""
+    drafter of two sources its copied and drafted steps (`source_line`), for rows run past their EOS the share after
+    it and τ before it (`before_eos`), for batches of several rows the τ their slowest rows pace them at (`paced`);
+    and a histogram plot of tokens committed per verify step. Rates are over the whole set (its tokens over its
+    seconds), so the speedup is the set's wall-clock ratio: a mean of per-prompt rates would weigh a prompt the
+    drafter copies whole (10x) as much as one it barely helps, though it takes a fraction of the time."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["drafter"], r["kind"], r["temperature"])].append(r)
@@ -397,7 +413,11 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
     past = [f"- {d}, {kind}, T = {T:g}: {100 * share:.0f}% of the tokens come after a row's first EOS; τ over the "
             f"steps before it {tau:.2f}" for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
             if "eos_at" in g[0] for share, tau in [before_eos(g)]]
-    table = "\n".join(lines + ([""] + sources if sources else []) + ([""] + past if past else []))
+    slowest = [f"- {d}, {kind}, T = {T:g}: batches paced by their slowest rows: {p} plain steps over {q} verify "
+               f"steps, paced τ {p / max(1, q):.2f}" for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
+               if max(r["batch"] for r in g) > 1 and (pq := paced(g)) is not None for p, q in [pq]]
+    notes = [block for block in (sources, past, slowest) if block]
+    table = "\n".join(lines + [line for block in notes for line in ["", *block]])
     if out is not None:
         (out / "spec.md").write_text(table + "\n")
         _plot(rows, out / "spec_histogram.png", title)
