@@ -597,11 +597,12 @@ def test_fp8_drafts_run_the_fp8_kernel_and_keep_greedy_output_exact_in_bf16(comp
 def test_lookup_first_with_the_graphed_dflash_drafter_keeps_greedy_and_sampled_output():
     """Prompt lookup first, the graphed DFlash drafter otherwise (`LookupFirst`): steps where every row copies skip
     the draft graph, the context graph still takes every step's features; greedy output equals plain decoding and a
-    batch equals its rows alone (sampled too)."""
+    batch equals its rows alone (sampled too); a batch of DRAFT_FIRST_ROWS rows launches the draft graph before the
+    lookup, rows alone after it."""
     from sparsespec.sampling import SamplingConfig
     from sparsespec.spec.decode import speculative_generate
     from sparsespec.spec.dflash import DFlashDrafter
-    from sparsespec.spec.drafters import LookupFirst
+    from sparsespec.spec.drafters import DRAFT_FIRST_ROWS, LookupFirst
 
     from .test_spec import tiny_dflash, tiny_engine
 
@@ -609,7 +610,8 @@ def test_lookup_first_with_the_graphed_dflash_drafter_keeps_greedy_and_sampled_o
     target.model.cuda()
     target.device = torch.device("cuda")
     model = tiny_dflash(target, block=6).cuda()
-    prompts = [[7, 8] * 15, [3, 1, 4, 1, 5, 9, 2, 6]]
+    prompts = [[7, 8] * 15, [3, 1, 4, 1, 5, 9, 2, 6], [5, 6, 7] * 9, [2, 9] * 6]
+    assert len(prompts) >= DRAFT_FIRST_ROWS
     for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)):
         gen = GenerationConfig(max_new_tokens=40, sampling=sampling)
         make = lambda: LookupFirst(DFlashDrafter(model, target.model), min_n=2)  # noqa: E731

@@ -24,7 +24,7 @@ from sparsespec.spec import verify
 from sparsespec.spec import decode
 from sparsespec.spec.decode import speculative_generate
 from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter, block_labels, block_mask, loss_weights
-from sparsespec.spec.drafters import Drafter, LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
+from sparsespec.spec.drafters import DRAFT_FIRST_ROWS, Drafter, LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -450,6 +450,22 @@ def test_lookup_first_copies_where_the_history_recurs_and_drafts_elsewhere():
     d.start([[0]] * 2, None, 64)
     drafts, counts = d.propose_greedy([[1, 2, 3, 4, 1, 2, 3], None], [3, 3], torch.device("cpu"))
     assert counts == [3, 0] and drafts[0].tolist() == [4, 1, 2] and d.drafter.calls == 1
+    # from DRAFT_FIRST_ROWS decoding rows on, the drafter is launched before the lookup (its host time then runs
+    # while the GPU drafts), also on a step where every row copies; each row's proposals are the same either way
+    order = []
+    d = LookupFirst(_Nines(), min_n=2, min_tokens=2)
+    d._look = (lambda look: lambda *a: order.append("look") or look(*a))(d._look)
+    d.drafter.propose = (lambda draft: lambda *a: order.append("draft") or draft(*a))(d.drafter.propose)
+    copying = [[1, 2, 3, 4, 1, 2, 3]] * DRAFT_FIRST_ROWS
+    for rows in (copying, copying[1:], copying[:-1] + [[1, 2, 3, 4, 5]], copying[1:] + [[1, 2, 3, 4, 5]]):
+        order.clear()
+        d.start([[0]] * len(rows), None, 64)
+        drafts, counts = d.propose_greedy(rows, [5] * len(rows), torch.device("cpu"))
+        first = len(rows) >= DRAFT_FIRST_ROWS
+        every = all(h[-3:] == [1, 2, 3] for h in rows)
+        assert order == (["draft", "look"] if first else ["look"] if every else ["look", "draft"]), (len(rows), order)
+        assert counts == [4 if h[-3:] == [1, 2, 3] else 5 for h in rows]
+        assert drafts[0, :4].tolist() == [4, 1, 2, 3] and drafts.shape[1] == (4 if every else 5)
     with pytest.raises(SparseSpecError, match="point-mass"):
         LookupFirst(ModelDrafter(tiny_engine(100, layers=1), target_vocab=64))
     # a loop block wider than the DFlash drafter's: copies are cut to the drafter's block too (its context update
@@ -470,6 +486,35 @@ def test_lookup_first_copies_where_the_history_recurs_and_drafts_elsewhere():
     alone = speculative_generate(target, [[7, 8] * 15], DFlashDrafter(tiny_dflash(target, block=3), target.model),
                                  gen, 8)[0]
     assert alone.copied == [] and DFlashDrafter(tiny_dflash(target, block=3), target.model).copied() is None
+
+
+@pytest.mark.parametrize("spec", ["ngram+dflash", "ngram+tree5:dflash"])
+def test_lookup_first_drafting_first_in_a_batch_gives_each_row_what_it_gets_alone(tmp_path, spec):
+    """A batch of DRAFT_FIRST_ROWS rows or more launches the drafter before the lookup; rows alone look first:
+    greedy and sampled, each row's output and its tokens a step are the ones it gets alone. (Under a tree, a copying
+    row's tree in a batch where other rows draft holds the drafter's choices below its copy, and alone it does not:
+    its steps may commit otherwise, so there greedy output is what is compared.)"""
+    from sparsespec.sampling import SamplingConfig
+    from sparsespec.spec.bench import make_drafter
+
+    target = tiny_engine(0)
+    tiny_dflash(target, block=4).save(tmp_path / "d")
+    prompts = [[7, 8] * 15, [3, 1, 4, 1, 5, 9, 2, 6], list(range(1, 50)), [5, 6, 7] * 9, [2, 9] * 6]
+    assert len(prompts) >= DRAFT_FIRST_ROWS
+    def make():  # short n-grams, so that the tiny target's outputs copy on some steps
+        return LookupFirst(make_drafter(f"{spec[len('ngram+'):]}:{tmp_path / 'd'}", target, "tiny"), min_n=2,
+                           min_tokens=1)
+
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=5)):
+        gen = GenerationConfig(max_new_tokens=24, sampling=sampling)
+        batch = speculative_generate(target, prompts, make(), gen, 4)
+        alone = [speculative_generate(target, [p], make(), gen, 4)[0] for p in prompts]
+        assert any(any(b.copied) for b in batch) and not all(all(b.copied) for b in batch)
+        if "tree" not in spec:
+            assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
+            assert [b.committed for b in batch] == [a.committed for a in alone]
+        if sampling.greedy:
+            assert [b.token_ids for b in batch] == target.generate(prompts, gen).token_ids
 
 
 def test_the_report_splits_a_two_source_drafters_steps_into_copied_and_drafted():

@@ -415,7 +415,7 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
             if "eos_at" in g[0] for share, tau in [before_eos(g)]]
     slowest = [f"- {d}, {kind}, T = {T:g}: batches paced by their slowest rows: {p} plain steps over {q} verify "
                f"steps, paced τ {p / max(1, q):.2f}" for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
-               if max(r["batch"] for r in g) > 1 and (pq := paced(g)) is not None for p, q in [pq]]
+               if max(r.get("batch", 1) for r in g) > 1 and (pq := paced(g)) is not None for p, q in [pq]]
     notes = [block for block in (sources, past, slowest) if block]
     table = "\n".join(lines + [line for block in notes for line in ["", *block]])
     if out is not None:

@@ -165,6 +165,9 @@ class NgramDrafter(Drafter):
 _UNLIKELY = -1e4  # added to a choice's log-probability: below every path of a copy (or the choice is not one)
 
 
+DRAFT_FIRST_ROWS = 4  # decoding rows from which `LookupFirst` launches its drafter before the lookup
+
+
 class LookupFirst(Drafter):
     """Prompt lookup first, a model drafter otherwise: a row whose history's last tokens recur earlier (an n-gram of
     at least `min_n` tokens) and whose lookup proposes at least `min_tokens` takes the lookup's proposals this step;
@@ -173,11 +176,12 @@ class LookupFirst(Drafter):
     alone. Both draft point masses, so the output is exactly the target's (greedy) or its distribution (sampled).
     In front of a tree verify (a drafter of `marginals`, `tree_nodes`), a copying row's copy becomes the first
     choice at each position it covers, with log-probability 0: its tree holds the copy's whole line, then the
-    drafter's alternatives (none on a step where every row copies: the drafter is skipped as for a line).
+    drafter's alternatives (none on a step where the drafter is skipped, as for a line).
 
     The drafter's state follows every row whatever proposed: its context takes the verified features of each step
     (`commit`), and when any row takes its drafts it drafts for every decoding row (its block is written past each
-    row's context, never over it); a step where every row takes the lookup skips it."""
+    row's context, never over it); with fewer than DRAFT_FIRST_ROWS rows decoding, a step where every row takes the
+    lookup skips it (`_look_and_draft`)."""
 
     def __init__(self, drafter: Drafter, min_n: int = 4, max_n: int = 8, min_tokens: int = 4):
         if not drafter.point_mass or drafter.policy is not None:
@@ -216,14 +220,26 @@ class LookupFirst(Drafter):
         self.took = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
         return looked, self.took
 
-    def propose_greedy(self, histories, ks, device):
+    def _look_and_draft(self, histories, ks, draft, none):
+        """-> (each row's lookup copy, whether it takes it, `draft()` or `none()`). With DRAFT_FIRST_ROWS rows or
+        more decoding, the drafter's step is launched first (its graph runs without the host) and the lookup's
+        host time (up to ~27 us a row at 25k-token contexts on a 2-core CPU) runs while the GPU drafts; with fewer
+        the lookup goes first and a step where every decoding row copies skips the drafter (at batch 1 a third of
+        the steps at long context; at 4 rows and more a step where all copy is rare). Either way each row's
+        proposals (and a tree's choices) are the same."""
+        drafted = draft() if sum(h is not None for h in histories) >= DRAFT_FIRST_ROWS else None
         looked, use = self._look(histories, ks)
-        if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft
-            drafts, counts = torch.zeros(len(histories), 0, dtype=torch.long, device=device), [0] * len(histories)
-        else:
-            drafts, counts = self.drafter.propose_greedy(histories, ks, device)  # [B, K]
-            if not any(use):
-                return drafts, counts
+        if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft (one
+            return looked, use, none()  # launched first is dropped, so a tree's nodes are the ones it gets after)
+        return looked, use, draft() if drafted is None else drafted
+
+    def propose_greedy(self, histories, ks, device):
+        B = len(histories)
+        looked, use, (drafts, counts) = self._look_and_draft(
+            histories, ks, lambda: self.drafter.propose_greedy(histories, ks, device),  # [B, K]
+            lambda: (torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B))
+        if not any(use):
+            return drafts, counts
         width = max([drafts.shape[1], *(len(p) for p, u in zip(looked, use) if u)])
         copies = device_ints([p + [0] * (width - len(p)) if u else [0] * width for p, u in zip(looked, use)],
                              drafts.device).view(len(histories), width)
@@ -236,16 +252,14 @@ class LookupFirst(Drafter):
         self.ranks = ranks
 
     def propose_choices(self, histories, ks, device):
-        looked, use = self._look(histories, ks)
-        if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft
-            B, R = len(histories), self.ranks
-            K = max(ks, default=0) if self.max_proposals is None else self.max_proposals  # the drafter's width
-            ids = torch.zeros(B, K, R, dtype=torch.long, device=device)
-            logp, counts = torch.full((B, K, R), _UNLIKELY, device=device), [0] * B  # rows' copies go in below
-        else:
-            ids, logp, counts = self.drafter.propose_choices(histories, ks, device)  # [B, K, R] each
-            if not any(use):
-                return ids, logp, counts
+        B, R = len(histories), self.ranks
+        K = max(ks, default=0) if self.max_proposals is None else self.max_proposals  # the drafter's width
+        looked, use, (ids, logp, counts) = self._look_and_draft(
+            histories, ks, lambda: self.drafter.propose_choices(histories, ks, device),  # [B, K, R] each
+            lambda: (torch.zeros(B, K, R, dtype=torch.long, device=device),  # rows' copies go in below
+                     torch.full((B, K, R), _UNLIKELY, device=device), [0] * B))
+        if not any(use):
+            return ids, logp, counts
         B, K, _ = ids.shape
         looked = [p[:K] if u else [] for p, u in zip(looked, use)]
         copies = device_ints([p + [0] * (K - len(p)) for p in looked], ids.device).view(B, K, 1)
