@@ -13,8 +13,8 @@
 #   cycle-window  the same with a drafter of context window 1024 (its attention reads 1k slots, not 25k)
 #   verify-8b  bench/verify_cost.py in the Llama-3.1-8B shape at (1, 131072) and (4, 131072), widths 1, 8, 16, with a
 #           3-layer drafter's draft and context update: the step costs issue 15's 128k projection reads
-#           (`python bench/project_dflash.py --spec SPEC.jsonl --verify verify-8b-1x131072/verify_cost.json --layers 3`),
-#           with the kernel tables of its 1- and 16-token steps
+#           (`python bench/project_dflash.py --spec SPEC.jsonl --verify verify-8b-1x131072/verify_cost.json
+#           --layers 3`), with the kernel tables of its 1- and 16-token steps
 #   dense-launch  the one-query (decode) block attention of the Llama-3.1-8B shape over its launches, three times
 #           (8 layers a graph): whether a 128-key block beats the default's 64 by more than the run-to-run spread
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.

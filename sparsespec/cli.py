@@ -815,7 +815,7 @@ def cmd_bench(args) -> None:
         return cmd_bench_sparse(args)
     from .generate import Engine
     from .results import check_folder, record_settings
-    from .spec.bench import ROW_FILES, BenchConfig, make_drafter, parse_drafter, report, run_bench
+    from .spec.bench import ROW_FILES, SETTING_DEFAULTS, BenchConfig, make_drafter, parse_drafter, report, run_bench
 
     from .spec.registry import drafter_path
 
@@ -852,7 +852,7 @@ def cmd_bench(args) -> None:
     if args.row_invariant:
         settings["row_invariant"] = True
     if args.out is not None:
-        check_folder(args.out, settings, ROW_FILES)
+        check_folder(args.out, settings, ROW_FILES, SETTING_DEFAULTS)
     drafts = {d: parse_drafter(d) for d in cfg.drafters}  # refused before the model loads
     if any(d.kind == "none" for d in drafts.values()):
         raise SparseSpecError("--drafters none: each row measures a drafter against plain decoding, which every row "

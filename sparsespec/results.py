@@ -20,14 +20,16 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def check_folder(folder: str | Path, settings: dict, files: tuple[str, ...]) -> None:
+def check_folder(folder: str | Path, settings: dict, files: tuple[str, ...], defaults: dict | None = None) -> None:
     """Before any work, creating nothing: refuse a folder that cannot be made or written, or one whose rows
-    (`files`, JSONL) were made with another value of a setting recorded there."""
+    (`files`, JSONL) were made with another value of a setting recorded there. `defaults`: settings added since
+    some folders were recorded, with the value their rows were made with (a record without the key has it)."""
     folder = Path(folder)
     nearest = next(p for p in (folder, *folder.parents) if p.exists())
     if not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
         raise SparseSpecError(f"cannot write to {folder}: {nearest} is not a writable folder")
     before = _recorded(folder, files)
+    before = (defaults or {}) | before if before else before
     changed = [k for k, v in _as_read(settings).items() if k in before and before[k] != v]
     if changed:
         raise SparseSpecError(f"{folder} holds results made with other settings ({', '.join(changed)}): rerun "

@@ -452,8 +452,12 @@ def test_lookup_first_copies_where_the_history_recurs_and_drafts_elsewhere():
     assert counts == [3, 0] and drafts[0].tolist() == [4, 1, 2] and d.drafter.calls == 1
     # from DRAFT_FIRST_ROWS decoding rows on, the drafter is launched before the lookup (its host time then runs
     # while the GPU drafts), also on a step where every row copies; each row's proposals are the same either way
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert LookupFirst.draft_first([[1]] * DRAFT_FIRST_ROWS, cuda) and not LookupFirst.draft_first([[1]] * 9, cpu)
+    assert not LookupFirst.draft_first([[1]] * (DRAFT_FIRST_ROWS - 1) + [None], cuda)
     order = []
     d = LookupFirst(_Nines(), min_n=2, min_tokens=2)
+    d.draft_first = lambda histories, device: LookupFirst.draft_first(histories, cuda)  # (the GPU's rule, here)
     d._look = (lambda look: lambda *a: order.append("look") or look(*a))(d._look)
     d.drafter.propose = (lambda draft: lambda *a: order.append("draft") or draft(*a))(d.drafter.propose)
     copying = [[1, 2, 3, 4, 1, 2, 3]] * DRAFT_FIRST_ROWS
@@ -489,7 +493,7 @@ def test_lookup_first_copies_where_the_history_recurs_and_drafts_elsewhere():
 
 
 @pytest.mark.parametrize("spec", ["ngram+dflash", "ngram+tree5:dflash"])
-def test_lookup_first_drafting_first_in_a_batch_gives_each_row_what_it_gets_alone(tmp_path, spec):
+def test_lookup_first_drafting_first_in_a_batch_gives_each_row_what_it_gets_alone(tmp_path, spec, monkeypatch):
     """A batch of DRAFT_FIRST_ROWS rows or more launches the drafter before the lookup; rows alone look first:
     greedy and sampled, each row's output and its tokens a step are the ones it gets alone. (Under a tree, a copying
     row's tree in a batch where other rows draft holds the drafter's choices below its copy, and alone it does not:
@@ -499,17 +503,32 @@ def test_lookup_first_drafting_first_in_a_batch_gives_each_row_what_it_gets_alon
 
     target = tiny_engine(0)
     tiny_dflash(target, block=4).save(tmp_path / "d")
-    prompts = [[7, 8] * 15, [3, 1, 4, 1, 5, 9, 2, 6], list(range(1, 50)), [5, 6, 7] * 9, [2, 9] * 6]
+    # four rows whose prompts hold every token (a lookup of one token always copies), one that copies at times
+    prompts = [[(m * i) % 64 for i in range(130)] for m in (1, 5, 7, 63)] + [[3, 1, 4, 1, 5]]
     assert len(prompts) >= DRAFT_FIRST_ROWS
-    def make():  # short n-grams, so that the tiny target's outputs copy on some steps
-        return LookupFirst(make_drafter(f"{spec[len('ngram+'):]}:{tmp_path / 'd'}", target, "tiny"), min_n=2,
+
+    def make():
+        return LookupFirst(make_drafter(f"{spec[len('ngram+'):]}:{tmp_path / 'd'}", target, "tiny"), min_n=1,
                            min_tokens=1)
+
+    dropped = []  # the steps that drafted first and then found every decoding row copying
+    rule, look = LookupFirst.draft_first, LookupFirst._look_and_draft
+
+    def counted(self, histories, ks, device, draft, none):
+        out = look(self, histories, ks, device, draft, none)
+        dropped.append(self.draft_first(histories, device) and all(u or h is None for u, h in zip(out[1], histories)))
+        return out
+
+    monkeypatch.setattr(LookupFirst, "draft_first", staticmethod(lambda h, device: rule(h, torch.device("cuda"))))
+    monkeypatch.setattr(LookupFirst, "_look_and_draft", counted)
 
     for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=5)):
         gen = GenerationConfig(max_new_tokens=24, sampling=sampling)
         batch = speculative_generate(target, prompts, make(), gen, 4)
         alone = [speculative_generate(target, [p], make(), gen, 4)[0] for p in prompts]
         assert any(any(b.copied) for b in batch) and not all(all(b.copied) for b in batch)
+        assert any(dropped)  # a draft launched first and dropped changed nothing
+        dropped.clear()
         if "tree" not in spec:
             assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
             assert [b.committed for b in batch] == [a.committed for a in alone]
@@ -682,7 +701,7 @@ def test_bench_decodes_batches_of_prompts_together(tmp_path):
     assert [r["prompt"] for r in rows] == [0, 1, 2] and [r["batch"] for r in rows] == [2, 2, 1]
     assert drafter.starts == 2 and all(r["identical"] for r in rows)  # a batch of two, then the last alone
     assert rows[0]["tokens_per_s"] == rows[1]["tokens_per_s"]  # the batch's rate
-    assert "batch" in cfg.settings() and "batch" not in BenchConfig().settings()
+    assert cfg.settings()["batch"] == 2 and BenchConfig().settings()["batch"] == 1
     # each batch takes its slowest row's steps: plain decoding its longest output's, speculation its most verify steps
     assert [r["first"] for r in rows] == [0, 0, 2] and all(r["plain_tokens"] == r["tokens"] for r in rows)
     assert paced(rows) == (max(r["tokens"] for r in rows[:2]) - 1 + rows[2]["tokens"] - 1,
@@ -693,7 +712,8 @@ def test_bench_decodes_batches_of_prompts_together(tmp_path):
 
 
 def test_bench_runs_rows_past_their_eos_when_asked_and_reports_what_came_after(tmp_path):
-    from sparsespec.spec.bench import BenchConfig, before_eos, report, run_bench
+    from sparsespec.results import check_folder, record_settings
+    from sparsespec.spec.bench import ROW_FILES, SETTING_DEFAULTS, BenchConfig, before_eos, report, run_bench
     from sparsespec.spec.prompts import make_prompts
 
     from .conftest import byte_engine
@@ -705,6 +725,9 @@ def test_bench_runs_rows_past_their_eos_when_asked_and_reports_what_came_after(t
     free = engine.generate([prompt], GenerationConfig(max_new_tokens=12, stop_on_eos=False)).token_ids[0]
     engine.eos_ids = frozenset({free[4]})  # the first prompt's fifth token (or an earlier copy of it) ends its text
     eos = free.index(free[4])
+    for folder, settings in (("stop", cfg), ("all", dataclasses.replace(cfg, ignore_eos=True))):
+        (tmp_path / folder).mkdir()  # (as `bench spec` records each run's settings, before its rows)
+        record_settings(tmp_path / folder, settings.settings(), ROW_FILES)
     stopped = run_bench(engine, {"a": _Counted()}, cfg, tmp_path / "stop")
     assert stopped[0]["tokens"] == eos + 1 and "eos_at" not in stopped[0]
     rows = run_bench(engine, {"a": _Counted()}, dataclasses.replace(cfg, ignore_eos=True), tmp_path / "all")
@@ -713,12 +736,23 @@ def test_bench_runs_rows_past_their_eos_when_asked_and_reports_what_came_after(t
     share, _ = before_eos(rows)
     n_after = sum(12 - (12 if r["eos_at"] is None else r["eos_at"] + 1) for r in rows)
     assert share == pytest.approx(n_after / 24)
-    # by hand: 8 tokens, EOS at 3 (4 tokens up to it): steps pending at 0 and 2 count (2 + 3), the one at 5 not
+    # by hand: 8 tokens, EOS at 3 (4 tokens up to it): steps pending at 0 and 2 count (2 + 1 of their 3, the rest
+    # past the EOS), the one at 5 not
     assert before_eos([{"tokens": 8, "eos_at": 3, "committed": [2, 3, 2]},
-                       {"tokens": 4, "eos_at": None, "committed": [1, 2]}]) == (4 / 12, 8 / 4)
+                       {"tokens": 4, "eos_at": None, "committed": [1, 2]}]) == (4 / 12, 6 / 4)
     assert "after a row's first EOS" in report(rows, None, "t")
-    assert cfg.settings() == {k: v for k, v in dataclasses.replace(cfg, ignore_eos=True).settings().items()
-                              if k != "ignore_eos"}
+    # a folder refuses rows of the other rule, also one recorded before the setting existed (its rows: EOS stops)
+    assert cfg.settings()["ignore_eos"] is False
+    for folder in (tmp_path / "stop", tmp_path / "all"):
+        with pytest.raises(SparseSpecError, match="other settings"):
+            check_folder(folder, BenchConfig(ignore_eos=folder.name == "stop").settings(), ROW_FILES,
+                         SETTING_DEFAULTS)
+    record = tmp_path / "stop" / "spec.settings.json"
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "ignore_eos"}))
+    check_folder(tmp_path / "stop", cfg.settings(), ROW_FILES, SETTING_DEFAULTS)
+    for other in (dataclasses.replace(cfg, ignore_eos=True), dataclasses.replace(cfg, batch=1)):
+        with pytest.raises(SparseSpecError, match="other settings"):
+            check_folder(tmp_path / "stop", other.settings(), ROW_FILES, SETTING_DEFAULTS)
 
 
 def test_bench_replays_a_divergence_from_the_rows_committed_schedule(tmp_path, monkeypatch):

@@ -178,11 +178,14 @@ class BenchConfig:
 
     def settings(self) -> dict:
         """What a results folder's rows depend on besides the target and device: everything but the drafters and
-        temperatures, which only select rows (the prompts and their sampling seeds depend on prompts and kinds)."""
-        skip = ({"drafters", "temperatures"} | ({"long_chars"} if not any(k.startswith("long") for k in self.kinds)
-                                                 else set()) | ({"batch"} if self.batch == 1 else set())
-                | ({"ignore_eos"} if not self.ignore_eos else set()))
+        temperatures, which only select rows (the prompts and their sampling seeds depend on prompts and kinds).
+        A folder recorded before `batch` or `ignore_eos` existed holds rows of their SETTING_DEFAULTS."""
+        skip = {"drafters", "temperatures"} | ({"long_chars"} if not any(k.startswith("long") for k in self.kinds)
+                                                else set())
         return {k: v for k, v in asdict(self).items() if k not in skip}
+
+
+SETTING_DEFAULTS = {"batch": 1, "ignore_eos": False}  # (`results.check_folder`'s defaults for bench spec folders)
 
 
 def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, out: Path | None = None,
@@ -349,8 +352,9 @@ def first_eos(engine: Engine, tokens: list[int]) -> int | None:
 
 def before_eos(rows: list[dict]) -> tuple[float, float]:
     """For rows run past their EOS (`ignore_eos`): (the share of their output tokens after each row's first EOS,
-    τ over the verify steps whose pending token came before it). A row's output index 0 is its first token
-    (prefill), and its verify step s commits `committed[s]` tokens after the ones before."""
+    τ over the verify steps whose pending token came before it, counting their tokens up to the EOS, as a run that
+    stops there commits them). A row's output index 0 is its first token (prefill), and its verify step s commits
+    `committed[s]` tokens after the ones before."""
     tokens = past = steps = kept = 0
     for r in rows:
         n = r["tokens"]
@@ -360,7 +364,7 @@ def before_eos(rows: list[dict]) -> tuple[float, float]:
         for c in r["committed"]:
             if at >= end:
                 break
-            steps, kept, at = steps + 1, kept + c, at + c
+            steps, kept, at = steps + 1, kept + min(c, end - at), at + c  # (the tokens up to the EOS)
     return past / max(1, tokens), kept / max(1, steps)
 
 
@@ -412,7 +416,7 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
                if any(r.get("copied") for r in g)]
     past = [f"- {d}, {kind}, T = {T:g}: {100 * share:.0f}% of the tokens come after a row's first EOS; τ over the "
             f"steps before it {tau:.2f}" for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
-            if "eos_at" in g[0] for share, tau in [before_eos(g)]]
+            if any("eos_at" in r for r in g) for share, tau in [before_eos(g)]]
     slowest = [f"- {d}, {kind}, T = {T:g}: batches paced by their slowest rows: {p} plain steps over {q} verify "
                f"steps, paced τ {p / max(1, q):.2f}" for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
                if max(r.get("batch", 1) for r in g) > 1 and (pq := paced(g)) is not None for p, q in [pq]]

@@ -165,7 +165,7 @@ class NgramDrafter(Drafter):
 _UNLIKELY = -1e4  # added to a choice's log-probability: below every path of a copy (or the choice is not one)
 
 
-DRAFT_FIRST_ROWS = 4  # decoding rows from which `LookupFirst` launches its drafter before the lookup
+DRAFT_FIRST_ROWS = 4  # decoding rows from which `LookupFirst` launches its drafter before the lookup on a GPU
 
 
 class LookupFirst(Drafter):
@@ -180,8 +180,8 @@ class LookupFirst(Drafter):
 
     The drafter's state follows every row whatever proposed: its context takes the verified features of each step
     (`commit`), and when any row takes its drafts it drafts for every decoding row (its block is written past each
-    row's context, never over it); with fewer than DRAFT_FIRST_ROWS rows decoding, a step where every row takes the
-    lookup skips it (`_look_and_draft`)."""
+    row's context, never over it); where the lookup goes first (`draft_first`), a step where every row takes the
+    lookup skips it."""
 
     def __init__(self, drafter: Drafter, min_n: int = 4, max_n: int = 8, min_tokens: int = 4):
         if not drafter.point_mass or drafter.policy is not None:
@@ -220,14 +220,19 @@ class LookupFirst(Drafter):
         self.took = [h is not None and len(p) >= self.min_tokens for h, p in zip(histories, looked)]
         return looked, self.took
 
-    def _look_and_draft(self, histories, ks, draft, none):
-        """-> (each row's lookup copy, whether it takes it, `draft()` or `none()`). With DRAFT_FIRST_ROWS rows or
-        more decoding, the drafter's step is launched first (its graph runs without the host) and the lookup's
-        host time (up to ~27 us a row at 25k-token contexts on a 2-core CPU) runs while the GPU drafts; with fewer
-        the lookup goes first and a step where every decoding row copies skips the drafter (at batch 1 a third of
-        the steps at long context; at 4 rows and more a step where all copy is rare). Either way each row's
-        proposals (and a tree's choices) are the same."""
-        drafted = draft() if sum(h is not None for h in histories) >= DRAFT_FIRST_ROWS else None
+    @staticmethod
+    def draft_first(histories, device) -> bool:
+        """Whether a step launches the drafter before the lookup: on a GPU (the launch returns before the draft is
+        done, so the lookup's host time, up to ~27 us a row at 25k-token contexts on a 2-core CPU, runs while the
+        GPU drafts) with DRAFT_FIRST_ROWS rows or more decoding. Else the lookup goes first and a step where every
+        decoding row copies skips the drafter (at batch 1 a third of the steps at long context; at 4 rows and more
+        a step where all copy is rare; on a CPU nothing runs meanwhile)."""
+        return torch.device(device).type == "cuda" and sum(h is not None for h in histories) >= DRAFT_FIRST_ROWS
+
+    def _look_and_draft(self, histories, ks, device, draft, none):
+        """-> (each row's lookup copy, whether it takes it, `draft()` or `none()`), the drafter launched first where
+        `draft_first` says. Either way each row's proposals (and a tree's choices) are the same."""
+        drafted = draft() if self.draft_first(histories, device) else None
         looked, use = self._look(histories, ks)
         if all(u or h is None for u, h in zip(use, histories)):  # every decoding row copies: no model draft (one
             return looked, use, none()  # launched first is dropped, so a tree's nodes are the ones it gets after)
@@ -236,7 +241,7 @@ class LookupFirst(Drafter):
     def propose_greedy(self, histories, ks, device):
         B = len(histories)
         looked, use, (drafts, counts) = self._look_and_draft(
-            histories, ks, lambda: self.drafter.propose_greedy(histories, ks, device),  # [B, K]
+            histories, ks, device, lambda: self.drafter.propose_greedy(histories, ks, device),  # [B, K]
             lambda: (torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B))
         if not any(use):
             return drafts, counts
@@ -255,7 +260,7 @@ class LookupFirst(Drafter):
         B, R = len(histories), self.ranks
         K = max(ks, default=0) if self.max_proposals is None else self.max_proposals  # the drafter's width
         looked, use, (ids, logp, counts) = self._look_and_draft(
-            histories, ks, lambda: self.drafter.propose_choices(histories, ks, device),  # [B, K, R] each
+            histories, ks, device, lambda: self.drafter.propose_choices(histories, ks, device),  # [B, K, R] each
             lambda: (torch.zeros(B, K, R, dtype=torch.long, device=device),  # rows' copies go in below
                      torch.full((B, K, R), _UNLIKELY, device=device), [0] * B))
         if not any(use):
