@@ -721,8 +721,10 @@ def test_bench_runs_rows_past_their_eos_when_asked_and_reports_what_came_after(t
     engine = byte_engine()
     cfg = BenchConfig(drafters=("a",), prompts=2, kinds=("code",), temperatures=(0.0,), max_new_tokens=12,
                       block_size=3, batch=2)
-    prompt = engine.encode(make_prompts(2, "heldout", ("code",), cfg.seed, cfg.long_chars)[0].text, chat=True)
-    free = engine.generate([prompt], GenerationConfig(max_new_tokens=12, stop_on_eos=False)).token_ids[0]
+    # the batch as the bench decodes it (the same rows together: one rounding), run to the end
+    prompts = [engine.encode(p.text, chat=True) for p in make_prompts(2, "heldout", ("code",), cfg.seed,
+                                                                      cfg.long_chars)]
+    free = engine.generate(prompts, GenerationConfig(max_new_tokens=12, stop_on_eos=False)).token_ids[0]
     engine.eos_ids = frozenset({free[4]})  # the first prompt's fifth token (or an earlier copy of it) ends its text
     eos = free.index(free[4])
     for folder, settings in (("stop", cfg), ("all", dataclasses.replace(cfg, ignore_eos=True))):
