@@ -412,14 +412,17 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
             ident += f" ({ties} of {len(diverged)} at near-ties, {again} reproduced)"
         speedup = f"{tps / ptps:.2f}x" if ptps > 0 else "-"
         lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | {speedup} | {ident} |")
-    sources = [source_line(d, kind, T, g) for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
-               if any(r.get("copied") for r in g)]
-    past = [f"- {d}, {kind}, T = {T:g}: {100 * share:.0f}% of the tokens come after a row's first EOS; τ over the "
-            f"steps before it {tau:.2f}" for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
-            if any("eos_at" in r for r in g) for share, tau in [before_eos(g)]]
-    slowest = [f"- {d}, {kind}, T = {T:g}: batches paced by their slowest rows: {p} plain steps over {q} verify "
-               f"steps, paced τ {p / max(1, q):.2f}" for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0])
-               if max(r.get("batch", 1) for r in g) > 1 and (pq := paced(g)) is not None for p, q in [pq]]
+    sources, past, slowest = [], [], []  # the notes under the table, per (drafter, kind, T) in order
+    for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0]):
+        if any(r.get("copied") for r in g):
+            sources.append(source_line(d, kind, T, g))
+        if any("eos_at" in r for r in g):
+            share, tau = before_eos(g)
+            past.append(f"- {d}, {kind}, T = {T:g}: {100 * share:.0f}% of the tokens come after a row's first EOS; "
+                        f"τ over the steps before it {tau:.2f}")
+        if max(r.get("batch", 1) for r in g) > 1 and (pq := paced(g)) is not None:
+            slowest.append(f"- {d}, {kind}, T = {T:g}: batches paced by their slowest rows: {pq[0]} plain steps "
+                           f"over {pq[1]} verify steps, paced τ {pq[0] / max(1, pq[1]):.2f}")
     notes = [block for block in (sources, past, slowest) if block]
     table = "\n".join(lines + [line for block in notes for line in ["", *block]])
     if out is not None:
