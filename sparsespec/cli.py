@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "self:binarypc:budget=0.02; the dense model verifies; weights=fp8 among the options drafts "
                    "with FP8 copies of the weights), treeN:dflash[:PATH] (DFlash's steps verify a tree of N "
                    "drafted tokens chosen from its per-position choices, greedy or sampled, e.g. tree15:dflash; "
-                   "ngram+treeN:dflash puts prompt lookup's copies in the trees)")
+                   "ngram+treeN:dflash puts prompt lookup's copies in the trees), dflash[:PATH]>self:POLICY[:...] "
+                   "(a cascade: DFlash proposes to the model under sparse attention, whose block passes keep "
+                   "what the dense model then verifies, e.g. dflash>self:binarypc)")
     g.add_argument("--target-name", default=None, help="registry name of a --model given as a path (to find its "
                    "shipped drafter; a packaged model's own file is recognised)")
     g.add_argument("--block-size", type=_positive_int, default=None, help="with --draft: tokens verified per step "
@@ -294,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drafters", nargs="+", default=None,
                     help="default: ngram, and dflash where a drafter is shipped for the target; ngram, dflash[:PATH], "
                     "model:NAME, ngram+dflash[:PATH], self:POLICY[:key=value,...], "
-                    "treeN:dflash[:PATH] (as generate --draft)")
+                    "treeN:dflash[:PATH], dflash[:PATH]>self:POLICY[:key=value,...] (as generate --draft)")
     sp.add_argument("--prompts", type=_positive_int, default=8, help="held-out prompts per kind")
     sp.add_argument("--kinds", default="code,text", help="prompt kinds: code, text, long-code (repository-level "
                     "completion), long-text (questions on long documents), humaneval (the 164 HumanEval problems, "

@@ -98,6 +98,7 @@ class Runner:
         self.since_select: int | None = None  # steps since the last selecting step; None: the next one selects
         self.row_graphs: dict[int, CudaGraphDecodeStep] = {}  # dense decode of the first n rows (n < batch)
         self.verify_graphs: dict[tuple[int, bool], CudaGraphStep] = {}  # by (width, tree): dense multi-token steps
+        self.sparse_graphs: dict[int, CudaGraphStep] = {}  # by width: `sparse_verify`'s steps under the policy
         self.fp8 = False  # decode steps multiply with FP8 copies of the weights (`fp8_decode`)
         self._set(policy)
 
@@ -112,6 +113,7 @@ class Runner:
             (cuda or self.select_every > 1) if self.prefer_fixed is None else self.prefer_fixed)
         self.graphed = self.cuda_graph and cuda and (policy is None or self.fixed)
         self.graph = self.reuse_graph = None  # a graph holds its policy's buffers: captured again for another one
+        self.sparse_graphs = {}
         self.since_select = None
         self.sparse_layers = 0 if policy is None else policy.sparse_layers(self.model.cfg.num_layers)
 
@@ -122,6 +124,7 @@ class Runner:
         self.model.fp8_drafts()
         self.fp8 = True
         self.graph = self.reuse_graph = None
+        self.sparse_graphs = {}
 
     def _drafting(self):
         return self.model.drafting() if self.fp8 else nullcontext()
@@ -190,6 +193,7 @@ class Runner:
         if self.fixed:
             policy.plan_fixed(self.cache, self.cache.lengths)
             self.graph = self.reuse_graph = None  # the plan's buffers are new: capture again
+            self.sparse_graphs = {}
         self.since_select = None
 
     @torch.inference_mode()
@@ -311,6 +315,51 @@ class Runner:
             self.verify_graphs[width, tree] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile,
                                                             tree=tree)
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
+        return True
+
+    @torch.inference_mode()
+    def sparse_verify(self, tokens: torch.Tensor, width: int | None = None):
+        """A block under the runner's policy (the sparse level of a cascade, `spec.cascade`): tokens [B, w] at each
+        row's length -> (logits [B, w, V] fp32, features [B, w, len(taps) * H] or None). In each sparse layer the
+        block's first query selects as a decode step there would, and every query attends to that selection and
+        the block up to itself (`SelectionPolicy.block`), as that many decode steps reusing the selection would;
+        the dense layers attend densely. Lengths do not move: commit with `truncate`. With `width` >= w on CUDA
+        a graph of that width replays (blocks padded), where the policy steps in fixed width and every row has
+        room for it. FP8 draft weights (`fp8_decode`) multiply here too: its tokens only propose."""
+        policy = self.policy
+        if policy is None or not policy.blocks:
+            raise SparseSpecError(f"a sparse verify needs a policy that selects keys for a block of queries "
+                                  f"(binarypc, topk, quest, streaming, ...), not {'none' if policy is None else policy.name}")
+        B, w = tokens.shape
+        self.since_select = None  # the kept selections are this block's now: the next decode step selects
+        if width is not None and self.capture_sparse(width):
+            if w < width:
+                tokens = torch.cat([tokens, tokens.new_zeros(B, width - w)], 1)
+            logits, features = self.sparse_graphs[width](tokens, self._positions(width))
+            policy.stepped(self.sparse_layers)
+            return logits[:, :w], None if features is None else features[:, :w]
+        kv_len = max(self.cache.lengths) + w
+        with self._eager_attention(), self._drafting(), \
+                policy.stepping(self.cache.lengths) if policy.fixed is None else nullcontext():
+            hidden, features = self.model.forward_tapped(tokens, self._positions(w), self.cache, kv_len, self.taps,
+                                                         policy)
+        if policy.fixed is not None:
+            policy.stepped(self.sparse_layers)
+        return self.model.logits(hidden), features
+
+    @torch.inference_mode()
+    def capture_sparse(self, width: int) -> bool:
+        """Capture `sparse_verify`'s step of `width` tokens as a CUDA graph now (else at its first call), where graphs
+        run with the policy in fixed width and every row has room -> whether `sparse_verify(..., width)` replays."""
+        room = max(self.cache.lengths) + width <= self.cache.capacity
+        if not (self.graphed and self.policy is not None and room):
+            return False
+        if width not in self.sparse_graphs:
+            with self._drafting():
+                self.sparse_graphs[width] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile,
+                                                          policy=self.policy)
+            self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
+            self.policy.reset_attended()
         return True
 
     def _positions(self, width: int) -> torch.Tensor:

@@ -282,6 +282,40 @@ def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, mo
 
 
 @cuda
+@pytest.mark.parametrize("policy", ["binarypc", "streaming", "quest"])
+@torch.inference_mode()
+def test_a_graphed_sparse_verify_equals_the_eager_one_and_a_graphed_cascade_keeps_greedy_output(policy):
+    """`Runner.sparse_verify` replayed as a CUDA graph (a block of 4 padded to the graph's 6) gives the eager
+    fixed-width pass's logits and features over rows of different lengths; the cascade through it (DFlash's graphed
+    drafts, graphed sparse passes, graphed dense verify) keeps a batch's greedy output and sampled output runs."""
+    from sparsespec.sampling import SamplingConfig
+    from sparsespec.spec.decode import speculative_generate
+
+    from .test_spec import cascade, self_drafter, tiny_dflash, tiny_engine
+
+    target = tiny_engine(0)
+    target.model.cuda()
+    target.device = torch.device("cuda")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50))]
+    graphed, eager = (Runner(target.model, 3, 96, self_drafter(policy).policy, cuda_graph=g, taps=(0, 1))
+                      for g in (True, False))
+    for r in (graphed, eager):
+        r.prefill(prompts)
+    block = torch.randint(0, 64, (3, 4), generator=torch.Generator().manual_seed(0)).cuda()
+    (a, fa), (b, fb) = graphed.sparse_verify(block, 6), eager.sparse_verify(block)
+    assert graphed.sparse_graphs and not eager.sparse_graphs
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fa, fb, rtol=1e-4, atol=1e-4)
+    dflash = tiny_dflash(target, block=6).cuda()
+    gen = GenerationConfig(max_new_tokens=40)
+    out = speculative_generate(target, prompts, cascade(target, policy, dflash=dflash), gen, 6)
+    assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
+    sampled = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(temperature=1.0, seed=3))
+    out = speculative_generate(target, prompts, cascade(target, policy, dflash=dflash), sampled, 6)
+    assert all(len(o.token_ids) == 40 for o in out)
+
+
+@cuda
 def test_many_graph_captures_in_a_row_survive_garbage_collection():
     # a dead graph freed by the cyclic GC during a later capture used to invalidate that capture
     import gc

@@ -219,6 +219,41 @@ def test_select_every_in_the_runner_selects_then_reuses_and_selects_again_after_
     assert len(calls) == 2 * 4  # a rollback: the next step selects again
 
 
+@pytest.mark.parametrize("name,options", [
+    ("binarypc", {"budget": 0.2, "window": 2}), ("topk", {"budget": 9, "sinks": 0, "window": 0}),
+    ("streaming", {"budget": 0.2}), ("quest", {"budget": 0.2, "page": 4, "window": 0}),
+    ("binarypc", {"budget": 0.3, "window": 3, "dense_layers": 1})])
+@torch.inference_mode()
+def test_a_sparse_verify_block_equals_decode_steps_that_reuse_its_first_selection(name, options):
+    """`Runner.sparse_verify` (a cascade's sparse level): a block of w tokens in one pass gives the logits of w
+    decode steps that select at the first token and reuse that selection (select_every = w), on the fixed-width
+    path and the eager one alike, for rows of different lengths; lengths do not move. The budget is small enough
+    that the pass is not the dense verify."""
+    from sparsespec.errors import SparseSpecError
+    from .test_spec import tiny_engine
+
+    model = tiny_engine(0).model
+    prompts = [list(range(1, 41)), [7] * 23 + [3, 9]]
+    block = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 5]])
+    opts = {"dense_layers": 0, "min_tokens": 0, **options}
+    steps = Runner(model, 2, 80, make_policy(name, {**opts, "select_every": 5}))
+    fixed = Runner(model, 2, 80, make_policy(name, opts), fixed=True)
+    eager = Runner(model, 2, 80, make_policy(name, opts), fixed=False, taps=(0,))
+    dense = Runner(model, 2, 80)
+    for r in (steps, fixed, eager, dense):
+        r.prefill(prompts)
+    lengths = list(steps.cache.lengths)
+    want = torch.stack([steps.decode(block[:, i]) for i in range(5)], 1)  # [2, 5, V]
+    for r in (fixed, eager):
+        got, features = r.sparse_verify(block)
+        assert r.cache.lengths == lengths
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert features.shape == (2, 5, model.cfg.hidden_size)
+    assert not torch.allclose(dense.verify(block)[0], want, rtol=1e-3, atol=1e-3)
+    with pytest.raises(SparseSpecError, match="selects keys for a block"):
+        dense.sparse_verify(block)
+
+
 def test_select_every_is_validated():
     from sparsespec.errors import SparseSpecError
     from .test_spec import tiny_engine

@@ -187,12 +187,13 @@ def test_scheduler_with_a_sparse_policy_gives_each_request_what_it_gets_alone(on
         assert alone != engine.generate([prompt], gen).texts[0]  # the policy changes what the model says here
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "self", "model", "dflash", "tree", "lookup"])
+@pytest.mark.parametrize("drafter", ["ngram", "self", "model", "dflash", "tree", "lookup", "cascade"])
 def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, drafter):
     """Continuous batching with a drafter: rows start drafting as their prompts complete and leave mid-step; each
     greedy answer equals plain `generate`, each seeded sampled one the speculative loop's answer for the prompt
     alone."""
     from sparsespec.attention import make_policy
+    from sparsespec.spec.cascade import Cascade
     from sparsespec.spec.decode import speculative_generate
     from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter
     from sparsespec.spec.drafters import LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
@@ -210,6 +211,8 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
         model = DFlash(DFlashConfig(engine.config, layers=1, block_size=4, taps=(0, 1)))
         dflash = DFlashDrafter(model.eval().requires_grad_(False), engine.model)
         dflash.tree_nodes = 5 if drafter == "tree" else 0  # a tree verify, greedy and sampled rows alike
+        if drafter == "cascade":  # DFlash proposes to the sparse target, whose kept tokens the dense one verifies
+            return Cascade(dflash, make_policy("binarypc", {"budget": 0.3, "min_tokens": 4, "dense_layers": 0}), "c")
         return LookupFirst(dflash, min_n=2, min_tokens=1) if drafter == "lookup" else dflash
 
     texts = ["abc abc abc abc abc abc", "Hello", "The cat sat on the mat. The cat sat on the", "xyzxyzxyz"]
@@ -227,7 +230,7 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
             alone = (engine.generate([prompt], gen).texts[0] if sampling.greedy else
                      speculative_generate(engine, [prompt], make(), gen, 4)[0].text)
             assert texts_served[k] == alone, (k, drafter, sampling)
-        if sampling.greedy and drafter not in ("dflash", "tree"):  # (an untrained DFlash drafter proposes noise)
+        if sampling.greedy and drafter not in ("dflash", "tree", "cascade"):  # (an untrained DFlash drafter proposes noise)
             assert sum(steps) < 4 * 17  # proposals were accepted: fewer row-steps than tokens after the first
 
 

@@ -23,6 +23,7 @@ from sparsespec.sampling import SamplingConfig
 from sparsespec.spec import verify
 from sparsespec.spec import decode
 from sparsespec.spec.decode import speculative_generate
+from sparsespec.spec.cascade import Cascade
 from sparsespec.spec.dflash import DFlash, DFlashConfig, DFlashDrafter, block_labels, block_mask, loss_weights
 from sparsespec.spec.drafters import DRAFT_FIRST_ROWS, Drafter, LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
 
@@ -106,7 +107,13 @@ def self_drafter(policy: str = "binarypc", **options) -> SelfDrafter:
     return SelfDrafter(make_policy(policy, {"budget": 0.1, "min_tokens": 0, "dense_layers": 0, **bare, **options}))
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self", "lookup"])
+def cascade(target: Engine, policy: str = "binarypc", block: int = 5, dflash: DFlash | None = None, **options):
+    """A DFlash drafter in front of the target under a sparse policy (`spec.cascade`), the policy as `self_drafter`'s."""
+    lower = DFlashDrafter(tiny_dflash(target, block=block) if dflash is None else dflash, target.model)
+    return Cascade(lower, self_drafter(policy, **options).policy, f"dflash>self:{policy}")
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self", "lookup", "cascade"])
 @pytest.mark.parametrize("block", [2, 5])
 def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
     target = tiny_engine(0)
@@ -120,6 +127,8 @@ def test_greedy_speculation_is_token_identical_to_plain_greedy(drafter, block):
             d = self_drafter(("binarypc", "streaming", "quest")[p])
         elif drafter == "lookup":
             d = LookupFirst(DFlashDrafter(tiny_dflash(target, block=block), target.model), min_n=2, min_tokens=1)
+        elif drafter == "cascade":
+            d = cascade(target, ("binarypc", "streaming", "quest")[p], block)
         else:
             d = DFlashDrafter(tiny_dflash(target, block=block), target.model)
         ref = target.generate([prompt], gen).token_ids[0]
@@ -157,7 +166,7 @@ def test_a_windowed_dflash_drafter_is_lossless_and_sees_only_its_window(tmp_path
             make_drafter(spec, target, "tiny")
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self", "lookup"])
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "self", "lookup", "cascade"])
 def test_a_batch_speculates_for_each_row_what_it_would_alone(drafter):
     """Rows of different lengths accept different numbers of proposals, roll back independently and stop at
     different steps (one at an early EOS): each row's tokens, greedy and sampled, equal the row run alone."""
@@ -174,6 +183,8 @@ def test_a_batch_speculates_for_each_row_what_it_would_alone(drafter):
             return self_drafter("binarypc")
         if drafter == "lookup":
             return LookupFirst(DFlashDrafter(tiny_dflash(target, block=5), target.model), min_n=2, min_tokens=1)
+        if drafter == "cascade":
+            return cascade(target, "binarypc")
         return DFlashDrafter(tiny_dflash(target, block=5), target.model)
 
     for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=7)):
@@ -260,7 +271,7 @@ def _chi2_pvalue(counts: torch.Tensor, ref: torch.Tensor) -> float:
 SAMPLING_PROMPT, SAMPLES = [1, 2, 3, 0], 1500
 # samples of the wrong rule: its p-value is 0.0 (below 1e-100 in float64) for model and dflash already at 300, for
 # self at 1500 (3e-32; 6e-9 at 500). The right rule's samples, the check that matters, stay at SAMPLES.
-WRONG_RULE_SAMPLES = {"model": 300, "dflash": 300, "self": SAMPLES, "lookup": 300}
+WRONG_RULE_SAMPLES = {"model": 300, "dflash": 300, "self": SAMPLES, "lookup": 300, "cascade": SAMPLES}
 
 
 @functools.cache
@@ -271,18 +282,20 @@ def _plain_sampling_counts() -> torch.Tensor:
         max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=i), stop_on_eos=False)).token_ids[0], SAMPLES)
 
 
-@pytest.mark.parametrize("drafter", ["model", "dflash", "self", "lookup"])
+@pytest.mark.parametrize("drafter", ["model", "dflash", "self", "lookup", "cascade"])
 def test_sampled_speculation_is_distributed_as_plain_sampling(drafter, monkeypatch):
     # vocabulary of 4, three new tokens: 64 possible sequences, compared with a chi-square homogeneity test
     target = tiny_engine(3, vocab=4, scale=4.0)
     draft = tiny_engine(4, vocab=4, scale=4.0)
     prompt = SAMPLING_PROMPT
     # built once: a run's state is its drafter's
-    dflash = tiny_dflash(target, block=3) if drafter in ("dflash", "lookup") else None
+    dflash = tiny_dflash(target, block=3) if drafter in ("dflash", "lookup", "cascade") else None
 
     def make():
         if drafter == "self":
             return self_drafter("topk", budget=2)
+        if drafter == "cascade":  # the sparse level keeps its own draws: the dense verify must correct them
+            return cascade(target, "topk", dflash=dflash, budget=2)
         if drafter == "lookup":  # 2-grams over 4 tokens recur: most steps copy, the rest draft
             return LookupFirst(DFlashDrafter(dflash, target.model), min_n=2, min_tokens=1)
         return ModelDrafter(draft) if drafter == "model" else DFlashDrafter(dflash, target.model)
@@ -582,6 +595,17 @@ def test_bad_drafter_requests_are_one_line_errors(tmp_path):
     with pytest.raises(SparseSpecError, match="point-mass"):
         make_drafter("ngram+self:binarypc", target, "tiny")
     tiny_dflash(target).save(tmp_path / "mine")
+    for spec, match in (("ngram>self:binarypc", "lower drafter is a DFlash"),
+                        (f"tree5:dflash:{tmp_path}/mine>self:binarypc", "lower drafter is a DFlash"),
+                        (f"dflash:{tmp_path}/mine>ngram", "in front of the target under a sparse policy"),
+                        (f"dflash:{tmp_path}/mine>self:dense", "sparse policy"),
+                        (f"dflash:{tmp_path}/mine>self:doublep", "selects keys for a block"),
+                        (f"dflash:{tmp_path}/mine>self:binarypc:budget=0", "budget")):
+        with pytest.raises(SparseSpecError, match=match):
+            make_drafter(spec, target, "tiny")
+    stacked = make_drafter(f"window8:dflash:{tmp_path}/mine>self:topk:budget=0.1,weights=fp8", target, "tiny")
+    assert isinstance(stacked, Cascade) and stacked.fp8 and stacked.lower.model.cfg.window == 8
+    assert stacked.policy.options.budget == 0.1 and stacked.taps == stacked.lower.taps
     both = make_drafter(f"ngram+dflash:{tmp_path}/mine", target, "tiny")
     assert isinstance(both, LookupFirst) and isinstance(both.drafter, DFlashDrafter) and both.taps == both.drafter.taps
 

@@ -177,6 +177,7 @@ class Policy(ABC):
     name: ClassVar[str]
     Options: ClassVar[type[PolicyOptions]] = PolicyOptions
     graphable: ClassVar[bool] = False  # fixed-width steps without host synchronisation (a CUDA graph can hold them)
+    blocks: ClassVar[bool] = False  # `block`: a block of queries over its first query's selection (a cascade's pass)
     row_index: ClassVar[bool] = True  # `build_row` rebuilds one row's index inside the batch's (continuous batching)
 
     def __init__(self, options: PolicyOptions | None = None):
@@ -301,6 +302,27 @@ class SelectionPolicy(Policy):
         idx, valid = self.select(layer, q, cache, positions)
         self.count_attended(valid.sum(-1))
         return attend_selected(q, cache.k[layer], cache.v[layer], idx, valid)
+
+    blocks = True
+
+    def block(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, T, D] of a block of T tokens at consecutive positions [B, T] (their K/V in the cache) -> output
+        [B, Hq, T, D]. The block's first query selects as a decode step at its position would (fixed-width steps:
+        into the plan's buffers, `begin_step` done for positions[:, 0]), and query t attends to that selection and
+        the block's slots 1..t: what t decode steps reusing the selection (`select_every`) attend to one after the
+        other, in one pass (a cascade's sparse verify, `Runner.sparse_verify`). Exact attention (torch)."""
+        B, Hkv, T = q.shape[0], cache.k[layer].shape[1], q.shape[2]
+        if self.fixed is not None:
+            idx, count = self.fixed_selection(layer, q[:, :, :1], cache)  # [B * Hkv, W], [B * Hkv]
+            idx = idx.view(B, Hkv, -1).long().clamp(0, cache.capacity - 1)  # (columns past a count: any slot)
+            valid = torch.arange(idx.shape[-1], device=idx.device) < count.view(B, Hkv, 1)
+        else:
+            idx, valid = self.select(layer, q[:, :, :1], cache, positions[:, 0])  # [B, Hkv, K] each
+            self.count_attended(valid.sum(-1))
+        later = positions[:, None, 1:].expand(B, Hkv, T - 1)  # [B, Hkv, T - 1]: the block's slots after the first
+        sees = torch.arange(T - 1, device=q.device) < torch.arange(T, device=q.device)[:, None]  # [T, T - 1]
+        valid = torch.cat([valid[:, :, None].expand(B, Hkv, T, -1), sees.expand(B, Hkv, T, T - 1)], -1)
+        return attend_selected(q, cache.k[layer], cache.v[layer], torch.cat([idx, later], -1), valid)
 
     # ------------------------------------------------------------------------------------ fixed-width steps
     graphable = True
@@ -474,16 +496,18 @@ def device_ints(values: list, device: torch.device, dtype: torch.dtype = torch.l
 
 def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                     valid: torch.Tensor) -> torch.Tensor:
-    """Exact attention over the gathered slots. q [B, Hq, 1, D], k/v [B, Hkv, S, D], idx/valid [B, Hkv, K]
-    -> [B, Hq, 1, D]."""
-    B, Hq, _, D = q.shape
+    """Exact attention over the gathered slots. q [B, Hq, T, D], k/v [B, Hkv, S, D], idx [B, Hkv, K], valid
+    [B, Hkv, K] (every query alike) or [B, Hkv, T, K] (per query) -> [B, Hq, T, D]."""
+    B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     gather = idx.unsqueeze(-1).expand(-1, -1, -1, D)
-    ks, vs = k.gather(2, gather), v.gather(2, gather)  # [B, Hkv, K, D]
-    qg = q.view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
-    logits = (qg.float() @ ks.float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, K], fp32 like SDPA's accumulation
-    probs = logits.masked_fill(~valid.unsqueeze(2), float("-inf")).softmax(-1)
-    return (probs.to(vs.dtype) @ vs).view(B, Hq, 1, D)
+    ks, vs = k.gather(2, gather)[:, :, None], v.gather(2, gather)[:, :, None]  # [B, Hkv, 1, K, D]
+    qg = q.view(B, Hkv, Hq // Hkv, T, D)  # [B, Hkv, G, T, D]
+    # [B, Hkv, G, T, K], fp32 like SDPA's accumulation
+    logits = (qg.float() @ ks.float().transpose(-1, -2)) * D**-0.5
+    seen = valid[:, :, None, None] if valid.dim() == 3 else valid[:, :, None]  # [B, Hkv, 1, 1 or T, K]
+    probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
+    return (probs.to(vs.dtype) @ vs).view(B, Hq, T, D)
 
 
 def group_max(per_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -122,7 +122,7 @@ class StepPlan:
     cos: torch.Tensor  # [B, 1, T, D]
     sin: torch.Tensor
     mask: torch.Tensor  # bool [B, 1, T, kv_len]
-    policy: Policy | None = None  # decode attention of the sparse layers (single-token steps only)
+    policy: Policy | None = None  # attention of the sparse layers: `decode` a token a row, `block` several
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # sees (layer, q, k) after RoPE
     block: bool = False  # a few queries a row (a speculative verify block): the Triton block attention
     seen: torch.Tensor | None = None  # [B, T]: the last slot each query sees, if not its own position (a drafter's
@@ -177,8 +177,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, plan: StepPlan, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.project_write(x, plan.cos, plan.sin, plan.positions, cache, layer, plan.observer)  # [B, Hq, T, D]
-        if plan.policy is not None and T == 1 and plan.policy.is_sparse(layer):
-            out = sparse_decode(plan.policy, layer, q, cache, plan.positions[:, 0])  # [B, Hq, 1, D]
+        if plan.policy is not None and plan.policy.is_sparse(layer):
+            out = sparse_attention(plan.policy, layer, q, cache, plan.positions)  # [B, Hq, T, D]
         elif plan.block:
             keys, values = cache.keys(layer, plan.kv_len)  # [B, Hkv, S, D]
             out = block_attention(q, keys, values, plan.positions if plan.seen is None else plan.seen, self.chunk,
@@ -192,8 +192,11 @@ class Attention(nn.Module):
 # A compiled step (torch.compile) leaves the sparse policy's calls out of its graphs: they launch their own Triton
 # kernels, which the outer CUDA graph captures like any other; Inductor fuses everything around them.
 @torch.compiler.disable
-def sparse_decode(policy: Policy, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor):
-    return policy.decode(layer, q, cache, positions)
+def sparse_attention(policy: Policy, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor):
+    """q [B, Hq, T, D] at positions [B, T] -> the policy's attention: a decode step (T = 1) or a block (`block`)."""
+    if q.shape[2] == 1:
+        return policy.decode(layer, q, cache, positions[:, 0])
+    return policy.block(layer, q, cache, positions)
 
 
 # Up to this many queries a row (a decode step, a speculative verify block, a short chunk), CUDA steps attend with
@@ -332,7 +335,7 @@ class Transformer(nn.Module):
         (consecutive from positions[:, 0]): rotary positions positions[:, 0] + depth, each query seeing the context
         and its ancestors (`spec.tree`)."""
         dtype = self.embed_tokens.weight.dtype
-        if policy is not None and policy.fixed is not None and positions.shape[1] == 1:
+        if policy is not None and policy.fixed is not None:  # (a block's first query selects: `Policy.block`)
             begin_sparse_step(policy, positions[:, 0])  # the sparse layers' per-step metadata, built once
         rope = positions if tree is None else positions[:, :1] + tree[0]
         cos, sin = rope_cos_sin(rope, self.inv_freq, dtype)
@@ -350,7 +353,7 @@ class Transformer(nn.Module):
 
         Writes the new keys/values at their positions; attends to slots [0, kv_len) (default: the whole cache, a
         static shape for CUDA graphs). Call `logits` only on the rows that need them. `policy` replaces the
-        attention of its sparse layers in single-token steps; `observer(layer, q, k)` sees post-RoPE q and k.
+        attention of its sparse layers (a one-token step's `decode`, a block's `block`); `observer(layer, q, k)` sees post-RoPE q and k.
         """
         return self.forward_tapped(tokens, positions, cache, kv_len, (), policy, observer)[0]
 

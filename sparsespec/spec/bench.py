@@ -30,6 +30,7 @@ from ..progress import progress_bar
 from ..results import read_rows
 from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig
+from .cascade import Cascade
 from .decode import speculative_generate, tree_verify
 from .drafters import Drafter, LookupFirst, ModelDrafter, NgramDrafter, SelfDrafter
 from .prompts import KINDS, make_prompts
@@ -41,15 +42,16 @@ ROW_FILES = ("spec.jsonl",)  # in a results folder, beside spec.settings.json (r
 @dataclass(frozen=True)
 class DraftSpec:
     """A `--draft` value parsed (`parse_drafter`): its syntax checked before any model loads."""
-    # none | ngram | dflash | model | self | tree (treeN:INNER) | lookup (ngram+INNER) | window (windowN:INNER)
+    # none | ngram | dflash | model | self | tree (treeN:INNER) | lookup (ngram+INNER) | window (windowN:INNER) |
+    # cascade (INNER>self:POLICY)
     kind: str
-    arg: str = ""  # dflash's PATH ("": the target's registered drafter), model's NAME, self's POLICY[:options]
+    arg: str = ""  # dflash's PATH ("": the target's registered drafter), model's NAME, self's (and cascade's) POLICY
     nodes: int = 0  # tree: drafted nodes a step
     window: int = 0  # window: the DFlash drafter's context window
-    inner: DraftSpec | None = None  # tree's and lookup's drafter
+    inner: DraftSpec | None = None  # tree's, lookup's, window's drafter; cascade's lower drafter
     text: str = ""  # as given
-    options: tuple[str, ...] = ()  # self: the policy's options (weights= apart)
-    fp8: bool = False  # self: weights=fp8
+    options: tuple[str, ...] = ()  # self, cascade: the policy's options (weights= apart)
+    fp8: bool = False  # self, cascade: weights=fp8
 
     def has(self, kind: str) -> bool:
         """Whether this drafter, or one it wraps at any depth, is of `kind` (e.g. a tree, a DFlash drafter)."""
@@ -66,8 +68,20 @@ def parse_drafter(spec: str) -> DraftSpec:
     weights=fp8 drafts with FP8 copies of the target's weights) | "treeN:DRAFTER" (a drafter of per-position
     choices, dflash, whose steps verify a tree of N drafted nodes: `spec.tree`; ngram+treeN:dflash puts prompt
     lookup's copies in its trees) | "windowN:dflash[:PATH]" (the DFlash drafter's blocks see the last N >= 1
-    context tokens only, in place of its file's window: e.g. tree15:window1024:dflash). Raises SparseSpecError for
-    what no model could make valid."""
+    context tokens only, in place of its file's window: e.g. tree15:window1024:dflash) | "DRAFTER>self:POLICY[:...]"
+    (a cascade, `spec.cascade`: a DFlash drafter, dflash[:PATH] or windowN:dflash[:PATH], proposes to the target
+    under the sparse policy, whose block passes keep what the dense verify then checks; e.g.
+    dflash>self:binarypc). Raises SparseSpecError for what no model could make valid."""
+    lower, cascade, upper = spec.partition(">")
+    if cascade:  # the drafter before the '>' proposes to the sparse target after it
+        low, high = parse_drafter(lower), parse_drafter(upper)
+        if high.kind != "self":
+            raise SparseSpecError(f"{spec}: DRAFTER>self:POLICY puts a drafter in front of the target under a "
+                                  f"sparse policy (e.g. dflash>self:binarypc), not in front of {upper}")
+        if low.kind not in ("dflash", "window"):
+            raise SparseSpecError(f"{spec}: a cascade's lower drafter is a DFlash drafter's line (dflash[:PATH] or "
+                                  f"windowN:dflash[:PATH]), not {lower}")
+        return DraftSpec("cascade", high.arg, inner=low, text=spec, options=high.options, fp8=high.fp8)
     if spec.startswith("ngram+"):  # prompt lookup first, the drafter after the plus otherwise
         inner = parse_drafter(spec[len("ngram+"):])
         if inner.kind == "none":
@@ -108,7 +122,7 @@ def parse_drafter(spec: str) -> DraftSpec:
         return DraftSpec(kind, arg, text=spec, options=policy_options, fp8=weights == ["fp8"])
     raise SparseSpecError(f"unknown drafter {spec!r} (choose from none, ngram, dflash, dflash:PATH, model:NAME, "
                           "ngram+dflash[:PATH], self:POLICY[:key=value,...], treeN:dflash[:PATH], "
-                          "windowN:dflash[:PATH])")
+                          "windowN:dflash[:PATH], dflash[:PATH]>self:POLICY[:key=value,...])")
 
 
 def make_drafter(spec: str | DraftSpec, engine: Engine, target_name: str, device: str = "cpu",
@@ -146,7 +160,10 @@ def make_drafter(spec: str | DraftSpec, engine: Engine, target_name: str, device
     if d.kind == "model":
         draft = Engine.from_name(d.arg, device=device, dtype=dtype, progress=progress)
         return ModelDrafter(draft, f"model:{d.arg}", target_vocab=engine.config.vocab_size, cuda_graph=cuda_graph)
-    policy = make_policy(parse_spec(d.arg)[0], list(d.options))  # self
+    policy = make_policy(parse_spec(d.arg)[0], list(d.options))  # self, cascade
+    if d.kind == "cascade":
+        lower = make_drafter(d.inner, engine, target_name, device, dtype, progress, cuda_graph)
+        return Cascade(lower, policy, d.text, fp8=d.fp8)
     return SelfDrafter(policy, f"self:{d.arg}", fp8=d.fp8)
 
 
@@ -243,7 +260,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                     results = speculative_generate(engine, ids, drafter, gen, cfg.block_size, runners)
                     tps = _output_rate([len(s.token_ids) for s in results], results[0].decode_s)
                     speedup = tps / plain_tps if plain_tps > 0 else float("nan")
-                    for i, p, s, ref, prompt in zip(members, group, results, plain.token_ids, ids):
+                    for j, (i, p, s, ref, prompt) in enumerate(zip(members, group, results, plain.token_ids, ids)):
                         same = s.token_ids == ref if T == 0 else None
                         rows.append({"prompt": i, "kind": p.kind, "temperature": T, "drafter": name,
                                      "batch": len(group), "first": first, "plain_tokens": len(ref),
@@ -251,7 +268,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
                                      "tau": s.tau, "committed": s.committed, "tokens_per_s": tps,
                                      "setup_s": s.setup_s,
                                      "plain_tokens_per_s": plain_tps, "speedup": speedup, "identical": same,
-                                     **({"copied": s.copied} if s.copied else {}),
+                                     **({"copied": s.copied} if s.copied else {}), **drafter.stats(j),
                                      **({"eos_at": first_eos(engine, s.token_ids)} if cfg.ignore_eos else {}),
                                      "divergence": None if same in (None, True) else divergence(
                                          engine, prompt, ref, s.token_ids, s.committed, cfg.block_size, gen,
@@ -389,7 +406,8 @@ def _output_rate(tokens: list[int], seconds: float) -> float:
 
 def report(rows: list[dict], out: Path | None, title: str) -> str:
     """Markdown table per (drafter, kind, T): τ, tokens/s, plain tokens/s, speedup, identical outputs, then for a
-    drafter of two sources its copied and drafted steps (`source_line`), for rows run past their EOS the share after
+    drafter of two sources its copied and drafted steps (`source_line`), for a cascade its sparse level's tokens a
+    pass and passes a verify step, for rows run past their EOS the share after
     it and τ before it (`before_eos`), for batches of several rows the τ their slowest rows pace them at (`paced`);
     and a histogram plot of tokens committed per verify step. Rates are over the whole set (its tokens over its
     seconds), so the speedup is the set's wall-clock ratio: a mean of per-prompt rates would weigh a prompt the
@@ -412,10 +430,14 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
             ident += f" ({ties} of {len(diverged)} at near-ties, {again} reproduced)"
         speedup = f"{tps / ptps:.2f}x" if ptps > 0 else "-"
         lines.append(f"| {d} | {kind} ({len(g)}) | {T:g} | {tau:.2f} | {tps:.1f} | {ptps:.1f} | {speedup} | {ident} |")
-    sources, past, slowest = [], [], []  # the notes under the table, per (drafter, kind, T) in order
+    sources, levels, past, slowest = [], [], [], []  # the notes under the table, per (drafter, kind, T) in order
     for (d, kind, T), g in sorted(groups.items(), key=lambda x: x[0]):
         if any(r.get("copied") for r in g):
             sources.append(source_line(d, kind, T, g))
+        if any("sparse_passes" in r for r in g):
+            passes, kept = sum(r["sparse_passes"] for r in g), sum(r["sparse_kept"] for r in g)
+            levels.append(f"- {d}, {kind}, T = {T:g}: the sparse level kept {kept / max(1, passes):.2f} tokens a "
+                          f"pass, {passes / max(1, sum(r['steps'] for r in g)):.2f} passes a verify step")
         if any("eos_at" in r for r in g):
             share, tau = before_eos(g)
             past.append(f"- {d}, {kind}, T = {T:g}: {100 * share:.0f}% of the tokens come after a row's first EOS; "
@@ -423,7 +445,7 @@ def report(rows: list[dict], out: Path | None, title: str) -> str:
         if max(r.get("batch", 1) for r in g) > 1 and (pq := paced(g)) is not None:
             slowest.append(f"- {d}, {kind}, T = {T:g}: batches paced by their slowest rows: {pq[0]} plain steps "
                            f"over {pq[1]} verify steps, paced τ {pq[0] / max(1, pq[1]):.2f}")
-    notes = [block for block in (sources, past, slowest) if block]
+    notes = [block for block in (sources, levels, past, slowest) if block]
     table = "\n".join(lines + [line for block in notes for line in ["", *block]])
     if out is not None:
         (out / "spec.md").write_text(table + "\n")

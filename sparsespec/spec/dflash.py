@@ -514,6 +514,11 @@ class DFlashDrafter(Drafter):
                                              self.cache, max(starts) + B, self.ranks)
         return ids, logp, counts
 
+    def rollback(self, lengths: list[int]) -> None:
+        """Row r's context back (or on) to its first lengths[r] positions (their features ingested before): a
+        cascade's rounds (`spec.cascade`) ingest features of tokens the dense verify has not seen yet."""
+        self.cache.truncate(lengths)
+
     @torch.inference_mode()
     def commit(self, lengths, accepted, features):
         # row r's context covers [0, n); its newly cached target tokens sit at n..n + accepted (the block's other

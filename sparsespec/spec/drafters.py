@@ -107,6 +107,11 @@ class Drafter(ABC):
     def commit(self, lengths: list[int | None], accepted: list[int | None], features: torch.Tensor | None) -> None:
         """Default: nothing to update (stateless drafters)."""
 
+    def stats(self, row: int) -> dict:
+        """Counts of row `row` since it started that a benchmark's row records (a cascade's sparse level: its passes
+        and the tokens they kept); none by default."""
+        return {}
+
     def copied(self) -> list[bool] | None:
         """Per row, whether its last proposals were copied by a prompt lookup rather than drafted (a drafter of two
         sources, `LookupFirst`); None for a drafter of one source."""
