@@ -4,9 +4,13 @@ floor beside them, and with --profile where each step's time goes (torch.profile
 total device time). --drafters: random DFlash drafters of these layer counts (block 16, the target's layer shape):
 their draft step (block forward, LM head, argmax) and context update (16 positions) as CUDA graphs (`DraftGraphs`),
 as graphs of their torch.compile'd forwards, and eagerly, against the widest verify step: the draft's share.
+--sparse POLICY[:key=value,...]: also the pass of each width under that policy (a cascade's sparse level,
+`Runner.sparse_verify`: the first query selects, every query attends to the selection and the block), graphed
+in fixed width, beside the dense step of the same width: what a cascade's round costs against a verify.
 
     python bench/verify_cost.py [--models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b] [--widths 1,4,8,16]
-                                [--context 2048] [--batch 1] [--profile] [--drafters 1,5] [--out DIR]
+                                [--context 2048] [--batch 1] [--profile] [--drafters 1,5]
+                                [--sparse binarypc:budget=0.02] [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from sparsespec.attention import make_policy, parse_spec
 from sparsespec.cache import KVCache
 from sparsespec.graphs import CudaGraphStep, _step
 from sparsespec.models.shapes import SHAPES, random_model
@@ -78,6 +83,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel tables of the widest and the 1-token step")
     ap.add_argument("--no-compile", action="store_true", help="graphs only (no torch.compile'd steps)")
     ap.add_argument("--drafters", default="", help="DFlash layer counts, e.g. 1,5 (the draft step's cost)")
+    ap.add_argument("--sparse", default="", help="a policy, e.g. binarypc:budget=0.02: its pass of each width too")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64
@@ -94,7 +100,13 @@ def main() -> None:
         cache.truncate([args.context] * args.batch)
         print(f"{name}, batch {args.batch}, context {args.context}: weights floor {weights / bw * 1e3:.3f} ms")
         row = {"model": name, "batch": args.batch, "context": args.context, "weights_floor_ms": weights / bw * 1e3,
-               "steps": {}}
+               "steps": {}, "sparse": args.sparse}
+        policy = None
+        if args.sparse:  # its index over the random cache, in fixed width (what a graphed runner steps)
+            policy = make_policy(*parse_spec(args.sparse))
+            with torch.inference_mode():
+                policy.build_all(cache, cache.lengths)
+                policy.plan_fixed(cache, cache.lengths)
         for w in widths:
             tokens = torch.randint(0, cfg.vocab_size, (args.batch, w), device="cuda")
             positions = args.context + torch.arange(w, device="cuda").expand(args.batch, -1)
@@ -105,6 +117,10 @@ def main() -> None:
                 step = CudaGraphStep(model, cache, w, compile=compiled)
                 cell[label] = time_ms(lambda: step(tokens, positions))
                 del step
+                if policy is not None:
+                    step = CudaGraphStep(model, cache, w, compile=compiled, policy=policy)
+                    cell[f"sparse {label}"] = time_ms(lambda: step(tokens, positions))
+                    del step
             row["steps"][w] = cell
             base = row["steps"][widths[0]]
             print(f"  width {w:3d}: " + ", ".join(f"{label} {ms:.3f} ms ({ms / base[label]:.2f}x)"

@@ -98,7 +98,7 @@ class Runner:
         self.since_select: int | None = None  # steps since the last selecting step; None: the next one selects
         self.row_graphs: dict[int, CudaGraphDecodeStep] = {}  # dense decode of the first n rows (n < batch)
         self.verify_graphs: dict[tuple[int, bool], CudaGraphStep] = {}  # by (width, tree): dense multi-token steps
-        self.sparse_graphs: dict[int, CudaGraphStep] = {}  # by width: `sparse_verify`'s steps under the policy
+        self.sparse_graphs: dict[tuple[int, bool], CudaGraphStep] = {}  # by (width, reuse): `sparse_verify`'s
         self.fp8 = False  # decode steps multiply with FP8 copies of the weights (`fp8_decode`)
         self._set(policy)
 
@@ -318,28 +318,32 @@ class Runner:
         return True
 
     @torch.inference_mode()
-    def sparse_verify(self, tokens: torch.Tensor, width: int | None = None):
+    def sparse_verify(self, tokens: torch.Tensor, width: int | None = None, reuse: bool = False):
         """A block under the runner's policy (the sparse level of a cascade, `spec.cascade`): tokens [B, w] at each
         row's length -> (logits [B, w, V] fp32, features [B, w, len(taps) * H] or None). In each sparse layer the
         block's first query selects as a decode step there would, and every query attends to that selection and
         the block up to itself (`SelectionPolicy.block`), as that many decode steps reusing the selection would;
-        the dense layers attend densely. Lengths do not move: commit with `truncate`. With `width` >= w on CUDA
-        a graph of that width replays (blocks padded), where the policy steps in fixed width and every row has
-        room for it. FP8 draft weights (`fp8_decode`) multiply here too: its tokens only propose."""
+        the dense layers attend densely. `reuse` (select_every = N > 1): no selection, each sparse layer's kept
+        one from the last selecting block instead, and the slots after it (every row's block within N − 1 slots
+        of that block's first: the caller's rule). Lengths do not move: commit with `truncate`. With `width` >= w
+        on CUDA a graph of that width replays (blocks padded), where the policy steps in fixed width and every row
+        has room for it. FP8 draft weights (`fp8_decode`) multiply here too: its tokens only propose."""
         policy = self.policy
         if policy is None or not policy.blocks:
             raise SparseSpecError(f"a sparse verify needs a policy that selects keys for a block of queries "
                                   f"(binarypc, topk, quest, streaming, ...), not {'none' if policy is None else policy.name}")
+        if reuse and self.select_every == 1:
+            raise SparseSpecError("a sparse verify reuses kept selections with select_every > 1 only")
         B, w = tokens.shape
-        self.since_select = None  # the kept selections are this block's now: the next decode step selects
-        if width is not None and self.capture_sparse(width):
+        self.since_select = None  # the kept selections are a block's now: the next decode step selects
+        if width is not None and self.capture_sparse(width, reuse):
             if w < width:
                 tokens = torch.cat([tokens, tokens.new_zeros(B, width - w)], 1)
-            logits, features = self.sparse_graphs[width](tokens, self._positions(width))
+            logits, features = self.sparse_graphs[width, reuse](tokens, self._positions(width))
             policy.stepped(self.sparse_layers)
             return logits[:, :w], None if features is None else features[:, :w]
         kv_len = max(self.cache.lengths) + w
-        with self._eager_attention(), self._drafting(), \
+        with self._eager_attention(), self._drafting(), self._blocking(reuse), \
                 policy.stepping(self.cache.lengths) if policy.fixed is None else nullcontext():
             hidden, features = self.model.forward_tapped(tokens, self._positions(w), self.cache, kv_len, self.taps,
                                                          policy)
@@ -348,16 +352,17 @@ class Runner:
         return self.model.logits(hidden), features
 
     @torch.inference_mode()
-    def capture_sparse(self, width: int) -> bool:
-        """Capture `sparse_verify`'s step of `width` tokens as a CUDA graph now (else at its first call), where graphs
-        run with the policy in fixed width and every row has room -> whether `sparse_verify(..., width)` replays."""
+    def capture_sparse(self, width: int, reuse: bool = False) -> bool:
+        """Capture `sparse_verify`'s step of `width` tokens (reusing kept selections with `reuse`) as a CUDA graph now
+        (else at its first call), where graphs run with the policy in fixed width and every row has room -> whether
+        `sparse_verify(..., width, reuse)` replays."""
         room = max(self.cache.lengths) + width <= self.cache.capacity
         if not (self.graphed and self.policy is not None and room):
             return False
-        if width not in self.sparse_graphs:
-            with self._drafting():
-                self.sparse_graphs[width] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile,
-                                                          policy=self.policy)
+        if (width, reuse) not in self.sparse_graphs:
+            with self._drafting(), self._blocking(reuse):
+                self.sparse_graphs[width, reuse] = CudaGraphStep(self.model, self.cache, width, self.taps,
+                                                                 self.compile, policy=self.policy)
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
             self.policy.reset_attended()
         return True
@@ -382,6 +387,20 @@ class Runner:
             yield
         finally:
             self.policy.fixed.reusing = False
+
+    @contextmanager
+    def _blocking(self, reuse: bool):
+        """Within: fixed-width steps run (or are captured) as block passes (`SelectionPolicy.block`, one token too),
+        reusing the kept selections with `reuse`."""
+        plan = self.policy.fixed
+        if plan is None:
+            yield
+            return
+        plan.block, plan.reusing = True, reuse
+        try:
+            yield
+        finally:
+            plan.block = plan.reusing = False
 
     def _eager_attention(self):
         """Eager CUDA steps keep cuDNN out of dense attention (it plans anew for every key count, ~40 ms a step)."""

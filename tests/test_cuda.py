@@ -282,12 +282,14 @@ def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, mo
 
 
 @cuda
-@pytest.mark.parametrize("policy", ["binarypc", "streaming", "quest"])
+@pytest.mark.parametrize("policy,every", [("binarypc", 1), ("streaming", 1), ("quest", 1), ("binarypc", 8),
+                                          ("quest", 8)])
 @torch.inference_mode()
-def test_a_graphed_sparse_verify_equals_the_eager_one_and_a_graphed_cascade_keeps_greedy_output(policy):
-    """`Runner.sparse_verify` replayed as a CUDA graph (a block of 4 padded to the graph's 6) gives the eager
-    fixed-width pass's logits and features over rows of different lengths; the cascade through it (DFlash's graphed
-    drafts, graphed sparse passes, graphed dense verify) keeps a batch's greedy output and sampled output runs."""
+def test_a_graphed_sparse_verify_equals_the_eager_one_and_a_graphed_cascade_keeps_greedy_output(policy, every):
+    """`Runner.sparse_verify` replayed as a CUDA graph (a block of 4 padded to the graph's 6; with select_every 8
+    then a block of 3 reusing that selection) gives the eager fixed-width pass's logits and features over rows of
+    different lengths; the cascade through it (DFlash's graphed drafts, graphed sparse passes, graphed dense
+    verify) keeps a batch's greedy output and sampled output runs."""
     from sparsespec.sampling import SamplingConfig
     from sparsespec.spec.decode import speculative_generate
 
@@ -297,21 +299,26 @@ def test_a_graphed_sparse_verify_equals_the_eager_one_and_a_graphed_cascade_keep
     target.model.cuda()
     target.device = torch.device("cuda")
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50))]
-    graphed, eager = (Runner(target.model, 3, 96, self_drafter(policy).policy, cuda_graph=g, taps=(0, 1))
-                      for g in (True, False))
+    graphed, eager = (Runner(target.model, 3, 96, self_drafter(policy, select_every=every).policy, cuda_graph=g,
+                             taps=(0, 1)) for g in (True, False))
+    g = torch.Generator().manual_seed(0)
+    blocks = [(torch.randint(0, 64, (3, w), generator=g).cuda(), w == 3) for w in (4, 3)][:1 + (every > 1)]
     for r in (graphed, eager):
         r.prefill(prompts)
-    block = torch.randint(0, 64, (3, 4), generator=torch.Generator().manual_seed(0)).cuda()
-    (a, fa), (b, fb) = graphed.sparse_verify(block, 6), eager.sparse_verify(block)
+    for block, reuse in blocks:
+        lengths = list(graphed.cache.lengths)
+        (a, fa), (b, fb) = graphed.sparse_verify(block, 6, reuse), eager.sparse_verify(block, reuse=reuse)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fa, fb, rtol=1e-4, atol=1e-4)
+        for r in (graphed, eager):
+            r.truncate([n + 2 for n in lengths])
     assert graphed.sparse_graphs and not eager.sparse_graphs
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fa, fb, rtol=1e-4, atol=1e-4)
     dflash = tiny_dflash(target, block=6).cuda()
     gen = GenerationConfig(max_new_tokens=40)
-    out = speculative_generate(target, prompts, cascade(target, policy, dflash=dflash), gen, 6)
+    out = speculative_generate(target, prompts, cascade(target, policy, dflash=dflash, select_every=every), gen, 6)
     assert [o.token_ids for o in out] == target.generate(prompts, gen).token_ids
     sampled = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(temperature=1.0, seed=3))
-    out = speculative_generate(target, prompts, cascade(target, policy, dflash=dflash), sampled, 6)
+    out = speculative_generate(target, prompts, cascade(target, policy, dflash=dflash, select_every=every), sampled, 6)
     assert all(len(o.token_ids) == 40 for o in out)
 
 

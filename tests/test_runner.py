@@ -254,6 +254,42 @@ def test_a_sparse_verify_block_equals_decode_steps_that_reuse_its_first_selectio
         dense.sparse_verify(block)
 
 
+@pytest.mark.parametrize("name,options", [("binarypc", {"budget": 0.2, "window": 2}), ("streaming", {"budget": 0.2}),
+                                          ("quest", {"budget": 0.2, "page": 4, "window": 0})])
+@torch.inference_mode()
+def test_a_reusing_sparse_verify_block_equals_the_decode_steps_after_its_selecting_block(name, options):
+    """select_every = 8: a selecting block of 4 at n (2 of its tokens kept), then a reusing block of 5 at n + 2 and
+    one of 1 at n + 7 select nothing and attend to the first block's selection and the slots after it: the logits of
+    decode steps over the same tokens that select at n and reuse that selection up to n + 7. The budget is small
+    enough that a block selecting anew at n + 2 would differ."""
+    from sparsespec.errors import SparseSpecError
+    from .test_spec import tiny_engine
+
+    model = tiny_engine(0).model
+    prompts = [list(range(1, 41)), [7] * 23 + [3, 9]]
+    opts = {"dense_layers": 0, "min_tokens": 0, "select_every": 8, **options}
+    steps, blocks = (Runner(model, 2, 80, make_policy(name, opts)) for _ in range(2))
+    fresh = Runner(model, 2, 80, make_policy(name, {**opts, "select_every": 1}), fixed=True)
+    for r in (steps, blocks, fresh):
+        r.prefill(prompts)
+    n = list(blocks.cache.lengths)
+    tokens = torch.tensor([[5, 6, 11, 12, 13, 14, 15, 16], [1, 2, 21, 22, 23, 24, 25, 26]])
+    want = torch.stack([steps.decode(tokens[:, i]) for i in range(8)], 1)  # [2, 8, V]
+    for r in (blocks, fresh):
+        first, _ = r.sparse_verify(torch.tensor([[5, 6, 9, 9], [1, 2, 8, 8]]))
+        torch.testing.assert_close(first[:, :2], want[:, :2], rtol=1e-4, atol=1e-4)
+        r.truncate([x + 2 for x in n])
+    second, _ = blocks.sparse_verify(tokens[:, 2:7], reuse=True)
+    torch.testing.assert_close(second, want[:, 2:7], rtol=1e-4, atol=1e-4)
+    blocks.truncate([x + 7 for x in n])
+    last, _ = blocks.sparse_verify(tokens[:, 7:], reuse=True)
+    torch.testing.assert_close(last[:, 0], want[:, 7], rtol=1e-4, atol=1e-4)
+    anew, _ = fresh.sparse_verify(tokens[:, 2:7])
+    assert not torch.allclose(anew, want[:, 2:7], rtol=1e-3, atol=1e-3)
+    with pytest.raises(SparseSpecError, match="select_every > 1"):
+        fresh.sparse_verify(tokens[:, 2:7], reuse=True)
+
+
 def test_select_every_is_validated():
     from sparsespec.errors import SparseSpecError
     from .test_spec import tiny_engine

@@ -153,6 +153,9 @@ class FixedPlan:
     kept: tuple[torch.Tensor, torch.Tensor] | None = None
     first_sparse: int = 0
     reusing: bool = False  # the step (when run or captured) attends to the kept selections instead of selecting
+    block: bool = False  # the step is a block pass (`Policy.block`, even of one token): a reusing one reads the
+    #                      kept selections as their selecting block made them, and the slots after `selected_at`
+    selected_at: torch.Tensor | None = None  # [B] int32 with kept selections: the last selecting block's position
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where layer `layer`'s selection goes: (idx [B * Hkv, W] int32, count [B * Hkv] int32); W >= width."""
@@ -178,6 +181,7 @@ class Policy(ABC):
     Options: ClassVar[type[PolicyOptions]] = PolicyOptions
     graphable: ClassVar[bool] = False  # fixed-width steps without host synchronisation (a CUDA graph can hold them)
     blocks: ClassVar[bool] = False  # `block`: a block of queries over its first query's selection (a cascade's pass)
+    blocking = False  # a one-token step is a block pass (`SelectionPolicy.blocking`), not `decode`
     row_index: ClassVar[bool] = True  # `build_row` rebuilds one row's index inside the batch's (continuous batching)
 
     def __init__(self, options: PolicyOptions | None = None):
@@ -305,24 +309,41 @@ class SelectionPolicy(Policy):
 
     blocks = True
 
+    @property
+    def blocking(self) -> bool:
+        """Whether a one-token step is a block pass (`block`; the runner's `sparse_verify` sets it), not `decode`."""
+        return self.fixed is not None and self.fixed.block
+
     def block(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, T, D] of a block of T tokens at consecutive positions [B, T] (their K/V in the cache) -> output
         [B, Hq, T, D]. The block's first query selects as a decode step at its position would (fixed-width steps:
         into the plan's buffers, `begin_step` done for positions[:, 0]), and query t attends to that selection and
-        the block's slots 1..t: what t decode steps reusing the selection (`select_every`) attend to one after the
-        other, in one pass (a cascade's sparse verify, `Runner.sparse_verify`). Exact attention (torch)."""
+        the slots after it up to its own: what decode steps reusing the selection (`select_every`) attend to one
+        after the other, in one pass (a cascade's sparse verify, `Runner.sparse_verify`). A reusing block (fixed
+        width, select_every = N > 1, `plan.reusing`) selects nothing: it reads the layer's kept selection, made by
+        the last selecting block at `selected_at`, and the slots after that one, all of its own within N − 1 of it
+        (the caller's rule). Exact attention (torch)."""
         B, Hkv, T = q.shape[0], cache.k[layer].shape[1], q.shape[2]
+        after, span = positions[:, 0], T - 1  # per row the selecting query's slot; how many slots after it count
         if self.fixed is not None:
-            idx, count = self.fixed_selection(layer, q[:, :, :1], cache)  # [B * Hkv, W], [B * Hkv]
+            plan = self.fixed
+            if plan.reusing:
+                idx, count = plan.buffers(layer)  # [B * Hkv, W], [B * Hkv]
+                after, span = plan.selected_at.long(), self.options.select_every - 1
+            else:
+                idx, count = self.fixed_selection(layer, q[:, :, :1], cache)
+                if plan.selected_at is not None:
+                    plan.selected_at.copy_(after)
             idx = idx.view(B, Hkv, -1).long().clamp(0, cache.capacity - 1)  # (columns past a count: any slot)
             valid = torch.arange(idx.shape[-1], device=idx.device) < count.view(B, Hkv, 1)
         else:
             idx, valid = self.select(layer, q[:, :, :1], cache, positions[:, 0])  # [B, Hkv, K] each
             self.count_attended(valid.sum(-1))
-        later = positions[:, None, 1:].expand(B, Hkv, T - 1)  # [B, Hkv, T - 1]: the block's slots after the first
-        sees = torch.arange(T - 1, device=q.device) < torch.arange(T, device=q.device)[:, None]  # [T, T - 1]
-        valid = torch.cat([valid[:, :, None].expand(B, Hkv, T, -1), sees.expand(B, Hkv, T, T - 1)], -1)
-        return attend_selected(q, cache.k[layer], cache.v[layer], torch.cat([idx, later], -1), valid)
+        later = after[:, None] + 1 + torch.arange(span, device=q.device)  # [B, span]: the slots after the selection
+        sees = later[:, None] <= positions[:, :, None]  # [B, T, span]: up to each query's own
+        valid = torch.cat([valid[:, :, None].expand(B, Hkv, T, -1), sees[:, None].expand(B, Hkv, T, span)], -1)
+        slots = torch.cat([idx, later.clamp(max=cache.capacity - 1)[:, None].expand(B, Hkv, span)], -1)
+        return attend_selected(q, cache.k[layer], cache.v[layer], slots, valid)
 
     # ------------------------------------------------------------------------------------ fixed-width steps
     graphable = True
@@ -344,7 +365,8 @@ class SelectionPolicy(Policy):
 
             scratch = select_scratch(B * Hkv, cache.device)
         self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
-                               zeros(B * Hkv), zeros(B), scratch, kept, first)
+                               zeros(B * Hkv), zeros(B), scratch, kept, first,
+                               selected_at=None if kept is None else zeros(B))
 
     def fixed_width(self, capacity: int, lengths: list[int]) -> int:
         """The selection width of fixed-width steps: the most slots any step up to `capacity` selects."""
@@ -360,7 +382,8 @@ class SelectionPolicy(Policy):
         plan = self.fixed
         plan.positions.copy_(positions)
         if plan.reusing:
-            self._keep_decoded(positions)
+            if not plan.block:  # (a block reads the slots after its selection from `selected_at`)
+                self._keep_decoded(positions)
             return
         plan.tokens.copy_(self.options.tokens_on_device(positions.long() + 1))
         listed = self.listed_forced(plan.tokens)

@@ -194,7 +194,7 @@ class Attention(nn.Module):
 @torch.compiler.disable
 def sparse_attention(policy: Policy, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor):
     """q [B, Hq, T, D] at positions [B, T] -> the policy's attention: a decode step (T = 1) or a block (`block`)."""
-    if q.shape[2] == 1:
+    if q.shape[2] == 1 and not policy.blocking:
         return policy.decode(layer, q, cache, positions[:, 0])
     return policy.block(layer, q, cache, positions)
 

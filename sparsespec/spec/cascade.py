@@ -68,7 +68,14 @@ class Cascade(Drafter):
 
     def capture(self):
         self.lower.capture()
-        self.runner.capture_sparse(self.max_proposals + 1)
+        for width in sorted({self._graph_width(w) for w in range(1, self.max_proposals + 2)}):
+            for reuse in (False, True)[:1 + (self.policy.options.select_every > 1)]:
+                self.runner.capture_sparse(width, reuse)
+
+    def _graph_width(self, width: int) -> int:
+        """The width of the graph that runs a pass of `width` tokens: the next power of two, at most DFlash's block
+        (a pass's products grow with its rows: a round that wants few tokens should not pay for a whole block)."""
+        return min(1 << (width - 1).bit_length(), self.max_proposals + 1)
 
     def start_row(self, row, prompt, features):
         """(The target's runner builds the row's index: `Runner.index_row`.)"""
@@ -86,6 +93,8 @@ class Cascade(Drafter):
         rows = [None if h is None else list(h) for h in histories]  # each history with this cycle's kept tokens
         kept: list[list[int]] = [[] for _ in histories]
         dists: list[list[torch.Tensor]] = [[] for _ in histories]
+        every = self.policy.options.select_every
+        selected: list[int] | None = None  # per row, the first position of the cycle's last selecting pass
         while True:
             left = [w - len(t) for w, t in zip(want, kept)]
             room = runner.cache.capacity - max(runner.cache.lengths)
@@ -97,8 +106,13 @@ class Cascade(Drafter):
             counts = [min(c, width - 1) for c in counts]
             pending = device_ints([0 if r is None else r[-1] for r in rows], drafts.device)  # [B]
             block = torch.cat([pending[:, None], drafts[:, :width - 1]], 1)  # [B, width]
-            logits, features = runner.sparse_verify(block, self.max_proposals + 1)  # [B, width, V]
             live = [n > 0 for n in left]
+            # select_every = N > 1: a pass reuses the last selection where its rows' blocks lie within N - 1 slots of it
+            reuse = every > 1 and selected is not None and all(n + width <= s + every for n, s, on in
+                                                 zip(runner.cache.lengths, selected, live) if on)
+            if not reuse:
+                selected = list(runner.cache.lengths)
+            logits, features = runner.sparse_verify(block, self._graph_width(width), reuse)  # [B, width, V]
             if all(c.greedy for c, on in zip(cfgs, live) if on):  # every row at once, one read-back
                 commits = [new if on else None for new, on in zip(verify_greedy_rows(block[:, 1:], counts, logits),
                                                                    live)]
