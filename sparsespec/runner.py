@@ -330,8 +330,9 @@ class Runner:
         has room for it. FP8 draft weights (`fp8_decode`) multiply here too: its tokens only propose."""
         policy = self.policy
         if policy is None or not policy.blocks:
+            name = "none" if policy is None else policy.name
             raise SparseSpecError(f"a sparse verify needs a policy that selects keys for a block of queries "
-                                  f"(binarypc, topk, quest, streaming, ...), not {'none' if policy is None else policy.name}")
+                                  f"(binarypc, topk, quest, streaming, ...), not {name}")
         if reuse and self.select_every == 1:
             raise SparseSpecError("a sparse verify reuses kept selections with select_every > 1 only")
         B, w = tokens.shape

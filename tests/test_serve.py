@@ -212,7 +212,8 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
         dflash = DFlashDrafter(model.eval().requires_grad_(False), engine.model)
         dflash.tree_nodes = 5 if drafter == "tree" else 0  # a tree verify, greedy and sampled rows alike
         if drafter == "cascade":  # DFlash proposes to the sparse target, whose kept tokens the dense one verifies
-            return Cascade(dflash, make_policy("binarypc", {"budget": 0.3, "min_tokens": 4, "dense_layers": 0}), "c")
+            policy = make_policy("binarypc", {"budget": 0.3, "min_tokens": 4, "dense_layers": 0})
+            return Cascade(dflash, policy, "c")
         return LookupFirst(dflash, min_n=2, min_tokens=1) if drafter == "lookup" else dflash
 
     texts = ["abc abc abc abc abc abc", "Hello", "The cat sat on the mat. The cat sat on the", "xyzxyzxyz"]
@@ -230,7 +231,8 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
             alone = (engine.generate([prompt], gen).texts[0] if sampling.greedy else
                      speculative_generate(engine, [prompt], make(), gen, 4)[0].text)
             assert texts_served[k] == alone, (k, drafter, sampling)
-        if sampling.greedy and drafter not in ("dflash", "tree", "cascade"):  # (an untrained DFlash drafter proposes noise)
+        # (an untrained DFlash drafter proposes noise)
+        if sampling.greedy and drafter not in ("dflash", "tree", "cascade"):
             assert sum(steps) < 4 * 17  # proposals were accepted: fewer row-steps than tokens after the first
 
 

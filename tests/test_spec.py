@@ -108,7 +108,8 @@ def self_drafter(policy: str = "binarypc", **options) -> SelfDrafter:
 
 
 def cascade(target: Engine, policy: str = "binarypc", block: int = 5, dflash: DFlash | None = None, **options):
-    """A DFlash drafter in front of the target under a sparse policy (`spec.cascade`), the policy as `self_drafter`'s."""
+    """A DFlash drafter in front of the target under a sparse policy (`spec.cascade`), the policy as
+    `self_drafter`'s."""
     lower = DFlashDrafter(tiny_dflash(target, block=block) if dflash is None else dflash, target.model)
     return Cascade(lower, self_drafter(policy, **options).policy, f"dflash>self:{policy}")
 

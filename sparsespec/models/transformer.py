@@ -353,7 +353,8 @@ class Transformer(nn.Module):
 
         Writes the new keys/values at their positions; attends to slots [0, kv_len) (default: the whole cache, a
         static shape for CUDA graphs). Call `logits` only on the rows that need them. `policy` replaces the
-        attention of its sparse layers (a one-token step's `decode`, a block's `block`); `observer(layer, q, k)` sees post-RoPE q and k.
+        attention of its sparse layers (a one-token step's `decode`, a block's `block`); `observer(layer, q, k)`
+        sees post-RoPE q and k.
         """
         return self.forward_tapped(tokens, positions, cache, kv_len, (), policy, observer)[0]
 
