@@ -6,7 +6,8 @@ their draft step (block forward, LM head, argmax) and context update (16 positio
 as graphs of their torch.compile'd forwards, and eagerly, against the widest verify step: the draft's share.
 --sparse POLICY[:key=value,...]: also the pass of each width under that policy (a cascade's sparse level,
 `Runner.sparse_verify`: the first query selects, every query attends to the selection and the block), graphed
-in fixed width, beside the dense step of the same width: what a cascade's round costs against a verify.
+in fixed width, beside the dense step of the same width: what a cascade's round costs against a verify; with the
+option select_every=N > 1 also the pass that reuses a kept selection (widths below N).
 
     python bench/verify_cost.py [--models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b] [--widths 1,4,8,16]
                                 [--context 2048] [--batch 1] [--profile] [--drafters 1,5]
@@ -104,9 +105,12 @@ def main() -> None:
         policy = None
         if args.sparse:  # its index over the random cache, in fixed width (what a graphed runner steps)
             policy = make_policy(*parse_spec(args.sparse))
+            if not policy.blocks:
+                raise SystemExit(f"--sparse {args.sparse}: a cascade's pass needs a policy that selects keys")
             with torch.inference_mode():
                 policy.build_all(cache, cache.lengths)
                 policy.plan_fixed(cache, cache.lengths)
+            plan, every = policy.fixed, policy.options.select_every
         for w in widths:
             tokens = torch.randint(0, cfg.vocab_size, (args.batch, w), device="cuda")
             positions = args.context + torch.arange(w, device="cuda").expand(args.batch, -1)
@@ -117,9 +121,17 @@ def main() -> None:
                 step = CudaGraphStep(model, cache, w, compile=compiled)
                 cell[label] = time_ms(lambda: step(tokens, positions))
                 del step
-                if policy is not None:
+                if policy is None:
+                    continue
+                # the cascade's passes (`Runner.sparse_verify`): selecting, and reusing where the block fits N - 1 slots
+                for reuse in (False, True)[:1 + (w < every)]:
+                    plan.block, plan.reusing = True, reuse
+                    if reuse:
+                        with torch.inference_mode():  # (kept from the selecting pass just timed)
+                            plan.selected_at.fill_(args.context - 1)
                     step = CudaGraphStep(model, cache, w, compile=compiled, policy=policy)
-                    cell[f"sparse {label}"] = time_ms(lambda: step(tokens, positions))
+                    plan.block = plan.reusing = False
+                    cell[f"sparse{' reusing' if reuse else ''} {label}"] = time_ms(lambda: step(tokens, positions))
                     del step
             row["steps"][w] = cell
             base = row["steps"][widths[0]]

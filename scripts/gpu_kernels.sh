@@ -15,9 +15,9 @@
 #           3-layer drafter's draft and context update: the step costs issue 15's 128k projection reads
 #           (`python bench/project_dflash.py --spec SPEC.jsonl --verify verify-8b-1x131072/verify_cost.json
 #           --layers 3`), with the kernel tables of its 1- and 16-token steps
-#   cascade  bench/verify_cost.py at (16, 25600) with --sparse binarypc:budget=0.02,dense_layers=0: a cascade's
-#           sparse pass (`dflash>self:binarypc`) of 1, 4, 8 and 16 tokens beside the dense verify of each, and a
-#           3-layer drafter's draft: what a round costs against the verify
+#   cascade  bench/verify_cost.py at (16, 25600) with --sparse binarypc:budget=0.02,dense_layers=0,select_every=8:
+#           a cascade's sparse pass (`dflash>self:binarypc`) of 1, 4, 8 and 16 tokens, selecting and (1, 4) reusing,
+#           beside the dense verify of each, and a 3-layer drafter's draft: what a round costs against the verify
 #   dense-launch  the one-query (decode) block attention of the Llama-3.1-8B shape over its launches, three times
 #           (8 layers a graph): whether a 128-key block beats the default's 64 by more than the run-to-run spread
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
@@ -36,7 +36,7 @@ step sweep-tree python3 bench/block_attention_sweep.py --shapes qwen2.5-coder-1.
 step verify python3 bench/verify_cost.py --models qwen2.5-coder-1.5b --widths 1,4,8,16 --context 25600 --batch 16 \
   --profile --out $root/verify
 step cascade python3 bench/verify_cost.py --models qwen2.5-coder-1.5b --widths 1,4,8,16 --context 25600 \
-  --batch 16 --sparse binarypc:budget=0.02,dense_layers=0 --drafters 3 --out $root/cascade
+  --batch 16 --sparse binarypc:budget=0.02,dense_layers=0,select_every=8 --drafters 3 --out $root/cascade
 step cycle python3 bench/tree_cycle.py --sizes 16x25600,4x25600 --compile --profile --out $root/cycle
 step cycle-window python3 bench/tree_cycle.py --sizes 16x25600,4x25600 --compile --window 1024 \
   --out $root/cycle-window

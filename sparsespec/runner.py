@@ -318,14 +318,15 @@ class Runner:
         return True
 
     @torch.inference_mode()
-    def sparse_verify(self, tokens: torch.Tensor, width: int | None = None, reuse: bool = False):
+    def sparse_verify(self, tokens: torch.Tensor, width: int | None = None, reuse: list[bool] | None = None):
         """A block under the runner's policy (the sparse level of a cascade, `spec.cascade`): tokens [B, w] at each
         row's length -> (logits [B, w, V] fp32, features [B, w, len(taps) * H] or None). In each sparse layer the
         block's first query selects as a decode step there would, and every query attends to that selection and
         the block up to itself (`SelectionPolicy.block`), as that many decode steps reusing the selection would;
-        the dense layers attend densely. `reuse` (select_every = N > 1): no selection, each sparse layer's kept
-        one from the last selecting block instead, and the slots after it (every row's block within N − 1 slots
-        of that block's first: the caller's rule). Lengths do not move: commit with `truncate`. With `width` >= w
+        the dense layers attend densely. `reuse[r]` (select_every = N > 1): row r selects nothing, it attends to
+        each sparse layer's kept selection from its last selecting block and the slots after it (its block within
+        N − 1 slots of that one: the caller's rule); a block where every row reuses selects nothing at all.
+        Lengths do not move: commit with `truncate`. With `width` >= w
         on CUDA a graph of that width replays (blocks padded), where the policy steps in fixed width and every row
         has room for it. FP8 draft weights (`fp8_decode`) multiply here too: its tokens only propose."""
         policy = self.policy
@@ -333,10 +334,14 @@ class Runner:
             name = "none" if policy is None else policy.name
             raise SparseSpecError(f"a sparse verify needs a policy that selects keys for a block of queries "
                                   f"(binarypc, topk, quest, streaming, ...), not {name}")
-        if reuse and self.select_every == 1:
-            raise SparseSpecError("a sparse verify reuses kept selections with select_every > 1 only")
         B, w = tokens.shape
+        reuse = [False] * B if reuse is None else list(reuse)
+        if any(reuse) and self.select_every == 1:
+            raise SparseSpecError("a sparse verify reuses kept selections with select_every > 1 only")
+        if self.select_every > 1 and policy.fixed is not None:  # (the rows that keep theirs in a selecting block)
+            policy.fixed.keep.copy_(device_ints(reuse, self.device, torch.bool))
         self.since_select = None  # the kept selections are a block's now: the next decode step selects
+        reuse = all(reuse)  # every row reuses: a block that selects nothing
         if width is not None and self.capture_sparse(width, reuse):
             if w < width:
                 tokens = torch.cat([tokens, tokens.new_zeros(B, width - w)], 1)

@@ -287,7 +287,7 @@ def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, mo
 @torch.inference_mode()
 def test_a_graphed_sparse_verify_equals_the_eager_one_and_a_graphed_cascade_keeps_greedy_output(policy, every):
     """`Runner.sparse_verify` replayed as a CUDA graph (a block of 4 padded to the graph's 6; with select_every 8
-    then a block of 3 reusing that selection) gives the eager fixed-width pass's logits and features over rows of
+    then a block of 3 where every row reuses that selection, and one of 2 where one row selects anew) gives the eager fixed-width pass's logits and features over rows of
     different lengths; the cascade through it (DFlash's graphed drafts, graphed sparse passes, graphed dense
     verify) keeps a batch's greedy output and sampled output runs."""
     from sparsespec.sampling import SamplingConfig
@@ -302,7 +302,9 @@ def test_a_graphed_sparse_verify_equals_the_eager_one_and_a_graphed_cascade_keep
     graphed, eager = (Runner(target.model, 3, 96, self_drafter(policy, select_every=every).policy, cuda_graph=g,
                              taps=(0, 1)) for g in (True, False))
     g = torch.Generator().manual_seed(0)
-    blocks = [(torch.randint(0, 64, (3, w), generator=g).cuda(), w == 3) for w in (4, 3)][:1 + (every > 1)]
+    # a selecting block, then (select_every 8) one where every row reuses and one where one row selects anew
+    blocks = [(torch.randint(0, 64, (3, w), generator=g).cuda(), reuse) for w, reuse in
+              ((4, None), (3, [True] * 3), (2, [True, False, True]))][:1 + 2 * (every > 1)]
     for r in (graphed, eager):
         r.prefill(prompts)
     for block, reuse in blocks:

@@ -261,33 +261,38 @@ def test_a_reusing_sparse_verify_block_equals_the_decode_steps_after_its_selecti
     """select_every = 8: a selecting block of 4 at n (2 of its tokens kept), then a reusing block of 5 at n + 2 and
     one of 1 at n + 7 select nothing and attend to the first block's selection and the slots after it: the logits of
     decode steps over the same tokens that select at n and reuse that selection up to n + 7. The budget is small
-    enough that a block selecting anew at n + 2 would differ."""
+    enough that a block selecting anew at n + 2 differs; in a block where one row reuses and the other selects,
+    each row gets what it gets in a block of its kind (and its kept selection and position follow)."""
     from sparsespec.errors import SparseSpecError
     from .test_spec import tiny_engine
 
     model = tiny_engine(0).model
     prompts = [list(range(1, 41)), [7] * 23 + [3, 9]]
     opts = {"dense_layers": 0, "min_tokens": 0, "select_every": 8, **options}
-    steps, blocks = (Runner(model, 2, 80, make_policy(name, opts)) for _ in range(2))
+    steps, blocks, mixed = (Runner(model, 2, 80, make_policy(name, opts)) for _ in range(3))
     fresh = Runner(model, 2, 80, make_policy(name, {**opts, "select_every": 1}), fixed=True)
-    for r in (steps, blocks, fresh):
+    for r in (steps, blocks, mixed, fresh):
         r.prefill(prompts)
     n = list(blocks.cache.lengths)
     tokens = torch.tensor([[5, 6, 11, 12, 13, 14, 15, 16], [1, 2, 21, 22, 23, 24, 25, 26]])
     want = torch.stack([steps.decode(tokens[:, i]) for i in range(8)], 1)  # [2, 8, V]
-    for r in (blocks, fresh):
+    for r in (blocks, mixed, fresh):
         first, _ = r.sparse_verify(torch.tensor([[5, 6, 9, 9], [1, 2, 8, 8]]))
         torch.testing.assert_close(first[:, :2], want[:, :2], rtol=1e-4, atol=1e-4)
         r.truncate([x + 2 for x in n])
-    second, _ = blocks.sparse_verify(tokens[:, 2:7], reuse=True)
+    second, _ = blocks.sparse_verify(tokens[:, 2:7], reuse=[True, True])
     torch.testing.assert_close(second, want[:, 2:7], rtol=1e-4, atol=1e-4)
     blocks.truncate([x + 7 for x in n])
-    last, _ = blocks.sparse_verify(tokens[:, 7:], reuse=True)
+    last, _ = blocks.sparse_verify(tokens[:, 7:], reuse=[True, True])
     torch.testing.assert_close(last[:, 0], want[:, 7], rtol=1e-4, atol=1e-4)
     anew, _ = fresh.sparse_verify(tokens[:, 2:7])
     assert not torch.allclose(anew, want[:, 2:7], rtol=1e-3, atol=1e-3)
+    both, _ = mixed.sparse_verify(tokens[:, 2:7], reuse=[True, False])
+    torch.testing.assert_close(both[0], want[0, 2:7], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(both[1], anew[1], rtol=1e-4, atol=1e-4)
+    assert mixed.policy.fixed.selected_at.tolist() == [n[0], n[1] + 2]
     with pytest.raises(SparseSpecError, match="select_every > 1"):
-        fresh.sparse_verify(tokens[:, 2:7], reuse=True)
+        fresh.sparse_verify(tokens[:, 2:7], reuse=[True, False])
 
 
 def test_select_every_is_validated():

@@ -213,24 +213,30 @@ def test_self_drafting_over_kept_selections_is_lossless(policy):
                                             for p in prompts]
 
 
-@pytest.mark.parametrize("policy", ["binarypc", "streaming", "quest"])
-def test_a_cascade_over_kept_selections_is_lossless_and_selects_once_a_cycle(policy):
-    """select_every = 8 in a cascade: a cycle's first sparse pass selects and its later passes (their tokens within 7
-    slots of it) reuse that selection; greedy output stays the target's, for a batch as for each row alone, and a
-    row alone selects once a verify step while taking more passes than that."""
+@pytest.mark.parametrize("policy,every", [("binarypc", 8), ("streaming", 8), ("quest", 8), ("binarypc", 3),
+                                          ("quest", 3)])
+def test_a_cascade_over_kept_selections_is_lossless_and_selects_once_a_cycle(policy, every):
+    """select_every = N in a cascade: a row's first sparse pass of a cycle selects and its later passes (their
+    tokens within N - 1 slots of it) reuse that selection, each row by its own rule; greedy output stays the
+    target's, and a batch's rows, greedy and sampled, commit what each commits alone (at N = 3 some passes have rows
+    that reuse beside rows that select); with N = 8 (a cycle's 5 tokens within it) a row alone selects once a verify
+    step while taking more passes than that."""
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7] * 30, list(range(1, 50))]
     target = tiny_engine(0)
-    gen = GenerationConfig(max_new_tokens=30)
-    make = lambda: cascade(target, policy, select_every=8)  # noqa: E731
-    batch = speculative_generate(target, prompts, make(), gen, 6)
-    assert [b.token_ids for b in batch] == target.generate(prompts, gen).token_ids
-    for p, b in zip(prompts, batch):
-        d = make()
-        calls, select = [], d.policy.fixed_selection
-        d.policy.fixed_selection = lambda *a: calls.append(1) or select(*a)
-        alone = speculative_generate(target, [p], d, gen, 6)[0]
-        assert alone.token_ids == b.token_ids
-        assert len(calls) == 2 * alone.steps < 2 * d.passes[0]  # (two sparse layers: one call each a selection)
+    make = lambda: cascade(target, policy, select_every=every)  # noqa: E731
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=7)):
+        gen = GenerationConfig(max_new_tokens=30, sampling=sampling)
+        batch = speculative_generate(target, prompts, make(), gen, 6)
+        if sampling.greedy:
+            assert [b.token_ids for b in batch] == target.generate(prompts, gen).token_ids
+        for p, b in zip(prompts, batch):
+            d = make()
+            calls, select = [], d.policy.fixed_selection
+            d.policy.fixed_selection = lambda *a: calls.append(1) or select(*a)  # noqa: B023
+            alone = speculative_generate(target, [p], d, gen, 6)[0]
+            assert (alone.token_ids, alone.committed) == (b.token_ids, b.committed)
+            if every == 8:  # (two sparse layers: two calls a selection)
+                assert len(calls) == 2 * alone.steps < 2 * d.passes[0]
 
 
 @pytest.mark.parametrize("policy", ["binarypc", "streaming"])

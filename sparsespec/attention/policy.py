@@ -155,7 +155,8 @@ class FixedPlan:
     reusing: bool = False  # the step (when run or captured) attends to the kept selections instead of selecting
     block: bool = False  # the step is a block pass (`Policy.block`, even of one token): a reusing one reads the
     #                      kept selections as their selecting block made them, and the slots after `selected_at`
-    selected_at: torch.Tensor | None = None  # [B] int32 with kept selections: the last selecting block's position
+    selected_at: torch.Tensor | None = None  # [B] int32 with kept selections: each row's last selecting position
+    keep: torch.Tensor | None = None  # [B] bool with kept selections: rows whose selecting block keeps their old one
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where layer `layer`'s selection goes: (idx [B * Hkv, W] int32, count [B * Hkv] int32); W >= width."""
@@ -319,10 +320,11 @@ class SelectionPolicy(Policy):
         [B, Hq, T, D]. The block's first query selects as a decode step at its position would (fixed-width steps:
         into the plan's buffers, `begin_step` done for positions[:, 0]), and query t attends to that selection and
         the slots after it up to its own: what decode steps reusing the selection (`select_every`) attend to one
-        after the other, in one pass (a cascade's sparse verify, `Runner.sparse_verify`). A reusing block (fixed
-        width, select_every = N > 1, `plan.reusing`) selects nothing: it reads the layer's kept selection, made by
-        the last selecting block at `selected_at`, and the slots after that one, all of its own within N − 1 of it
-        (the caller's rule). Exact attention (torch)."""
+        after the other, in one pass (a cascade's sparse verify, `Runner.sparse_verify`). With kept selections
+        (fixed width, select_every = N > 1) a row may reuse its layer's kept selection instead, made at
+        `selected_at`, and attend to the slots after that one, all of its own within N − 1 of it (the caller's
+        rule): every row in a reusing block (`plan.reusing`: nothing is selected), the rows of `plan.keep` in a
+        selecting one (each row decides for itself, as it would alone). Exact attention (torch)."""
         B, Hkv, T = q.shape[0], cache.k[layer].shape[1], q.shape[2]
         after, span = positions[:, 0], T - 1  # per row the selecting query's slot; how many slots after it count
         if self.fixed is not None:
@@ -330,10 +332,18 @@ class SelectionPolicy(Policy):
             if plan.reusing:
                 idx, count = plan.buffers(layer)  # [B * Hkv, W], [B * Hkv]
                 after, span = plan.selected_at.long(), self.options.select_every - 1
+                plan.attended.add_(count.view(B, Hkv).float().mean(-1))
+            elif plan.kept is not None:  # select, then the rows of `keep` put their kept selection back
+                old = [t.clone() for t in plan.buffers(layer)]
+                idx, count = self.fixed_selection(layer, q[:, :, :1], cache)
+                keep = plan.keep.repeat_interleave(Hkv)  # [B * Hkv]
+                idx.copy_(torch.where(keep[:, None], old[0], idx))
+                count.copy_(torch.where(keep, old[1], count))
+                after = torch.where(plan.keep, plan.selected_at.long(), after)
+                plan.selected_at.copy_(after)
+                span = max(T, self.options.select_every) - 1
             else:
                 idx, count = self.fixed_selection(layer, q[:, :, :1], cache)
-                if plan.selected_at is not None:
-                    plan.selected_at.copy_(after)
             idx = idx.view(B, Hkv, -1).long().clamp(0, cache.capacity - 1)  # (columns past a count: any slot)
             valid = torch.arange(idx.shape[-1], device=idx.device) < count.view(B, Hkv, 1)
         else:
@@ -366,7 +376,8 @@ class SelectionPolicy(Policy):
             scratch = select_scratch(B * Hkv, cache.device)
         self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
                                zeros(B * Hkv), zeros(B), scratch, kept, first,
-                               selected_at=None if kept is None else zeros(B))
+                               selected_at=None if kept is None else zeros(B),
+                               keep=None if kept is None else zeros(B, dtype=torch.bool))
 
     def fixed_width(self, capacity: int, lengths: list[int]) -> int:
         """The selection width of fixed-width steps: the most slots any step up to `capacity` selects."""

@@ -217,9 +217,11 @@ class Scheduler:
             if self.drafter is not None:  # the drafter's empty batch (rows start as their prompts complete)
                 self.drafter.bind(self.runner)
                 self.drafter.start([[] for _ in self.slots], None, self.runner.cache.capacity)
-            if self.drafter is None or self.drafter.policy is not None:  # (other drafters step by verify alone)
+            if self.drafter is None:
                 # CUDA: the decode graphs of the whole batch and (dense) of its first 1, 2, 4, ... rows, once
                 self.runner.capture(rows=True)  # (the runner skips the row graphs when batch-invariant)
+            elif self.drafter.policy is not None:  # a drafter through the runner's sparse steps (self, cascade):
+                self.drafter.capture()  # its graphs now (other drafters step by verify alone)
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping or self._has_work())

@@ -67,8 +67,11 @@ class Cascade(Drafter):
         self.passes, self.kept = [0] * len(prompts), [0] * len(prompts)
 
     def capture(self):
+        """DFlash's graphs, and the sparse passes' of every width a pass of the loop's verify block can take (a pass
+        keeps fewer tokens than the block holds), selecting and reusing."""
         self.lower.capture()
-        for width in sorted({self._graph_width(w) for w in range(1, self.max_proposals + 2)}):
+        block = max((w for w, tree in self.runner.verify_graphs if not tree), default=self.max_proposals + 2)
+        for width in sorted({self._graph_width(w) for w in range(1, min(block, self.max_proposals + 2))}):
             for reuse in (False, True)[:1 + (self.policy.options.select_every > 1)]:
                 self.runner.capture_sparse(width, reuse)
 
@@ -94,7 +97,7 @@ class Cascade(Drafter):
         kept: list[list[int]] = [[] for _ in histories]
         dists: list[list[torch.Tensor]] = [[] for _ in histories]
         every = self.policy.options.select_every
-        selected: list[int] | None = None  # per row, the first position of the cycle's last selecting pass
+        selected: list[int | None] = [None] * len(histories)  # per row, the position of its last selecting pass
         while True:
             left = [w - len(t) for w, t in zip(want, kept)]
             room = runner.cache.capacity - max(runner.cache.lengths)
@@ -107,11 +110,11 @@ class Cascade(Drafter):
             pending = device_ints([0 if r is None else r[-1] for r in rows], drafts.device)  # [B]
             block = torch.cat([pending[:, None], drafts[:, :width - 1]], 1)  # [B, width]
             live = [n > 0 for n in left]
-            # select_every = N > 1: a pass reuses the last selection where its rows' blocks lie within N - 1 slots of it
-            reuse = every > 1 and selected is not None and all(n + width <= s + every for n, s, on in
-                                                 zip(runner.cache.lengths, selected, live) if on)
-            if not reuse:
-                selected = list(runner.cache.lengths)
+            # select_every = N > 1: a row reuses its last selection while its block lies within N - 1 slots of it (its
+            # own rule, as alone); a row that does not decode this pass reuses whatever it has (its result unused)
+            reuse = [every > 1 and s is not None and (n + 1 + c <= s + every or not on)
+                     for n, c, s, on in zip(runner.cache.lengths, counts, selected, live)]
+            selected = [s if keep else n for n, s, keep in zip(runner.cache.lengths, selected, reuse)]
             logits, features = runner.sparse_verify(block, self._graph_width(width), reuse)  # [B, width, V]
             if all(c.greedy for c, on in zip(cfgs, live) if on):  # every row at once, one read-back
                 commits = [new if on else None for new, on in zip(verify_greedy_rows(block[:, 1:], counts, logits),
