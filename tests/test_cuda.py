@@ -287,9 +287,10 @@ def test_graphed_speculation_is_identical_and_reads_back_once_a_step(drafter, mo
 @torch.inference_mode()
 def test_a_graphed_sparse_verify_equals_the_eager_one_and_a_graphed_cascade_keeps_greedy_output(policy, every):
     """`Runner.sparse_verify` replayed as a CUDA graph (a block of 4 padded to the graph's 6; with select_every 8
-    then a block of 3 where every row reuses that selection, and one of 2 where one row selects anew) gives the eager fixed-width pass's logits and features over rows of
-    different lengths; the cascade through it (DFlash's graphed drafts, graphed sparse passes, graphed dense
-    verify) keeps a batch's greedy output and sampled output runs."""
+    then a block of 3 where every row reuses that selection, and one of 2 where one row selects anew) gives the
+    eager fixed-width pass's logits and features over rows of different lengths; the cascade through it (DFlash's
+    graphed drafts, graphed sparse passes, graphed dense verify) keeps a batch's greedy output and sampled output
+    runs."""
     from sparsespec.sampling import SamplingConfig
     from sparsespec.spec.decode import speculative_generate
 
