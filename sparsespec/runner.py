@@ -308,12 +308,16 @@ class Runner:
         """Capture the verify step of `width` tokens (a tree step with `tree`) as a CUDA graph now (else at its
         first `verify`), where graphs run and every row has room for it -> whether `verify(..., width)` replays a
         graph."""
-        room = max(self.cache.lengths) + width <= self.cache.capacity
-        if not (self.cuda_graph and self.device.type == "cuda" and room):
+        return self._capture(self.verify_graphs, (width, tree), width, self.cuda_graph and self.device.type == "cuda",
+                             lambda: CudaGraphStep(self.model, self.cache, width, self.taps, self.compile, tree=tree))
+
+    def _capture(self, graphs: dict, key, width: int, able: bool, make: Callable[[], CudaGraphStep]) -> bool:
+        """`graphs[key]`, a step of `width` tokens, made by `make` once, where `able` (graphs run) and every row has
+        room for it -> whether that graph replays."""
+        if not (able and max(self.cache.lengths) + width <= self.cache.capacity):
             return False
-        if (width, tree) not in self.verify_graphs:
-            self.verify_graphs[width, tree] = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile,
-                                                            tree=tree)
+        if key not in graphs:
+            graphs[key] = make()
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
         return True
 
@@ -362,16 +366,14 @@ class Runner:
         """Capture `sparse_verify`'s step of `width` tokens (reusing kept selections with `reuse`) as a CUDA graph now
         (else at its first call), where graphs run with the policy in fixed width and every row has room -> whether
         `sparse_verify(..., width, reuse)` replays."""
-        room = max(self.cache.lengths) + width <= self.cache.capacity
-        if not (self.graphed and self.policy is not None and room):
-            return False
-        if (width, reuse) not in self.sparse_graphs:
+        def make() -> CudaGraphStep:
             with self._drafting(), self._blocking(reuse):
-                self.sparse_graphs[width, reuse] = CudaGraphStep(self.model, self.cache, width, self.taps,
-                                                                 self.compile, policy=self.policy)
-            self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
-            self.policy.reset_attended()
-        return True
+                step = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile, policy=self.policy)
+            self.policy.reset_attended()  # (the warm-up steps' keys)
+            return step
+
+        return self._capture(self.sparse_graphs, (width, reuse), width, self.graphed and self.policy is not None,
+                             make)
 
     def _positions(self, width: int) -> torch.Tensor:
         """[B, width]: the next `width` positions of every row, from its length on."""
