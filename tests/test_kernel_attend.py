@@ -8,8 +8,8 @@ pytest.importorskip("triton")
 
 from sparsespec.kernels.attend import (  # noqa: E402
     MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, BlockTiles, _block_n, block_attention, block_attention_ref, block_tiles,
-    num_splits,
-    sparse_decode_attention, sparse_decode_attention_ref,
+    num_splits, sparse_block_attention, sparse_block_attention_ref, sparse_decode_attention,
+    sparse_decode_attention_ref,
 )
 
 from .conftest import DEVICE, cuda_only  # noqa: E402
@@ -334,3 +334,62 @@ def test_block_attention_in_a_sliding_window_equals_the_reference(window, tiles)
         block_attention(q, k, v, causal, window=-1)
     with pytest.raises(ValueError, match="window"):
         block_attention(q, k, v, causal, window=4, tree=torch.ones(B, T, dtype=torch.long, device=DEVICE))
+
+
+#  B, Hkv, G,  T,  S,   D,   K,  span, dtype
+SPARSE_BLOCKS = [
+    (3, 2, 4, 5, 77, 64, 20, 4, torch.float32),  # a selecting pass: the tail is the block's own slots
+    (2, 1, 7, 16, 150, 128, 33, 15, torch.bfloat16),
+    (3, 2, 1, 1, 90, 32, 17, 0, torch.float16),  # one query, no tail: a decode step
+    (2, 3, 6, 8, 200, 64, 70, 11, torch.float32),  # reusing: a tail longer than the block
+    (4, 1, 3, 3, 65, 16, 0, 7, torch.bfloat16),  # nothing selected: the tail alone
+    (2, 2, 5, 9, 150, 128, 129, 8, torch.float16),  # a row may select every slot up to `after`
+    pytest.param(5, 8, 4, 16, 20_037, 128, 4_099, 15, torch.bfloat16, marks=cuda_only),  # full sizes
+    pytest.param(3, 2, 6, 8, 25_600, 128, 530, 7, torch.float16, marks=cuda_only),  # the 1.5B's heads
+]
+
+
+@pytest.mark.parametrize("B,Hkv,G,T,S,D,K,span,dtype", SPARSE_BLOCKS)
+def test_sparse_block_attention_equals_reference_and_masked_sdpa(monkeypatch, B, Hkv, G, T, S, D, K, span, dtype):
+    """A cascade's sparse pass: a selection made at slot `after` (distinct slots up to it, garbage past each count;
+    counts 0 and K among them) and the tail after it, query t seeing tail slots up to its own position; rows whose
+    block starts at the selection (a selecting pass) and past it (a reusing one); q strided as the model projects
+    it; one split and several. Equals SDPA under the same mask; what no query attends to changes nothing, to the
+    bit."""
+    gen = torch.Generator().manual_seed(B * 1000 + T * 10 + K)
+    q = torch.randn(B, T, Hkv * G, D, generator=gen).to(DEVICE, dtype).transpose(1, 2)  # [B, Hq, T, D] strided
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
+    after = torch.randint(max(K - 1, 0), S - span - 1, (B,), generator=gen)  # K slots up to it, the tail after
+    after[0] = S - span - 1  # the tail ends at the cache's last slot
+    start = after + torch.randint(0, span - T + 2, (B,), generator=gen) if span >= T else after.clone()
+    start[0] = after[0]  # a selecting pass
+    positions = (start[:, None] + torch.arange(T)).clamp(max=S - 1)  # [B, T]
+    count = torch.randint(0, K + 1, (B, Hkv), generator=gen, dtype=torch.int32)
+    count[0, 0] = K
+    count[-1, -1] = 0
+    chosen = torch.stack([torch.stack([torch.randperm(int(a) + 1, generator=gen)[:K] for _ in range(Hkv)])
+                          for a in after]).int()  # [B, Hkv, K]: distinct slots <= after
+    garbage = torch.randint(-2**31, 2**31 - 1, (B, Hkv, K), generator=gen, dtype=torch.int32)
+    idx = torch.where(torch.arange(K) < count[..., None], chosen, garbage)
+    idx, count, after, positions = idx.to(DEVICE), count.to(DEVICE), after.to(DEVICE), positions.to(DEVICE)
+
+    ref = sparse_block_attention_ref(q, k, v, idx, count, after, positions, span)
+    mask = torch.zeros(B, Hkv, S + 1, dtype=torch.bool, device=DEVICE)
+    mask.scatter_(-1, torch.where(torch.arange(K, device=DEVICE) < count[..., None], idx, S).long(), True)
+    slots = torch.arange(S, device=DEVICE)
+    tail = (slots > after[:, None, None]) & (slots <= after[:, None, None] + span) & (slots <= positions[..., None])
+    seen = (mask[:, :, None, :S] | tail[:, None]).repeat_interleave(G, 1)  # [B, Hq, T, S]
+    sdpa = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(G, 1),
+                                          v.float().repeat_interleave(G, 1), attn_mask=seen)
+    sdpa = torch.where(seen.any(-1, keepdim=True), sdpa, 0.0)  # nothing attended: zeros
+    assert torch.allclose(ref.float(), sdpa, atol=TOL[dtype], rtol=TOL[dtype])
+    for splits in (None, 1, 3):
+        with monkeypatch.context() as mp:
+            poisoned(mp)
+            out = sparse_block_attention(q, k, v, idx, count, after, positions, span, splits=splits)
+        assert out.shape == (B, Hkv * G, T, D) and out.dtype == dtype and not out.isnan().any()
+        assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), splits
+    unseen = ~seen[:, ::G].any(2)  # [B, Hkv, S]
+    k[unseen], v[unseen] = 1e4, float("nan")
+    assert torch.equal(sparse_block_attention(q, k, v, idx, count, after, positions, span, splits=3), out)

@@ -254,17 +254,30 @@ def test_a_sparse_verify_block_equals_decode_steps_that_reuse_its_first_selectio
         dense.sparse_verify(block)
 
 
-@pytest.mark.parametrize("name,options", [("binarypc", {"budget": 0.2, "window": 2}), ("streaming", {"budget": 0.2}),
-                                          ("quest", {"budget": 0.2, "page": 4, "window": 0})])
+@pytest.mark.parametrize("name,options,kernels", [
+    ("binarypc", {"budget": 0.2, "window": 2}, False), ("streaming", {"budget": 0.2}, False),
+    ("quest", {"budget": 0.2, "page": 4, "window": 0}, False), ("binarypc", {"budget": 0.2, "window": 2}, True),
+    ("quest", {"budget": 0.2, "page": 4, "window": 0}, True)])
 @torch.inference_mode()
-def test_a_reusing_sparse_verify_block_equals_the_decode_steps_after_its_selecting_block(name, options):
+def test_a_reusing_sparse_verify_block_equals_the_decode_steps_after_its_selecting_block(monkeypatch, name, options,
+                                                                                          kernels):
     """select_every = 8: a selecting block of 4 at n (2 of its tokens kept), then a reusing block of 5 at n + 2 and
     one of 1 at n + 7 select nothing and attend to the first block's selection and the slots after it: the logits of
     decode steps over the same tokens that select at n and reuse that selection up to n + 7. The budget is small
     enough that a block selecting anew at n + 2 differs; in a block where one row reuses and the other selects,
-    each row gets what it gets in a block of its kind (and its kept selection and position follow)."""
+    each row gets what it gets in a block of its kind (and its kept selection and position follow). `kernels`: the
+    fixed-width steps and passes run the Triton kernels (interpreted here), as on CUDA."""
+    import sparsespec.kernels
     from sparsespec.errors import SparseSpecError
     from .test_spec import tiny_engine
+
+    calls = []
+    if kernels:
+        from sparsespec.kernels import attend
+
+        monkeypatch.setattr(sparsespec.kernels, "triton_ready", lambda device: True)
+        kernel = attend.sparse_block_attention
+        monkeypatch.setattr(attend, "sparse_block_attention", lambda *a: calls.append(a[-1]) or kernel(*a))
 
     model = tiny_engine(0).model
     prompts = [list(range(1, 41)), [7] * 23 + [3, 9]]
@@ -293,6 +306,7 @@ def test_a_reusing_sparse_verify_block_equals_the_decode_steps_after_its_selecti
     assert mixed.policy.fixed.selected_at.tolist() == [n[0], n[1] + 2]
     with pytest.raises(SparseSpecError, match="select_every > 1"):
         fresh.sparse_verify(tokens[:, 2:7], reuse=[True, False])
+    assert not kernels or {3, 4, 7} <= set(calls)  # (spans: a selecting pass of 4, 5 anew; reusing, mixed: 7)
 
 
 def test_select_every_is_validated():

@@ -324,7 +324,9 @@ class SelectionPolicy(Policy):
         (fixed width, select_every = N > 1) a row may reuse its layer's kept selection instead, made at
         `selected_at`, and attend to the slots after that one, all of its own within N − 1 of it (the caller's
         rule): every row in a reusing block (`plan.reusing`: nothing is selected), the rows of `plan.keep` in a
-        selecting one (each row decides for itself, as it would alone). Exact attention (torch)."""
+        selecting one (each row decides for itself, as it would alone). Exact attention: fixed-width, the Triton
+        kernel over the selected count (`sparse_block_attention`) on CUDA, its torch reference otherwise; eager, a
+        torch gather."""
         B, Hkv, T = q.shape[0], cache.k[layer].shape[1], q.shape[2]
         after, span = positions[:, 0], T - 1  # per row the selecting query's slot; how many slots after it count
         if self.fixed is not None:
@@ -344,11 +346,14 @@ class SelectionPolicy(Policy):
                 span = max(T, self.options.select_every) - 1
             else:
                 idx, count = self.fixed_selection(layer, q[:, :, :1], cache)
-            idx = idx.view(B, Hkv, -1).long().clamp(0, cache.capacity - 1)  # (columns past a count: any slot)
-            valid = torch.arange(idx.shape[-1], device=idx.device) < count.view(B, Hkv, 1)
-        else:
-            idx, valid = self.select(layer, q[:, :, :1], cache, positions[:, 0])  # [B, Hkv, K] each
-            self.count_attended(valid.sum(-1))
+            from ..kernels import triton_ready
+            from ..kernels.attend import sparse_block_attention, sparse_block_attention_ref
+
+            attend = sparse_block_attention if triton_ready(q.device) else sparse_block_attention_ref
+            return attend(q, cache.k[layer], cache.v[layer], idx.view(B, Hkv, -1), count.view(B, Hkv), after,
+                          positions, span)
+        idx, valid = self.select(layer, q[:, :, :1], cache, positions[:, 0])  # [B, Hkv, K] each
+        self.count_attended(valid.sum(-1))
         later = after[:, None] + 1 + torch.arange(span, device=q.device)  # [B, span]: the slots after the selection
         sees = later[:, None] <= positions[:, :, None]  # [B, T, span]: up to each query's own
         valid = torch.cat([valid[:, :, None].expand(B, Hkv, T, -1), sees[:, None].expand(B, Hkv, T, span)], -1)

@@ -3,6 +3,10 @@
     _partial_kernel   grid (B * Hkv, splits): one KV head's query group over a chunk of its selected slots
                       -> per-split running max m, sum l and unnormalised output acc (fp32, log2 domain)
     _merge_kernel     grid (B * Hq,): log-sum-exp merge of the splits -> out
+    _block_partial_kernel  grid (row tiles, B * Hkv, splits): a block of queries a row over a chunk of the cache
+                      (a speculative verify; causal, tree or sliding-window masks), merged as above per query
+    _sparse_block_kernel   grid (row tiles, B * Hkv, splits): a block of queries a row over a chunk of a selection
+                      and the slots after it (a cascade's sparse verify pass), merged as above per query
 
 Every launch parameter is a function of shapes alone (no read-back), so a caller can capture it in a CUDA graph.
 """
@@ -429,3 +433,118 @@ def block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
     return (probs @ v.float()).view(B, Hq, T, D).to(q.dtype)
 
+
+
+# ------------------------------------------------------------------------------------- sparse block queries
+
+@triton.jit
+def _sparse_block_kernel(q, k, v, idx, count, after, positions, m_part, l_part, acc_part, qk_scale, chunk, span,
+                         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                         stride_vs, stride_ib, stride_ih, stride_cb, stride_ch, stride_pb,
+                         HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    tile = tl.program_id(0)
+    pid = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (pid // HKV).to(tl.int64)
+    h = pid % HKV
+    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # rows (query head g, query t of the block): r = g * T + t
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    live = offs_r < G * T
+    g, t = offs_r // T, offs_r % T
+    q_ptrs = q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=live[:, None], other=0.0).to(DOT)  # [BLOCK_R, D]
+    pos = tl.load(positions + b * stride_pb + t, mask=live, other=-1)  # [BLOCK_R]: row r sees tail slots <= pos
+    last = tl.max(pos, 0)
+    k_base = k + b * stride_kb + h * stride_kh
+    v_base = v + b * stride_vb + h * stride_vh
+    idx_base = idx + b * stride_ib + h * stride_ih
+    n = tl.load(count + b * stride_cb + h * stride_ch)
+    first = tl.load(after + b) + 1 - n  # column c >= n is slot first + c: the slots after the selection's
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n + span)  # columns [lo, hi): the selection's below n, the tail's from n on
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        chosen = cols < n
+        slots = tl.where(chosen, tl.load(idx_base + cols, mask=chosen & (cols < hi), other=0), first + cols)
+        valid = (cols < hi) & (chosen | (slots <= last))  # [BLOCK_N]: read
+        seen = valid[None, :] & (chosen[None, :] | (slots[None, :] <= pos[:, None]))  # [BLOCK_R, BLOCK_N]
+        m_i, l_i, acc = _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, seen, qk_scale,
+                                   stride_ks, stride_vs, offs_d, v.dtype.element_ty, DOT)
+
+    part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(2) + split  # [BLOCK_R]
+    tl.store(m_part + part, m_i, mask=live)
+    tl.store(l_part + part, l_i, mask=live)
+    tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=live[:, None])
+
+
+def sparse_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                           count: torch.Tensor, after: torch.Tensor, positions: torch.Tensor, span: int,
+                           scale: float | None = None, splits: int | None = None) -> torch.Tensor:
+    """A block of queries a row over a selection and the slots after it (a cascade's sparse verify pass, GQA),
+    split-K in Triton: every query head of a KV head and every query of the block in one tile (up to
+    `block_tiles`' caps), so each selected K/V row is read once per KV head, and only the count[b, h] selected.
+
+    q          [B, Hq, T, D]  bf16/fp16/fp32 (any strides but the last); query head h uses KV head h // (Hq // Hkv)
+    k, v       [B, Hkv, S, D] q's dtype; read only at the selected slots and the tail below
+    idx        [B, Hkv, K]    int32 slots; the first count[b, h] columns are attended by every query of the block
+    count      [B, Hkv]       int32 in [0, K]
+    after      [B]            int: the slot the selection was made at; the `span` slots after it, after[b] + 1 ..
+                              after[b] + span (the tail), are attended by query t where <= positions[b, t]
+    positions  [B, T]         int, each < S
+    -> out     [B, Hq, T, D]  q's dtype (contiguous); fp32 accumulation
+    Launches depend on shapes alone: capturable in a CUDA graph."""
+    B, Hq, T, D = q.shape
+    Hkv, K = idx.shape[1], idx.shape[2]
+    G = Hq // Hkv
+    assert Hq == G * Hkv and k.shape[:2] == v.shape[:2] == (B, Hkv) and k.shape[-1] == v.shape[-1] == D
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == idx.stride(-1) == 1 and positions.shape == (B, T)
+    assert idx.dtype == count.dtype == torch.int32 and k.dtype == v.dtype == q.dtype and span >= 0
+    scale = D**-0.5 if scale is None else scale
+    tiles = block_tiles(G, T, D, q.dtype, False)
+    cols = K + span
+    splits = num_splits(cols, B * Hkv, D, q.device) if splits is None else splits
+    chunk = triton.cdiv(triton.cdiv(max(cols, 1), tiles.keys), splits) * tiles.keys
+    positions, after = positions.contiguous(), after.contiguous()
+    m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
+    acc_part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
+    _sparse_block_kernel[(triton.cdiv(G * T, tiles.rows), B * Hkv, splits)](
+        q, k, v, idx, count, after, positions, m_part, l_part, acc_part, scale * LOG2E, chunk, span,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), idx.stride(0), idx.stride(1), count.stride(0), count.stride(1), positions.stride(0),
+        HKV=Hkv, G=G, T=T, D=D, BLOCK_R=tiles.rows, BLOCK_N=tiles.keys,
+        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=tiles.warps,
+        num_stages=tiles.stages)
+    out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
+    _merge_kernel[(B * Hq * T,)](m_part, l_part, acc_part, out, splits, D=D,
+                                 BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(splits)), num_warps=4)
+    return out
+
+
+def sparse_block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                               count: torch.Tensor, after: torch.Tensor, positions: torch.Tensor, span: int,
+                               scale: float | None = None) -> torch.Tensor:
+    """Torch reference of `sparse_block_attention` (gather, fp32 math, masked softmax); its arguments as there."""
+    B, Hq, T, D = q.shape
+    Hkv, K = idx.shape[1], idx.shape[2]
+    S = k.shape[2]
+    chosen = torch.arange(K, device=idx.device) < count[..., None]  # [B, Hkv, K]
+    tail = after.long()[:, None] + 1 + torch.arange(span, device=idx.device)  # [B, span]
+    slots = torch.cat([torch.where(chosen, idx, 0).long(), tail.clamp(max=S - 1)[:, None].expand(B, Hkv, span)], -1)
+    seen = torch.cat([chosen[:, :, None].expand(B, Hkv, T, K),
+                      (tail[:, None] <= positions.long()[:, :, None])[:, None].expand(B, Hkv, T, span)], -1)
+    gather = slots[..., None].expand(-1, -1, -1, D)
+    ks, vs = k.gather(2, gather).float(), v.gather(2, gather).float()  # [B, Hkv, K + span, D]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, T, D)
+    logits = qg @ ks[:, :, None].transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G, T, K+span]
+    logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
+    top = logits.amax(-1, keepdim=True)
+    p = (logits - top.masked_fill(torch.isinf(top), 0.0)).exp()  # nothing attended: zeros
+    out = (p @ vs[:, :, None]) / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return out.view(B, Hq, T, D).to(q.dtype)
