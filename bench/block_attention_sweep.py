@@ -9,6 +9,9 @@ the block's width (`spec.tree.choose` over random choices: each query sees the c
     python bench/block_attention_sweep.py [--shapes qwen2.5-coder-1.5b,llama-3.1-8b] [--sizes 16x25600,4x25600]
         [--widths 1,8,16] [--tree] [--layers 4] [--out FILE.json]
 
+A shape is a model's name or heads alone, HQ/HKV/D (e.g. 48/8/128: six query heads a KV head, eight KV heads),
+to tell which of the group size and the KV heads a launch's speed follows.
+
 Prints per (shape, size, width): the default launch's time and its bandwidth over the floor's bytes, the best
 launch and its time, SDPA's, the floor, and best / default. The JSON has every launch's time.
 """
@@ -43,6 +46,18 @@ def grid(default: BlockTiles, keys: list[int], warps: list[int], stages: list[in
     return [default, *(t for t in out if t != default)]
 
 
+def heads(name: str) -> tuple[int, int, int]:
+    """A model shape's name, or HQ/HKV/D -> (query heads, KV heads, head_dim)."""
+    parts = name.split("/")
+    if len(parts) == 3:
+        Hq, Hkv, D = (int(x) for x in parts)
+        if Hkv < 1 or Hq % Hkv or D & (D - 1):
+            raise SystemExit(f"{name}: heads HQ/HKV/D need HQ a multiple of HKV and D a power of two")
+        return Hq, Hkv, D
+    cfg = shape(name)
+    return cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+
 def per_call_us(fn, layers: int) -> float:
     """One graph of fn(layer) for every layer, replayed: us per call."""
     graph, _ = capture(lambda: [fn(i) for i in range(layers)], torch.device(DEVICE))
@@ -69,8 +84,7 @@ def main() -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     results = []
     for name in args.shapes.split(","):
-        cfg = shape(name)
-        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        Hq, Hkv, D = heads(name)
         G = Hq // Hkv
         print(f"\n{name}: {Hq} query heads, {Hkv} KV heads, head_dim {D}; us per layer{' (trees)' * args.tree}")
         print("| batch x context | width | default | default TB/s | best | best launch | SDPA | floor | "

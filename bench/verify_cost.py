@@ -7,7 +7,8 @@ as graphs of their torch.compile'd forwards, and eagerly, against the widest ver
 --sparse POLICY[:key=value,...]: also the pass of each width under that policy (a cascade's sparse level,
 `Runner.sparse_verify`: the first query selects, every query attends to the selection and the block), graphed
 in fixed width, beside the dense step of the same width: what a cascade's round costs against a verify; with the
-option select_every=N > 1 also the pass that reuses a kept selection (widths below N).
+option select_every=N > 1 also the pass that reuses a kept selection (widths up to N: a reusing pass keeps at
+most N - 1 tokens, and the next power of two of those runs its graph).
 
     python bench/verify_cost.py [--models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b] [--widths 1,4,8,16]
                                 [--context 2048] [--batch 1] [--profile] [--drafters 1,5]
@@ -123,8 +124,8 @@ def main() -> None:
                 del step
                 if policy is None:
                     continue
-                # the cascade's passes (`Runner.sparse_verify`): selecting, and reusing where the block fits N - 1 slots
-                for reuse in (False, True)[:1 + (w < every)]:
+                # the cascade's passes (`Runner.sparse_verify`): selecting, and reusing in the graphs of up to N slots
+                for reuse in (False, True)[:1 + (w <= every)]:
                     plan.block, plan.reusing = True, reuse
                     if reuse:
                         with torch.inference_mode():  # (kept from the selecting pass just timed)

