@@ -51,7 +51,7 @@ def heads(name: str) -> tuple[int, int, int]:
     parts = name.split("/")
     if len(parts) == 3:
         Hq, Hkv, D = (int(x) for x in parts)
-        if Hkv < 1 or Hq % Hkv or D & (D - 1):
+        if min(Hq, Hkv, D) < 1 or Hq % Hkv or D & (D - 1):
             raise SystemExit(f"{name}: heads HQ/HKV/D need HQ a multiple of HKV and D a power of two")
         return Hq, Hkv, D
     cfg = shape(name)

@@ -20,7 +20,7 @@
 #           beside the dense verify of each, and a 3-layer drafter's draft: what a round costs against the verify
 #   dense-launch  the one-query (decode) block attention of the Llama-3.1-8B shape over its launches, three times
 #           (8 layers a graph): whether a 128-key block beats the default's 64 by more than the run-to-run spread
-#           (it did, by 17-25%, spread < 0.5%: forty-first session; the 1.5B's at the floor with 64, thirty-eighth)
+#           (it did, by 17-24%, spread < 0.5%: forty-first session; the 1.5B's at the floor with 64, thirty-eighth)
 #   launch-heads  the same over heads alone (query heads / KV heads / head_dim) at 16x25600 and 4x25600: the two
 #           models' and the group sizes and KV head counts between them, to find which one the 128-key block's gain
 #           follows before `block_tiles` takes it

@@ -344,6 +344,7 @@ SPARSE_BLOCKS = [
     (2, 3, 6, 8, 200, 64, 70, 11, torch.float32),  # reusing: a tail longer than the block
     (4, 1, 3, 3, 65, 16, 0, 7, torch.bfloat16),  # nothing selected: the tail alone
     (2, 2, 5, 9, 150, 128, 129, 8, torch.float16),  # a row may select every slot up to `after`
+    (2, 2, 3, 4, 600, 32, 560, 3, torch.float32),  # a plan as wide as the cache (serving), counts far below it
     pytest.param(5, 8, 4, 16, 20_037, 128, 4_099, 15, torch.bfloat16, marks=cuda_only),  # full sizes
     pytest.param(3, 2, 6, 8, 25_600, 128, 530, 7, torch.float16, marks=cuda_only),  # the 1.5B's heads
 ]
@@ -393,3 +394,16 @@ def test_sparse_block_attention_equals_reference_and_masked_sdpa(monkeypatch, B,
     unseen = ~seen[:, ::G].any(2)  # [B, Hkv, S]
     k[unseen], v[unseen] = 1e4, float("nan")
     assert torch.equal(sparse_block_attention(q, k, v, idx, count, after, positions, span, splits=3), out)
+
+
+def test_sparse_block_attention_over_nothing_is_zeros():
+    """No selection column and no tail (K = span = 0): zeros from the kernel and the reference alike."""
+    q = torch.randn(2, 4, 3, 16, device=DEVICE)
+    kv = torch.randn(2, 2, 10, 16, device=DEVICE)
+    idx = torch.zeros(2, 2, 0, dtype=torch.int32, device=DEVICE)
+    count = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    after = torch.tensor([4, 6], device=DEVICE)
+    positions = after[:, None] + torch.arange(3, device=DEVICE)
+    for attend in (sparse_block_attention, sparse_block_attention_ref):
+        out = attend(q, kv, kv, idx, count, after, positions, 0)
+        assert out.shape == q.shape and (out == 0).all()

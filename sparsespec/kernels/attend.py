@@ -438,7 +438,7 @@ def block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 # ------------------------------------------------------------------------------------- sparse block queries
 
 @triton.jit
-def _sparse_block_kernel(q, k, v, idx, count, after, positions, m_part, l_part, acc_part, qk_scale, chunk, span,
+def _sparse_block_kernel(q, k, v, idx, count, after, positions, m_part, l_part, acc_part, qk_scale, span, S,
                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
                          stride_vs, stride_ib, stride_ih, stride_cb, stride_ch, stride_pb,
                          HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
@@ -456,12 +456,14 @@ def _sparse_block_kernel(q, k, v, idx, count, after, positions, m_part, l_part, 
     q_ptrs = q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :]
     q_tile = tl.load(q_ptrs, mask=live[:, None], other=0.0).to(DOT)  # [BLOCK_R, D]
     pos = tl.load(positions + b * stride_pb + t, mask=live, other=-1)  # [BLOCK_R]: row r sees tail slots <= pos
-    last = tl.max(pos, 0)
+    last = tl.minimum(tl.max(pos, 0), S - 1)  # no slot past the cache is read
     k_base = k + b * stride_kb + h * stride_kh
     v_base = v + b * stride_vb + h * stride_vh
     idx_base = idx + b * stride_ib + h * stride_ih
     n = tl.load(count + b * stride_cb + h * stride_ch)
     first = tl.load(after + b) + 1 - n  # column c >= n is slot first + c: the slots after the selection's
+    # the splits share this head's n + span columns (not the plan's width: a serving plan's is the whole capacity)
+    chunk = tl.cdiv(tl.cdiv(n + span, BLOCK_N), tl.num_programs(2)) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n + span)  # columns [lo, hi): the selection's below n, the tail's from n on
 
@@ -498,6 +500,8 @@ def sparse_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
                               after[b] + span (the tail), are attended by query t where <= positions[b, t]
     positions  [B, T]         int, each < S
     -> out     [B, Hq, T, D]  q's dtype (contiguous); fp32 accumulation
+    splits     split-K factor (default `num_splits` of K + span columns, from shapes only); each (row, KV head)
+               shares its own count + span columns among them
     Launches depend on shapes alone: capturable in a CUDA graph."""
     B, Hq, T, D = q.shape
     Hkv, K = idx.shape[1], idx.shape[2]
@@ -507,15 +511,13 @@ def sparse_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
     assert idx.dtype == count.dtype == torch.int32 and k.dtype == v.dtype == q.dtype and span >= 0
     scale = D**-0.5 if scale is None else scale
     tiles = block_tiles(G, T, D, q.dtype, False)
-    cols = K + span
-    splits = num_splits(cols, B * Hkv, D, q.device) if splits is None else splits
-    chunk = triton.cdiv(triton.cdiv(max(cols, 1), tiles.keys), splits) * tiles.keys
+    splits = num_splits(K + span, B * Hkv, D, q.device) if splits is None else splits
     positions, after = positions.contiguous(), after.contiguous()
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     acc_part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
     _sparse_block_kernel[(triton.cdiv(G * T, tiles.rows), B * Hkv, splits)](
-        q, k, v, idx, count, after, positions, m_part, l_part, acc_part, scale * LOG2E, chunk, span,
+        q, k, v, idx, count, after, positions, m_part, l_part, acc_part, scale * LOG2E, span, k.shape[2],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), idx.stride(0), idx.stride(1), count.stride(0), count.stride(1), positions.stride(0),
         HKV=Hkv, G=G, T=T, D=D, BLOCK_R=tiles.rows, BLOCK_N=tiles.keys,
@@ -544,6 +546,8 @@ def sparse_block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qg = q.float().reshape(B, Hkv, Hq // Hkv, T, D)
     logits = qg @ ks[:, :, None].transpose(-1, -2) * (D**-0.5 if scale is None else scale)  # [B, Hkv, G, T, K+span]
     logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
+    if K + span == 0:  # nothing to attend to: zeros
+        return torch.zeros_like(q, memory_format=torch.contiguous_format)
     top = logits.amax(-1, keepdim=True)
     p = (logits - top.masked_fill(torch.isinf(top), 0.0)).exp()  # nothing attended: zeros
     out = (p @ vs[:, :, None]) / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
