@@ -250,25 +250,48 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # ---------------------------------------------------------------------------------------------- block queries
 
 @triton.jit
+def _row_tile(q, positions, stride_qb, stride_qh, stride_qt, stride_pb, HKV: tl.constexpr, G: tl.constexpr,
+              T: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, DOT: tl.constexpr):
+    """A block program's rows: grid (row tiles, B * Hkv, splits), the row tiles fastest (one KV head's split side by
+    side: its K/V read once) -> b, h, offs_r [BLOCK_R] (rows r = g * T + t: query head g of KV head h, query t of
+    the block), live (not padding), t, q_tile [BLOCK_R, D] in the dot dtype, pos [BLOCK_R] (positions[b, t]; -1 on
+    padding)."""
+    pid = tl.program_id(1)
+    b = (pid // HKV).to(tl.int64)
+    h = pid % HKV
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, D)
+    live = offs_r < G * T
+    g, t = offs_r // T, offs_r % T
+    q_ptrs = q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=live[:, None], other=0.0).to(DOT)
+    pos = tl.load(positions + b * stride_pb + t, mask=live, other=-1)
+    return b, h, offs_r, live, t, q_tile, pos
+
+
+@triton.jit
+def _store_rows(m_part, l_part, acc_part, b, h, offs_r, live, m_i, l_i, acc, HKV: tl.constexpr, G: tl.constexpr,
+                T: tl.constexpr, D: tl.constexpr):
+    """A block program's online-softmax state (m, l [BLOCK_R], acc [BLOCK_R, D]) -> its split's slot of the
+    [B, Hq, T, splits] partial buffers, for the merge."""
+    part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(2) + tl.program_id(2)  # [BLOCK_R]
+    tl.store(m_part + part, m_i, mask=live)
+    tl.store(l_part + part, l_i, mask=live)
+    tl.store(acc_part + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
 def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk_scale, chunk, window,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
                           stride_vs, stride_pb, stride_tb,
                           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr,
                           WINDOW: tl.constexpr):
-    tile = tl.program_id(0)  # fastest: the row tiles of one KV head's split run side by side (its K/V read once)
-    pid = tl.program_id(1)
     split = tl.program_id(2)
-    b = (pid // HKV).to(tl.int64)
-    h = pid % HKV
-    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # rows (query head g, query t of the block): r = g * T + t
+    b, h, offs_r, live, t, q_tile, pos = _row_tile(q, positions, stride_qb, stride_qh, stride_qt, stride_pb,
+                                                   HKV, G, T, D, BLOCK_R, DOT)  # pos: row r sees slots <= pos
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    live = offs_r < G * T
-    g, t = offs_r // T, offs_r % T
-    q_ptrs = q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :]
-    q_tile = tl.load(q_ptrs, mask=live[:, None], other=0.0).to(DOT)  # [BLOCK_R, D]
-    pos = tl.load(positions + b * stride_pb + t, mask=live, other=-1)  # [BLOCK_R]: row r sees slots <= pos
     if TREE:  # the block's slots from its first query's on: only those of the query's ancestor bits
         base = tl.load(positions + b * stride_pb)
         anc = tl.load(tree + b * stride_tb + t, mask=live, other=0)  # [BLOCK_R] int64
@@ -322,11 +345,7 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
             seen = seen & ((rel < 0)[None, :] | (bit == 1))
         m_i, l_i, acc = _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, seen, qk_scale,
                                    stride_ks, stride_vs, offs_d, v.dtype.element_ty, DOT)
-
-    part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(2) + split  # [BLOCK_R]
-    tl.store(m_part + part, m_i, mask=live)
-    tl.store(l_part + part, l_i, mask=live)
-    tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=live[:, None])
+    _store_rows(m_part, l_part, acc_part, b, h, offs_r, live, m_i, l_i, acc, HKV, G, T, D)
 
 
 def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool) -> BlockTiles:
@@ -443,19 +462,11 @@ def _sparse_block_kernel(q, k, v, idx, count, after, positions, m_part, l_part, 
                          stride_vs, stride_ib, stride_ih, stride_cb, stride_ch, stride_pb,
                          HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
-    tile = tl.program_id(0)
-    pid = tl.program_id(1)
     split = tl.program_id(2)
-    b = (pid // HKV).to(tl.int64)
-    h = pid % HKV
-    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # rows (query head g, query t of the block): r = g * T + t
+    b, h, offs_r, live, t, q_tile, pos = _row_tile(q, positions, stride_qb, stride_qh, stride_qt, stride_pb,
+                                                   HKV, G, T, D, BLOCK_R, DOT)  # pos: row r sees tail slots <= pos
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    live = offs_r < G * T
-    g, t = offs_r // T, offs_r % T
-    q_ptrs = q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :]
-    q_tile = tl.load(q_ptrs, mask=live[:, None], other=0.0).to(DOT)  # [BLOCK_R, D]
-    pos = tl.load(positions + b * stride_pb + t, mask=live, other=-1)  # [BLOCK_R]: row r sees tail slots <= pos
     last = tl.minimum(tl.max(pos, 0), S - 1)  # no slot past the cache is read
     k_base = k + b * stride_kb + h * stride_kh
     v_base = v + b * stride_vb + h * stride_vh
@@ -478,11 +489,7 @@ def _sparse_block_kernel(q, k, v, idx, count, after, positions, m_part, l_part, 
         seen = valid[None, :] & (chosen[None, :] | (slots[None, :] <= pos[:, None]))  # [BLOCK_R, BLOCK_N]
         m_i, l_i, acc = _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, seen, qk_scale,
                                    stride_ks, stride_vs, offs_d, v.dtype.element_ty, DOT)
-
-    part = ((b * HKV + h) * (G * T) + offs_r) * tl.num_programs(2) + split  # [BLOCK_R]
-    tl.store(m_part + part, m_i, mask=live)
-    tl.store(l_part + part, l_i, mask=live)
-    tl.store(acc_part + part[:, None] * D + offs_d[None, :], acc, mask=live[:, None])
+    _store_rows(m_part, l_part, acc_part, b, h, offs_r, live, m_i, l_i, acc, HKV, G, T, D)
 
 
 def sparse_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
