@@ -157,10 +157,11 @@ class FixedPlan:
     #                      kept selections as their selecting block made them, and the slots after `selected_at`
     selected_at: torch.Tensor | None = None  # [B] int32 with kept selections: each row's last selecting position
     keep: torch.Tensor | None = None  # [B] bool with kept selections: rows whose selecting block keeps their old one
+    aside: bool = False  # with kept selections: a selection goes to `idx`/`count`, not the kept ones (`Policy.block`)
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where layer `layer`'s selection goes: (idx [B * Hkv, W] int32, count [B * Hkv] int32); W >= width."""
-        return (self.idx, self.count) if self.kept is None else (self.kept[0][layer], self.kept[1][layer])
+        return (self.idx, self.count) if self.kept is None or self.aside else (self.kept[0][layer], self.kept[1][layer])
 
 
 def _copy_row(state: Any, one: Any, row: int) -> None:
@@ -335,12 +336,17 @@ class SelectionPolicy(Policy):
                 idx, count = plan.buffers(layer)  # [B * Hkv, W], [B * Hkv]
                 after, span = plan.selected_at.long(), self.options.select_every - 1
                 plan.attended.add_(count.view(B, Hkv).float().mean(-1))
-            elif plan.kept is not None:  # select, then the rows of `keep` put their kept selection back
-                old = [t.clone() for t in plan.buffers(layer)]
-                idx, count = self.fixed_selection(layer, q[:, :, :1], cache)
+            elif plan.kept is not None:  # select aside, then keep it in the rows not in `keep`
+                plan.aside = True
+                try:
+                    fresh = self.fixed_selection(layer, q[:, :, :1], cache)  # [B * Hkv, width], [B * Hkv]
+                finally:
+                    plan.aside = False
+                idx, count = plan.buffers(layer)  # [B * Hkv, W >= width], [B * Hkv]
                 keep = plan.keep.repeat_interleave(Hkv)  # [B * Hkv]
-                idx.copy_(torch.where(keep[:, None], old[0], idx))
-                count.copy_(torch.where(keep, old[1], count))
+                width = fresh[0].shape[1]  # (a fresh selection's columns past width are past its count)
+                torch.where(keep[:, None], idx[:, :width], fresh[0], out=idx[:, :width])
+                torch.where(keep, count, fresh[1], out=count)
                 after = torch.where(plan.keep, plan.selected_at.long(), after)
                 plan.selected_at.copy_(after)
                 span = max(T, self.options.select_every) - 1
