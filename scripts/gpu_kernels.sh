@@ -4,7 +4,9 @@
 #   OUT= setsid nohup sh scripts/gpu_kernels.sh > /root/kernels.out 2>&1 &      (read /root/kernels/log)
 #   sh scripts/gpu_kernels.sh                                                     (OUT set: $OUT/kernels.tar.gz)
 # Steps (each once into /root/kernels/<step>, skipped when done: scripts/steps.sh; ONLY picks some):
-#   tests   the CUDA tests of the kernels and of the loops on them (block attention, trees, whole steps, drafters)
+#   tests   the CUDA tests of the kernels and of the loops on them (block attention, trees, whole steps, drafters):
+#           11 minutes of device time (forty-first session); TESTS="FILE ..." runs fewer, e.g. the kernels' and
+#           CUDA files alone after a kernel change
 #   sweep   bench/block_attention_sweep.py: every launch of the block attention against the default, SDPA and the
 #           bytes floor, decode steps and verify blocks (widths 1, 4, 8, 16) in both shapes
 #   sweep-tree  the same for tree blocks of 16 (the 1.5B's shape)
@@ -31,8 +33,8 @@ export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 root=/root/kernels
 mkdir -p $root
 . scripts/steps.sh
-step tests python3 -m pytest -q -p no:cacheprovider tests/test_kernel_attend.py tests/test_tree.py tests/test_cuda.py \
-  tests/test_spec.py tests/test_dflash_train.py
+step tests python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_kernel_attend.py tests/test_tree.py \
+  tests/test_cuda.py tests/test_spec.py tests/test_dflash_train.py}
 step sweep python3 bench/block_attention_sweep.py --shapes ${SHAPES:-qwen2.5-coder-1.5b,llama-3.1-8b} \
   --sizes ${SIZES:-16x25600,4x25600,1x32768} --widths 1,4,8,16 --out $root/sweep.json
 step sweep-tree python3 bench/block_attention_sweep.py --shapes qwen2.5-coder-1.5b --sizes 16x25600,4x25600 \
