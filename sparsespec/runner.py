@@ -206,7 +206,7 @@ class Runner:
             with self._drafting():
                 self.graph = CudaGraphDecodeStep(self.model, self.cache, self.compile, policy=self.policy)
                 if self.select_every > 1:  # the reusing step too (its warm-up steps change the kept selections)
-                    with self._reusing():
+                    with self._stepping_as(reuse=True):
                         self.reuse_graph = CudaGraphDecodeStep(self.model, self.cache, self.compile,
                                                                policy=self.policy)
             self.truncate(self.cache.lengths)  # warm-up steps ran at the last slots: put the index back
@@ -237,7 +237,7 @@ class Runner:
             logits = (self.reuse_graph if reuse else self.graph)(tokens, positions)
         else:
             # an eager policy is told the step's positions so it reads none back from the device
-            with self._eager_attention(), self._drafting(), self._reusing() if reuse else nullcontext(), \
+            with self._eager_attention(), self._drafting(), self._stepping_as(reuse=reuse), \
                     policy.stepping(cache.lengths) if policy is not None and policy.fixed is None else nullcontext():
                 hidden = self.model(tokens[:, None], positions[:, None], cache, kv_len=max(cache.lengths) + 1,
                                     policy=policy)
@@ -353,7 +353,7 @@ class Runner:
             policy.stepped(self.sparse_layers)
             return logits[:, :w], None if features is None else features[:, :w]
         kv_len = max(self.cache.lengths) + w
-        with self._eager_attention(), self._drafting(), self._blocking(reuse), \
+        with self._eager_attention(), self._drafting(), self._stepping_as(True, reuse), \
                 policy.stepping(self.cache.lengths) if policy.fixed is None else nullcontext():
             hidden, features = self.model.forward_tapped(tokens, self._positions(w), self.cache, kv_len, self.taps,
                                                          policy)
@@ -367,7 +367,7 @@ class Runner:
         (else at its first call), where graphs run with the policy in fixed width and every row has room -> whether
         `sparse_verify(..., width, reuse)` replays."""
         def make() -> CudaGraphStep:
-            with self._drafting(), self._blocking(reuse):
+            with self._drafting(), self._stepping_as(True, reuse):
                 step = CudaGraphStep(self.model, self.cache, width, self.taps, self.compile, policy=self.policy)
             self.policy.reset_attended()  # (the warm-up steps' keys)
             return step
@@ -388,23 +388,14 @@ class Runner:
                                              observer=observer, tree=tree)
 
     @contextmanager
-    def _reusing(self):
-        """Within: fixed-width steps run (or are captured) reusing the kept selections."""
-        self.policy.fixed.reusing = True
-        try:
-            yield
-        finally:
-            self.policy.fixed.reusing = False
-
-    @contextmanager
-    def _blocking(self, reuse: bool):
-        """Within: fixed-width steps run (or are captured) as block passes (`SelectionPolicy.block`, one token too),
-        reusing the kept selections with `reuse`."""
-        plan = self.policy.fixed
+    def _stepping_as(self, block: bool = False, reuse: bool = False):
+        """Within: fixed-width steps run (or are captured) as block passes with `block` (`SelectionPolicy.block`,
+        one token too) and reusing the kept selections with `reuse` (no plan: nothing changes)."""
+        plan = None if self.policy is None else self.policy.fixed
         if plan is None:
             yield
             return
-        plan.block, plan.reusing = True, reuse
+        plan.block, plan.reusing = block, reuse
         try:
             yield
         finally:

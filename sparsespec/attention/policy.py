@@ -332,9 +332,10 @@ class SelectionPolicy(Policy):
         after, span = positions[:, 0], T - 1  # per row the selecting query's slot; how many slots after it count
         if self.fixed is not None:
             plan = self.fixed
+            if plan.kept is not None:  # (`begin_step` set each row's `selected_at`)
+                after, span = plan.selected_at.long(), max(T, self.options.select_every) - 1
             if plan.reusing:
                 idx, count = plan.buffers(layer)  # [B * Hkv, W], [B * Hkv]
-                after, span = plan.selected_at.long(), self.options.select_every - 1
                 plan.attended.add_(count.view(B, Hkv).float().mean(-1))
             elif plan.kept is not None:  # select aside, then keep it in the rows not in `keep`
                 plan.aside = True
@@ -343,13 +344,10 @@ class SelectionPolicy(Policy):
                 finally:
                     plan.aside = False
                 idx, count = plan.buffers(layer)  # [B * Hkv, W >= width], [B * Hkv]
-                keep = plan.keep.repeat_interleave(Hkv)  # [B * Hkv]
                 width = fresh[0].shape[1]  # (a fresh selection's columns past width are past its count)
-                torch.where(keep[:, None], idx[:, :width], fresh[0], out=idx[:, :width])
-                torch.where(keep, count, fresh[1], out=count)
-                after = torch.where(plan.keep, plan.selected_at.long(), after)
-                plan.selected_at.copy_(after)
-                span = max(T, self.options.select_every) - 1
+                keep, kept_idx, kept_count = plan.keep.view(B, 1), idx.view(B, Hkv, -1)[..., :width], count.view(B, Hkv)
+                torch.where(keep[..., None], kept_idx, fresh[0].view(B, Hkv, width), out=kept_idx)
+                torch.where(keep, kept_count, fresh[1].view(B, Hkv), out=kept_count)
             else:
                 idx, count = self.fixed_selection(layer, q[:, :, :1], cache)
             from ..kernels import triton_ready
@@ -407,6 +405,8 @@ class SelectionPolicy(Policy):
             if not plan.block:  # (a block reads the slots after its selection from `selected_at`)
                 self._keep_decoded(positions)
             return
+        if plan.block and plan.kept is not None:  # a selecting block: where its selection stands, row by row
+            plan.selected_at.copy_(torch.where(plan.keep, plan.selected_at, positions))
         plan.tokens.copy_(self.options.tokens_on_device(positions.long() + 1))
         listed = self.listed_forced(plan.tokens)
         if listed is not None:
