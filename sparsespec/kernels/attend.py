@@ -348,12 +348,18 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     _store_rows(m_part, l_part, acc_part, b, h, offs_r, live, m_i, l_i, acc, HKV, G, T, D)
 
 
-def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool) -> BlockTiles:
+def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool, gather: bool = False) -> BlockTiles:
     """The launch of a block of T queries a row, G query heads a KV head, head_dim D: all G * T rows in one tile
     (rounded up to a power of two) so that each K/V row is read once per KV head, up to the caps below (a larger
     block takes several tiles, which read the same K/V mostly from L2) — or, with fixed chunks (`fixed`), tiles of
-    INVARIANT_TILE rows whatever G * T is."""
+    INVARIANT_TILE rows whatever G * T is. `gather`: the launch of `sparse_block_attention` (keys read by index)."""
     keys = _block_n(D)
+    if T == 1 and D == 128 and G & (G - 1) == 0 and not fixed and not gather:
+        # decode steps whose query-head group is a power of two read a 128-key block: 0.85-0.90 of the 64-key
+        # launch's time at 16x25.6k and 4x25.6k for heads 16/8, 32/8, 64/8, 8/2, 8/4, 16/4 (H100; 0.76-0.83 for
+        # Llama-3.1-8B's 32/8 on the H200), where groups of 3, 6 and 7 (24/8, 48/8, 12/2, 28/4) take 0.95-1.04
+        # (10-15% more for 12/2 on the H200): docs/results/sparse_gpu.md, forty-first and forty-second sessions
+        return BlockTiles(16, 128, 4, 2)
     if fixed:
         # one tile shape (and so one MMA shape and one reduction layout) for a decode step's rows and a verify
         # block's: a tile of G * T rows rounded up to a power of two sums a row's scores in another order. The
@@ -517,7 +523,7 @@ def sparse_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == idx.stride(-1) == 1 and positions.shape == (B, T)
     assert idx.dtype == count.dtype == torch.int32 and k.dtype == v.dtype == q.dtype and span >= 0
     scale = D**-0.5 if scale is None else scale
-    tiles = block_tiles(G, T, D, q.dtype, False)
+    tiles = block_tiles(G, T, D, q.dtype, False, gather=True)
     splits = num_splits(K + span, B * Hkv, D, q.device) if splits is None else splits
     positions, after = positions.contiguous(), after.contiguous()
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
