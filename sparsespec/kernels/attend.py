@@ -27,6 +27,7 @@ LOG2E = 1.4426950408889634
 MIN_BLOCKS_PER_SPLIT = 1
 PROGRAMS_PER_SM = 3  # aim for 2-4 partial programs per multiprocessor
 MERGE_BLOCK_S = 64  # splits merged per step
+LONG_SPLIT = 2048  # cache slots a split from which a power-of-two group's decode step reads 128-key blocks
 INVARIANT_TILE = 16  # (head, query) rows a program of the fixed-chunk block attention (one MMA tile's rows)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -348,17 +349,19 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     _store_rows(m_part, l_part, acc_part, b, h, offs_r, live, m_i, l_i, acc, HKV, G, T, D)
 
 
-def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool, gather: bool = False) -> BlockTiles:
+def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool, split_slots: int = 0) -> BlockTiles:
     """The launch of a block of T queries a row, G query heads a KV head, head_dim D: all G * T rows in one tile
     (rounded up to a power of two) so that each K/V row is read once per KV head, up to the caps below (a larger
     block takes several tiles, which read the same K/V mostly from L2) — or, with fixed chunks (`fixed`), tiles of
-    INVARIANT_TILE rows whatever G * T is. `gather`: the launch of `sparse_block_attention` (keys read by index)."""
+    INVARIANT_TILE rows whatever G * T is. `split_slots`: the cache slots a split of a decode step reads (0: not
+    known, or keys read by index as in `sparse_block_attention`, which keeps the 64-key block)."""
     keys = _block_n(D)
-    if T == 1 and D == 128 and G & (G - 1) == 0 and not fixed and not gather:
+    if T == 1 and D == 128 and G & (G - 1) == 0 and split_slots >= LONG_SPLIT and not fixed:
         # decode steps whose query-head group is a power of two read a 128-key block: 0.85-0.90 of the 64-key
         # launch's time at 16x25.6k and 4x25.6k for heads 16/8, 32/8, 64/8, 8/2, 8/4, 16/4 (H100; 0.76-0.83 for
-        # Llama-3.1-8B's 32/8 on the H200), where groups of 3, 6 and 7 (24/8, 48/8, 12/2, 28/4) take 0.95-1.04
-        # (10-15% more for 12/2 on the H200): docs/results/sparse_gpu.md, forty-first and forty-second sessions
+        # Llama-3.1-8B's 32/8 on the H200, 1x128k too), where groups of 3, 6 and 7 (24/8, 48/8, 12/2, 28/4) take
+        # 0.95-1.04 (10-15% more for 12/2 on the H200). Only over long splits: the 8B's 1x32k (768 slots a split)
+        # took 1.21x in one H200 sweep (docs/results/sparse_gpu.md, forty-first and forty-second sessions)
         return BlockTiles(16, 128, 4, 2)
     if fixed:
         # one tile shape (and so one MMA shape and one reduction layout) for a decode step's rows and a verify
@@ -411,7 +414,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         raise ValueError(f"block_attention's window must be >= 0 (0: none) and without a tree, got {window}")
     scale = D**-0.5 if scale is None else scale
     fixed = chunk > 0
-    tiles = block_tiles(G, T, D, q.dtype, fixed) if tiles is None else tiles
+    if not fixed and splits is None:  # (the split count plans with the default key block, whatever the tiles)
+        splits = num_splits(S, B * Hkv, D, q.device)
+    if tiles is None:
+        tiles = block_tiles(G, T, D, q.dtype, fixed, split_slots=0 if fixed else triton.cdiv(max(S, 1), splits))
     if fixed:
         if chunk % tiles.keys:
             raise ValueError(f"block_attention's chunk must be a multiple of {tiles.keys} slots, got {chunk}")
@@ -419,8 +425,6 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             raise ValueError(f"block_attention's fixed chunks tile {INVARIANT_TILE} rows, got {tiles.rows}")
         splits = triton.cdiv(max(S, 1), chunk)
     else:
-        if splits is None:  # (the split count plans with the default key block: a sweep's other tiles keep it)
-            splits = num_splits(S, B * Hkv, D, q.device)
         chunk = triton.cdiv(triton.cdiv(max(S, 1), tiles.keys), splits) * tiles.keys
     programs = triton.cdiv(G * T, tiles.rows)
     positions = positions.contiguous()
@@ -523,7 +527,7 @@ def sparse_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == idx.stride(-1) == 1 and positions.shape == (B, T)
     assert idx.dtype == count.dtype == torch.int32 and k.dtype == v.dtype == q.dtype and span >= 0
     scale = D**-0.5 if scale is None else scale
-    tiles = block_tiles(G, T, D, q.dtype, False, gather=True)
+    tiles = block_tiles(G, T, D, q.dtype, False)
     splits = num_splits(K + span, B * Hkv, D, q.device) if splits is None else splits
     positions, after = positions.contiguous(), after.contiguous()
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
