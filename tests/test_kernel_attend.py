@@ -311,8 +311,9 @@ def test_block_tiles_defaults_and_checks():
             BlockTiles(**bad)
 
 
-@pytest.mark.parametrize("window", [1, 5, 64, 100, 1000])
-@pytest.mark.parametrize("tiles", [None, BlockTiles(16, 16, 4, 2)])
+@pytest.mark.parametrize("window,tiles", [(w, None) for w in (1, 5, 64, 100, 1000)] + [
+    (5, BlockTiles(16, 16, 4, 2)), (100, BlockTiles(16, 16, 4, 2)), (64, BlockTiles(16, 128, 4, 2)),
+    (1000, BlockTiles(16, 128, 4, 2))])  # (every window with the default launch; two with 16- and 128-key blocks)
 def test_block_attention_in_a_sliding_window_equals_the_reference(window, tiles):
     """A sliding window (a DFlash drafter's context window): query t sees slots (positions[t] - window,
     positions[t]] only; windows inside one key block, across several, wider than the cache; rows at the cache's
@@ -327,7 +328,7 @@ def test_block_attention_in_a_sliding_window_equals_the_reference(window, tiles)
     causal = (torch.tensor([S - T, 0, 70])[:, None] + torch.arange(T)).to(DEVICE)  # [B, T]
     for positions in (causal, causal[:, -1:].expand(B, T).contiguous()):
         ref = block_attention_ref(q, k, v, positions, window=window)
-        for splits, chunk in ((None, 0), (1, 0), (4, 0), (None, 64)):
+        for splits, chunk in ((None, 0), (1, 0), (4, 0), (None, 128 if tiles and tiles.keys == 128 else 64)):
             out = block_attention(q, k, v, positions, splits=splits, chunk=chunk, tiles=tiles, window=window)
             assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), (splits, chunk)
         below = torch.arange(S, device=DEVICE) <= positions.min(1).values[:, None] - window  # [B, S]
