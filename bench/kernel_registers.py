@@ -1,0 +1,115 @@
+"""The attention kernels compiled for a Hopper GPU without one (CPU is enough): per launch, the PTX instruction count,
+the `cp.async` copies, and what `ptxas -v` reports — registers a thread, spills, and Triton's shared memory. A
+static check before device time is spent: which launches spill, how many programs a multiprocessor can hold, and
+whether two launches that time differently (e.g. the one-query block attention of query-head groups 4 and 6,
+docs/results/sparse_gpu.md, forty-second session) compile to different code.
+
+    python bench/kernel_registers.py [--groups 4,6] [--widths 1] [--keys 64,128] [--warps 4] [--stages 2,3]
+
+Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: G x T rows a tile, rounded up to a power of
+two, at least 16) and `_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128,
+bf16, 8 KV heads. The arguments carry the specialisation Triton gives them on the device (pointers and the strides
+of real shapes divisible by 16; the positions' and counts' unit strides constant). Uses the `ptxas` that ships with
+Triton (the newest of its binaries: the PTX version Triton emits may be newer than the default one reads). The code
+is Triton's of this machine, which may differ from the device's version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # (compile, not interpret)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from sparsespec.kernels import attend  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "positions": "*i64", "tree": "*i64", "idx": "*i32",
+            "count": "*i32", "m_part": "*fp32", "l_part": "*fp32", "acc_part": "*fp32"}
+UNIT = ("stride_pb", "stride_tb", "stride_ch")  # strides of 1 in a decode step: Triton makes them constants
+SCALARS = ("qk_scale",)
+
+
+def ptxas() -> str:
+    folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    found = sorted(folder.glob("ptxas*"), key=lambda p: p.name != "ptxas-blackwell")  # (the newer one first)
+    if not found:
+        raise SystemExit(f"no ptxas under {folder}")
+    return str(found[0])
+
+
+def compile_one(kernel, consts: dict, warps: int, stages: int) -> dict:
+    names = kernel.arg_names
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        if name in consts:
+            signature[name], constexprs[(i,)] = "constexpr", consts[name]
+        elif name in UNIT:
+            signature[name], constexprs[(i,)] = "constexpr", 1
+        elif name in SCALARS:
+            signature[name] = "fp32"
+        else:  # pointers, and the strides, chunk and counts of real shapes: multiples of 16
+            signature[name] = POINTERS.get(name, "i32")
+            if name not in ("PARTS",):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    out = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
+    ptx = out.asm["ptx"]
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_registers_{os.getpid()}.ptx"
+    path.write_text(ptx)
+    report = subprocess.run([ptxas(), "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
+                            text=True)
+    path.unlink()
+    regs = spills = None
+    for line in report.stderr.splitlines():
+        if "Used" in line and "registers" in line:
+            regs = int(line.split("Used")[1].split("registers")[0])
+        if "spill stores" in line:
+            spills = int(line.split("bytes spill stores")[0].split(",")[-1])
+    if regs is None:
+        raise SystemExit(f"ptxas said: {report.stderr.strip()[:400]}")
+    body = [line.split()[0] for line in ptx.splitlines() if line.startswith("\t") and line.strip()[:1].isalpha()]
+    return {"instructions": len(body), "cp_async": sum(op.startswith("cp.async.cg") for op in body),
+            "registers": regs, "spill_bytes": spills, "shared_bytes": out.metadata.shared}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", default="4,6", help="query heads a KV head")
+    ap.add_argument("--widths", default="1", help="queries a row (block attention; the sparse kernel: 1 only)")
+    ap.add_argument("--keys", default="64,128")
+    ap.add_argument("--warps", default="4")
+    ap.add_argument("--stages", default="2,3")
+    args = ap.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    print("| kernel | group | width | rows | keys | warps | stages | PTX instructions | cp.async | registers | "
+          "spill bytes | shared bytes |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for G in ints(args.groups):
+        for T in ints(args.widths):
+            rows = max(16, triton.next_power_of_2(G * T))
+            for keys in ints(args.keys):
+                for warps in ints(args.warps):
+                    for stages in ints(args.stages):
+                        runs = [("block", attend._block_partial_kernel,
+                                 dict(HKV=8, G=G, T=T, D=128, BLOCK_R=rows, BLOCK_N=keys, DOT=tl.bfloat16,
+                                      TREE=False, WINDOW=False))]
+                        if T == 1:
+                            runs.append(("sparse decode", attend._partial_kernel,
+                                         dict(HKV=8, G=G, D=128, BLOCK_G=max(16, triton.next_power_of_2(G)),
+                                              BLOCK_N=keys, DOT=tl.bfloat16)))
+                        for name, kernel, consts in runs:
+                            r = compile_one(kernel, consts, warps, stages)
+                            print(f"| {name} | {G} | {T} | {consts.get('BLOCK_R', consts.get('BLOCK_G'))} | {keys} "
+                                  f"| {warps} | {stages} | {r['instructions']} | {r['cp_async']} | {r['registers']} "
+                                  f"| {r['spill_bytes']} | {r['shared_bytes']} |")
+
+
+if __name__ == "__main__":
+    main()
