@@ -35,13 +35,15 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 @dataclass(frozen=True)
 class BlockTiles:
     """How `block_attention` launches: (head, query) rows a program (a tile of rows >= 16), key slots a loop step,
-    warps and pipeline stages a program. `block_tiles` chooses them from shapes; `bench/block_attention_sweep.py`
-    times others."""
+    warps and pipeline stages a program, and `one_loop`: every key block through the masked loop (as the kernel
+    was before its context blocks got a loop without masks; the same result to the bit, other machine code).
+    `block_tiles` chooses them from shapes; `bench/block_attention_sweep.py` times others."""
 
     rows: int
     keys: int
     warps: int = 4
     stages: int = 3
+    one_loop: bool = False
 
     def __post_init__(self):
         for name in ("rows", "keys"):
@@ -287,7 +289,7 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
                           stride_vs, stride_pb, stride_tb,
                           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr,
-                          WINDOW: tl.constexpr):
+                          WINDOW: tl.constexpr, ONE_LOOP: tl.constexpr):
     split = tl.program_id(2)
     b, h, offs_r, live, t, q_tile, pos = _row_tile(q, positions, stride_qb, stride_qh, stride_qt, stride_pb,
                                                    HKV, G, T, D, BLOCK_R, DOT)  # pos: row r sees slots <= pos
@@ -318,6 +320,8 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
         lowest = tl.min(tl.where(live, low, hi), 0)  # slots below it are no row's (not even read: zeros)
         first = lo + tl.maximum(lowest - lo, 0) // BLOCK_N * BLOCK_N
         full_lo = lo + (tl.maximum(tl.max(tl.where(live, low, lo), 0) - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if ONE_LOOP:  # every key block from the first through the last loop below
+        full_lo, full = first, first
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -337,6 +341,8 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     for start in range(tl.maximum(full_lo, full), hi, BLOCK_N):
         slots = start + offs_n
         valid = slots < hi
+        if WINDOW:  # (the one loop's first blocks: below every window, not read)
+            valid = valid & (slots >= lowest)
         seen = valid[None, :] & (slots[None, :] <= pos[:, None])
         if WINDOW:
             seen = seen & (slots[None, :] >= low[:, None])
@@ -438,7 +444,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         v.stride(2), positions.stride(0), tree_arg.stride(0),
         HKV=Hkv, G=G, T=T, D=D, BLOCK_R=tiles.rows, BLOCK_N=tiles.keys,
         DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=tiles.warps,
-        num_stages=tiles.stages, TREE=tree is not None, WINDOW=window > 0)
+        num_stages=tiles.stages, TREE=tree is not None, WINDOW=window > 0, ONE_LOOP=tiles.one_loop)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     # (fixed chunks: a fixed merge tile too, so that a cache with more, empty, splits merges alike)
     block_s = MERGE_BLOCK_S if fixed else min(MERGE_BLOCK_S, triton.next_power_of_2(splits))
