@@ -7,9 +7,8 @@ docs/results/sparse_gpu.md, forty-second session) compile to different code.
     python bench/kernel_registers.py [--groups 4,6] [--widths 1] [--keys 64,128] [--warps 4] [--stages 2,3]
         [--loops split,one]
 
-Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: G x T rows a tile, rounded up to a power of
-two, at least 16) and `_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128,
-bf16, 8 KV heads. The arguments carry the specialisation Triton gives them on the device (pointers and the strides
+Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: the rows of `block_tiles`' tile) and
+`_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128, bf16, 8 KV heads. The arguments carry the specialisation Triton gives them on the device (pointers and the strides
 of real shapes divisible by 16; the positions' and counts' unit strides constant). Uses the `ptxas` that ships with
 Triton (the newest of its binaries: the PTX version Triton emits may be newer than the default one reads). The code
 is Triton's of this machine, which may differ from the device's version.
@@ -24,6 +23,7 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # (compile, not interpret)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> None:
           "| spill bytes | shared bytes |\n|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for G in ints(args.groups):
         for T in ints(args.widths):
-            rows = max(16, triton.next_power_of_2(G * T))
+            rows = attend.block_tiles(G, T, 128, torch.bfloat16, False).rows  # (the default's tile, capped)
             for keys in ints(args.keys):
                 for warps in ints(args.warps):
                     for stages in ints(args.stages):
