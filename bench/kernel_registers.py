@@ -8,10 +8,11 @@ docs/results/sparse_gpu.md, forty-second session) compile to different code.
         [--loops split,one]
 
 Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: the rows of `block_tiles`' tile) and
-`_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128, bf16, 8 KV heads. The arguments carry the specialisation Triton gives them on the device (pointers and the strides
-of real shapes divisible by 16; the positions' and counts' unit strides constant). Uses the `ptxas` that ships with
-Triton (the newest of its binaries: the PTX version Triton emits may be newer than the default one reads). The code
-is Triton's of this machine, which may differ from the device's version.
+`_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128, bf16, 8 KV heads. The
+arguments carry the specialisation Triton gives them on the device (pointers and the strides of real shapes
+divisible by 16; the positions' and counts' unit strides constant). Uses the `ptxas` that ships with Triton (the
+newest of its binaries: the PTX version Triton emits may be newer than the default one reads). The code is Triton's
+of this machine, which may differ from the device's version.
 """
 
 from __future__ import annotations
