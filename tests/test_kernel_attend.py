@@ -7,8 +7,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from sparsespec.kernels.attend import (  # noqa: E402
-    LONG_SPLIT, MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, BlockTiles, _block_n, block_attention, block_attention_ref, block_tiles,
-    num_splits, sparse_block_attention, sparse_block_attention_ref, sparse_decode_attention,
+    LONG_SPLIT, MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, BlockTiles, _block_n, block_attention, block_attention_ref,
+    block_tiles, num_splits, sparse_block_attention, sparse_block_attention_ref, sparse_decode_attention,
     sparse_decode_attention_ref,
 )
 
