@@ -31,7 +31,8 @@ from triton.runtime.errors import OutOfResources
 
 from sparsespec.attention.dense import tree_mask
 from sparsespec.graphs import capture
-from sparsespec.kernels.attend import BlockTiles, block_attention, block_attention_ref, block_tiles, num_splits
+from sparsespec.kernels.attend import (BlockTiles, block_attention, block_attention_ref, block_tiles, num_splits,
+                                       split_span)
 from sparsespec.models.shapes import shape
 from sparsespec.sparse_bench import copy_bandwidth, time_ms
 from sparsespec.spec.tree import Pool, choose
@@ -112,7 +113,7 @@ def main() -> None:
                 positions = (S - T + torch.arange(T, device=DEVICE)).expand(B, T).contiguous()  # [B, T]
                 ref = block_attention_ref(q, ks[0], vs[0], positions, tree=tree).float()
                 splits = num_splits(S, B * Hkv, D, q.device)  # (every launch: the default's split count)
-                default = block_tiles(G, T, D, q.dtype, False, split_slots=triton.cdiv(S, splits))
+                default = block_tiles(G, T, D, q.dtype, False, split_slots=split_span(S, splits))
                 times = {}
                 for tiles in grid(default, *([int(x) for x in a.split(",")]
                                              for a in (args.keys, args.warps, args.stages)), loops):

@@ -10,9 +10,9 @@ docs/results/sparse_gpu.md, forty-second session) compile to different code.
 Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: the rows of `block_tiles`' tile) and
 `_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128, bf16, 8 KV heads. The
 arguments carry the specialisation Triton gives them on the device (pointers and the strides of real shapes
-divisible by 16; the positions' and counts' unit strides constant). Uses the `ptxas` that ships with Triton (the
-newest of its binaries: the PTX version Triton emits may be newer than the default one reads). The code is Triton's
-of this machine, which may differ from the device's version.
+divisible by 16; the positions' and counts' unit strides constant). Uses the `ptxas` that ships with Triton,
+`ptxas-blackwell` where it is there (the newer build: the PTX version Triton emits may be newer than the default one
+reads). The code is Triton's of this machine, which may differ from the device's version.
 """
 
 from __future__ import annotations
@@ -35,31 +35,31 @@ from sparsespec.kernels import attend  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "positions": "*i64", "tree": "*i64", "idx": "*i32",
             "count": "*i32", "m_part": "*fp32", "l_part": "*fp32", "acc_part": "*fp32"}
-UNIT = ("stride_pb", "stride_tb", "stride_ch")  # strides of 1 in a decode step: Triton makes them constants
+UNIT = ("stride_pb", "stride_tb", "stride_ch")  # strides of 1 in a decode step (T = 1): Triton makes them constants
 SCALARS = ("qk_scale",)
 
 
 def ptxas() -> str:
     folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    found = sorted(folder.glob("ptxas*"), key=lambda p: p.name != "ptxas-blackwell")  # (the newer one first)
+    found = sorted(folder.glob("ptxas*"), key=lambda p: p.name != "ptxas-blackwell")  # (Triton's newer build first)
     if not found:
         raise SystemExit(f"no ptxas under {folder}")
     return str(found[0])
 
 
-def compile_one(kernel, consts: dict, warps: int, stages: int) -> dict:
+def compile_one(kernel, consts: dict, warps: int, stages: int, width: int = 1) -> dict:
     names = kernel.arg_names
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(names):
         if name in consts:
             signature[name], constexprs[(i,)] = "constexpr", consts[name]
-        elif name in UNIT:
+        elif name in UNIT and (width == 1 or name == "stride_ch"):
             signature[name], constexprs[(i,)] = "constexpr", 1
         elif name in SCALARS:
             signature[name] = "fp32"
-        else:  # pointers, and the strides, chunk and counts of real shapes: multiples of 16
-            signature[name] = POINTERS.get(name, "i32")
-            if name not in ("PARTS",):
+        else:  # pointers, and the strides, chunk and counts of real shapes: multiples of 16 (a block's positions'
+            signature[name] = POINTERS.get(name, "i32")  # stride, T, only when T is)
+            if name != "PARTS" and (name not in UNIT or width % 16 == 0):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     out = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
@@ -77,7 +77,9 @@ def compile_one(kernel, consts: dict, warps: int, stages: int) -> dict:
             spills = int(line.split("bytes spill stores")[0].split(",")[-1])
     if regs is None:
         raise SystemExit(f"ptxas said: {report.stderr.strip()[:400]}")
-    body = [line.split()[0] for line in ptx.splitlines() if line.startswith("\t") and line.strip()[:1].isalpha()]
+    lines = [line.strip() for line in ptx.splitlines() if line.startswith("\t")]
+    body = [line.split()[1] if line.startswith("@") else line.split()[0]  # (predicated: "@%p1 ld.global...")
+            for line in lines if line[:1].isalpha() or line.startswith("@")]
     return {"instructions": len(body), "cp_async": sum(op.startswith("cp.async.cg") for op in body),
             "registers": regs, "spill_bytes": spills, "shared_bytes": out.metadata.shared}
 
@@ -112,7 +114,7 @@ def main() -> None:
                                          dict(HKV=8, G=G, D=128, BLOCK_G=max(16, triton.next_power_of_2(G)),
                                               BLOCK_N=keys, DOT=tl.bfloat16)))
                         for name, loop, kernel, consts in runs:
-                            r = compile_one(kernel, consts, warps, stages)
+                            r = compile_one(kernel, consts, warps, stages, T)
                             print(f"| {name} | {G} | {T} | {consts.get('BLOCK_R', consts.get('BLOCK_G'))} | {keys} "
                                   f"| {warps} | {stages} | {loop} | {r['instructions']} | {r['cp_async']} "
                                   f"| {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |")

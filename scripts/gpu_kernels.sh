@@ -26,8 +26,9 @@
 #   launch-heads  the same over heads alone (query heads / KV heads / head_dim) at 16x25600 and 4x25600: the two
 #           models' and the group sizes and KV head counts between them: the gain follows power-of-two groups
 #           (forty-second session), which `block_tiles` now gives 128-key blocks over long splits
-#   short-splits  the same for power-of-two groups over splits of 256-2,048 slots (`attend.LONG_SPLIT`: from 2,048
-#           slots a split their decode steps read 128-key blocks; below, one H200 sweep found them slower), twice
+#   short-splits  the same for power-of-two groups over splits of 384, 768, 1,280, 1,408, 1,664 and 2,048 slots
+#           (`attend.split_span` of the 8B's heads at those sizes; `attend.LONG_SPLIT`: from 2,048 slots a split their
+#           decode steps read 128-key blocks; below, one H200 sweep found them slower), twice
 #   dense-loops  the one-query steps and 4- / 16-wide verify blocks of both models over the two loop forms
 #           (`BlockTiles.one_loop`): on 2026-11-30 (8c888dc, one masked loop) the 8B's one-query step took
 #           128 / 480 / 472 us at 1x128k / 4x128k / 16x32k with 64 keys; by the forty-first session (context blocks
@@ -67,7 +68,8 @@ step launch-heads python3 bench/block_attention_sweep.py --shapes 32/8/128,12/2/
   --sizes 16x25600,4x25600 --widths 1 --layers 8 --out $root/launch_heads.json
 for rep in 1 2; do
   step short-splits-$rep python3 bench/block_attention_sweep.py --shapes 32/8/128,8/2/128,16/4/128 \
-    --sizes 1x16384,1x32768,2x32768,4x16384,8x8192 --widths 1 --layers 8 --out $root/short_splits_$rep.json
+    --sizes 1x16384,1x32768,4x16384,2x32768,4x20480,4x25600 --widths 1 --layers 8 --keys 64,128 --warps 4,8 \
+    --stages 2,3 --out $root/short_splits_$rep.json
 done
 step dense-loops python3 bench/block_attention_sweep.py --shapes llama-3.1-8b,qwen2.5-coder-1.5b --sizes \
   16x32768,4x131072,1x131072,16x25600 --widths 1,4,16 --layers 8 --keys 64,128 --warps 4 --stages 2,3 \

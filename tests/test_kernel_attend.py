@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 from sparsespec.kernels.attend import (  # noqa: E402
     LONG_SPLIT, MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM, BlockTiles, _block_n, block_attention, block_attention_ref,
     block_tiles, num_splits, sparse_block_attention, sparse_block_attention_ref, sparse_decode_attention,
-    sparse_decode_attention_ref,
+    sparse_decode_attention_ref, split_span,
 )
 
 from .conftest import DEVICE, cuda_only  # noqa: E402
@@ -165,7 +165,7 @@ def test_cuda_graph_replay_follows_new_selection():
 @pytest.mark.parametrize("B,Hkv,G,T,S,D,dtype", [
     (2, 2, 4, 16, 100, 64, torch.bfloat16), (1, 1, 7, 3, 37, 16, torch.float32), (3, 2, 1, 5, 130, 128, torch.float16),
     (2, 3, 6, 2, 65, 32, torch.float32), (3, 2, 4, 1, 90, 64, torch.bfloat16), (4, 1, 3, 1, 33, 32, torch.float32),
-    (1, 1, 4, 1, 2 * LONG_SPLIT + 70, 128, torch.float16)])  # (the last: a decode step in 128-key blocks)
+    (1, 1, 4, 1, 2 * LONG_SPLIT + 70, 128, torch.float16)])  # (the last: one split of 128-key blocks)
 def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
     """Verify blocks (and decode steps, T = 1) at each row's own offset (one ending at the last slot, one at the
     first slots), and positions in any order; q strided as the model projects it; one split and several. The slots
@@ -185,14 +185,14 @@ def test_block_attention_equals_reference_and_sdpa(B, Hkv, G, T, S, D, dtype):
     mask = torch.arange(S, device=DEVICE) <= positions[:, None, :, None]
     sdpa = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=G > 1)
     assert torch.allclose(ref.float(), sdpa, atol=TOL[dtype], rtol=TOL[dtype])
-    for splits in (None, 1, 3):
+    for splits in (None, 3, 1):
         out = block_attention(q, k, v, positions, splits=splits)
         assert out.shape == (B, Hkv * G, T, D) and out.dtype == dtype
         assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), splits
     dead = torch.arange(S, device=DEVICE) > positions.max(1).values[:, None]  # [B, S]
     k[dead[:, None].expand_as(k[..., 0])] = 1e4
     v[dead[:, None].expand_as(v[..., 0])] = float("nan")
-    assert torch.equal(block_attention(q, k, v, positions, splits=3), out)  # (the loop's last: 3 splits)
+    assert torch.equal(block_attention(q, k, v, positions, splits=1), out)  # (the loop's last: one split)
 
 
 @pytest.mark.parametrize("B,Hkv,G,T,S,D,dtype", [
@@ -300,8 +300,14 @@ def test_block_tiles_defaults_and_checks():
         assert block_tiles(G, 1, 128, torch.bfloat16, False, split_slots=LONG_SPLIT - 1) == BlockTiles(16, 64, 4, 2)
         assert block_tiles(G, 1, 128, torch.bfloat16, False) == BlockTiles(16, 64, 4, 2)
         assert block_tiles(G, 1, 128, torch.bfloat16, True, split_slots=LONG_SPLIT).keys == 64
-    for G, T, D in ((6, 1, 128), (3, 1, 128), (4, 1, 64), (4, 4, 128)):
-        assert block_tiles(G, T, D, torch.bfloat16, False, split_slots=1 << 20).keys == 64
+    for G, T, D, dtype in ((6, 1, 128, torch.bfloat16), (3, 1, 128, torch.float16), (4, 1, 64, torch.bfloat16),
+                           (4, 4, 128, torch.bfloat16), (4, 1, 128, torch.float32)):  # (fp32: 128 keys spill)
+        assert block_tiles(G, T, D, dtype, False, split_slots=1 << 20).keys == 64
+    # the planned splits' span at 128 keys: the 8B's heads (8 KV heads) at 4 x 25.6k span 2,048 slots a split on a
+    # 132-multiprocessor GPU (128 keys), its 1 x 32k 768 (64 keys)
+    for B, S, keys in ((4, 25600, 128), (16, 25600, 128), (1, 131072, 128), (1, 32768, 64)):
+        splits = num_splits(S, B * 8, 128, torch.device("cpu"))  # (the CPU plans for 132 multiprocessors)
+        assert block_tiles(4, 1, 128, torch.bfloat16, False, split_slots=split_span(S, splits)).keys == keys
     assert block_tiles(7, 16, 64, torch.bfloat16, False).rows == 128  # head_dim 64: a 128 x 64 accumulator
     assert block_tiles(7, 32, 256, torch.float32, False).rows == 32  # 32 x 256 accumulator values, 32 KiB of queries
     assert block_tiles(6, 16, 128, torch.bfloat16, True) == BlockTiles(16, 64, 4, 2)

@@ -341,7 +341,7 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     for start in range(tl.maximum(full_lo, full), hi, BLOCK_N):
         slots = start + offs_n
         valid = slots < hi
-        if WINDOW:  # (the one loop's first blocks: below every window, not read)
+        if WINDOW and ONE_LOOP:  # (the one loop's first blocks: below every window, not read)
             valid = valid & (slots >= lowest)
         seen = valid[None, :] & (slots[None, :] <= pos[:, None])
         if WINDOW:
@@ -355,19 +355,25 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     _store_rows(m_part, l_part, acc_part, b, h, offs_r, live, m_i, l_i, acc, HKV, G, T, D)
 
 
+def split_span(S: int, splits: int) -> int:
+    """The cache slots each of `splits` splits of S slots spans in 128-key blocks (`block_tiles`' split_slots)."""
+    return triton.cdiv(triton.cdiv(max(S, 1), 128), splits) * 128
+
+
 def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool, split_slots: int = 0) -> BlockTiles:
     """The launch of a block of T queries a row, G query heads a KV head, head_dim D: all G * T rows in one tile
     (rounded up to a power of two) so that each K/V row is read once per KV head, up to the caps below (a larger
     block takes several tiles, which read the same K/V mostly from L2) — or, with fixed chunks (`fixed`), tiles of
-    INVARIANT_TILE rows whatever G * T is. `split_slots`: the cache slots a split of a decode step reads (0: not
-    known, or keys read by index as in `sparse_block_attention`, which keeps the 64-key block)."""
+    INVARIANT_TILE rows whatever G * T is. `split_slots`: `split_span` of the planned splits (0: not known, or keys
+    read by index as in `sparse_block_attention`, which keeps the 64-key block)."""
     keys = _block_n(D)
-    if T == 1 and D == 128 and G & (G - 1) == 0 and split_slots >= LONG_SPLIT and not fixed:
+    if T == 1 and D == 128 and dtype.itemsize == 2 and G & (G - 1) == 0 and split_slots >= LONG_SPLIT and not fixed:
         # decode steps whose query-head group is a power of two read a 128-key block: 0.85-0.90 of the 64-key
         # launch's time at 16x25.6k and 4x25.6k for heads 16/8, 32/8, 64/8, 8/2, 8/4, 16/4 (H100; 0.76-0.83 for
         # Llama-3.1-8B's 32/8 on the H200, 1x128k too), where groups of 3, 6 and 7 (24/8, 48/8, 12/2, 28/4) take
         # 0.95-1.04 (10-15% more for 12/2 on the H200). Only over long splits: the 8B's 1x32k (768 slots a split)
-        # took 1.21x in one H200 sweep (docs/results/sparse_gpu.md, forty-first and forty-second sessions)
+        # took 1.21x in one H200 sweep (docs/results/sparse_gpu.md, forty-first and forty-second sessions); only in
+        # 16-bit dtypes (fp32 tiles of 128 keys spill registers)
         return BlockTiles(16, 128, 4, 2)
     if fixed:
         # one tile shape (and so one MMA shape and one reduction layout) for a decode step's rows and a verify
@@ -423,7 +429,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     if not fixed and splits is None:  # (the split count plans with the default key block, whatever the tiles)
         splits = num_splits(S, B * Hkv, D, q.device)
     if tiles is None:
-        tiles = block_tiles(G, T, D, q.dtype, fixed, split_slots=0 if fixed else triton.cdiv(max(S, 1), splits))
+        tiles = block_tiles(G, T, D, q.dtype, fixed, split_slots=0 if fixed else split_span(S, splits))
     if fixed:
         if chunk % tiles.keys:
             raise ValueError(f"block_attention's chunk must be a multiple of {tiles.keys} slots, got {chunk}")
