@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 MIN_BLOCKS_PER_SPLIT = 1
 PROGRAMS_PER_SM = 3  # aim for 2-4 partial programs per multiprocessor
 MERGE_BLOCK_S = 64  # splits merged per step
-LONG_SPLIT = 2048  # cache slots a split from which a power-of-two group's decode step reads 128-key blocks
+LONG_SPLIT = 2048  # `split_span` from which a power-of-two group's decode step reads 128-key blocks
 INVARIANT_TILE = 16  # (head, query) rows a program of the fixed-chunk block attention (one MMA tile's rows)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
