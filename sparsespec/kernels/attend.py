@@ -80,8 +80,9 @@ def _softmax_step(m_i, l_i, acc, s, v_tile, V_DTYPE: tl.constexpr, DOT: tl.const
 @triton.jit
 def _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, seen, qk_scale, stride_ks, stride_vs, offs_d,
                V_DTYPE: tl.constexpr, DOT: tl.constexpr):
-    """One key block of the block attention: K/V rows `slots` [N] (zeros where not `valid`), scores of q_tile
-    [R, D] against them, -inf where not `seen` [R, N] (or [1, N]) -> the online softmax's m, l, acc after it."""
+    """One key block of an attention kernel (the block, sparse decode and sparse block ones): K/V rows `slots` [N]
+    (zeros where not `valid`), scores of q_tile [R, D] against them, -inf where not `seen` [R, N] (or [1, N]) -> the
+    online softmax's m, l, acc after it."""
     k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
     s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [R, N]
     s = tl.where(seen, s, float("-inf"))
@@ -120,10 +121,8 @@ def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chu
         cols = start + offs_n
         valid = cols < hi
         slots = tl.load(idx_base + cols, mask=valid, other=0)  # [BLOCK_N]
-        k_tile, v_tile = _kv_rows(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d, DOT)
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_tile, v.dtype.element_ty, DOT)
+        m_i, l_i, acc = _key_block(m_i, l_i, acc, q_tile, k_base, v_base, slots, valid, valid[None, :], qk_scale,
+                                   stride_ks, stride_vs, offs_d, v.dtype.element_ty, DOT)
 
     part = (b * (HKV * G) + heads) * PARTS + split  # [BLOCK_G] rows of m_part / l_part
     tl.store(m_part + part, m_i, mask=in_group)
