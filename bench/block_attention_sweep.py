@@ -7,7 +7,7 @@ the queries of each row end at its last slot (a verify block at the end of the c
 the block's width (`spec.tree.choose` over random choices: each query sees the context and its ancestors).
 
     python bench/block_attention_sweep.py [--shapes qwen2.5-coder-1.5b,llama-3.1-8b] [--sizes 16x25600,4x25600]
-        [--widths 1,8,16] [--tree] [--layers 4] [--keys 64,128] [--warps 4,8] [--stages 2,3] [--loops split,one]
+        [--widths 1,8,16] [--tree] [--layers 4] [--keys 64,128] [--warps 4,8] [--stages 2,3]
         [--out FILE.json]
 
 A shape is a model's name or heads alone, HQ/HKV/D (e.g. 48/8/128: six query heads a KV head, eight KV heads),
@@ -40,12 +40,11 @@ from sparsespec.spec.tree import Pool, choose
 DEVICE = "cuda"
 
 
-def grid(default: BlockTiles, keys: list[int], warps: list[int], stages: list[int],
-         loops: tuple[bool, ...] = (False,)) -> list[BlockTiles]:
+def grid(default: BlockTiles, keys: list[int], warps: list[int], stages: list[int]) -> list[BlockTiles]:
     """The launches tried: row tiles from 16 up to the default's (all of a block's G * T rows in one), and every
-    combination of the key blocks, warps, stages and loop forms (`one_loop`) given; the default first."""
+    combination of the key blocks, warps and stages given; the default first."""
     rows = [r for r in (16, 32, 64, 128, 256) if r <= default.rows]
-    out = [BlockTiles(r, n, w, s, o) for r, n, w, s, o in itertools.product(rows, keys, warps, stages, loops)]
+    out = [BlockTiles(r, n, w, s) for r, n, w, s in itertools.product(rows, keys, warps, stages)]
     return [default, *(t for t in out if t != default)]
 
 
@@ -80,13 +79,8 @@ def main() -> None:
     ap.add_argument("--keys", default="64,128", help="key blocks tried")
     ap.add_argument("--warps", default="4,8", help="warps tried")
     ap.add_argument("--stages", default="2,3", help="pipeline stages tried")
-    ap.add_argument("--loops", default="split", help="key loops tried: split (the context's key blocks unmasked), "
-                    "one (every block masked, `BlockTiles.one_loop`), or both: split,one")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if not set(args.loops.split(",")) <= {"split", "one"}:
-        raise SystemExit(f"--loops takes split and one, got {args.loops}")
-    loops = [form == "one" for form in args.loops.split(",")]
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -116,7 +110,7 @@ def main() -> None:
                 default = block_tiles(G, T, D, q.dtype, False, split_slots=split_span(S, splits))
                 times = {}
                 for tiles in grid(default, *([int(x) for x in a.split(",")]
-                                             for a in (args.keys, args.warps, args.stages)), loops):
+                                             for a in (args.keys, args.warps, args.stages))):
                     try:
                         out = block_attention(q, ks[0], vs[0], positions, tree=tree, tiles=tiles).float()
                     except OutOfResources:  # its pipeline stages do not fit in shared memory
@@ -142,7 +136,7 @@ def main() -> None:
                                 "best": best.__dict__, "best_us": times[best], "sdpa_us": sdpa, "floor_us": floor,
                                 "all": [[t.__dict__, us] for t, us in times.items()]})
                 print(f"| {B} x {S} | {T} | {times[default]:.1f} | {tb(times[default]):.2f} | {times[best]:.1f} | "
-                      f"r{best.rows} k{best.keys} w{best.warps} s{best.stages}{' one' * best.one_loop} | "
+                      f"r{best.rows} k{best.keys} w{best.warps} s{best.stages} | "
                       f"{sdpa:.1f} | {floor:.1f} | "
                       f"{times[best] / times[default]:.2f} |")
             del ks, vs

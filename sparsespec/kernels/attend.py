@@ -35,15 +35,13 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 @dataclass(frozen=True)
 class BlockTiles:
     """How `block_attention` launches: (head, query) rows a program (a tile of rows >= 16), key slots a loop step,
-    warps and pipeline stages a program, and `one_loop`: every key block through the masked loop (as the kernel
-    was before its context blocks got a loop without masks; the same result to the bit, other machine code).
-    `block_tiles` chooses them from shapes; `bench/block_attention_sweep.py` times others."""
+    warps and pipeline stages a program. `block_tiles` chooses them from shapes; `bench/block_attention_sweep.py`
+    times others."""
 
     rows: int
     keys: int
     warps: int = 4
     stages: int = 3
-    one_loop: bool = False
 
     def __post_init__(self):
         for name in ("rows", "keys"):
@@ -288,7 +286,7 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
                           stride_vs, stride_pb, stride_tb,
                           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr,
-                          WINDOW: tl.constexpr, ONE_LOOP: tl.constexpr):
+                          WINDOW: tl.constexpr):
     split = tl.program_id(2)
     b, h, offs_r, live, t, q_tile, pos = _row_tile(q, positions, stride_qb, stride_qh, stride_qt, stride_pb,
                                                    HKV, G, T, D, BLOCK_R, DOT)  # pos: row r sees slots <= pos
@@ -319,8 +317,6 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
         lowest = tl.min(tl.where(live, low, hi), 0)  # slots below it are no row's (not even read: zeros)
         first = lo + tl.maximum(lowest - lo, 0) // BLOCK_N * BLOCK_N
         full_lo = lo + (tl.maximum(tl.max(tl.where(live, low, lo), 0) - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    if ONE_LOOP:  # every key block from the first through the last loop below
-        full_lo, full = first, first
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -340,8 +336,6 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
     for start in range(tl.maximum(full_lo, full), hi, BLOCK_N):
         slots = start + offs_n
         valid = slots < hi
-        if WINDOW and ONE_LOOP:  # (the one loop's first blocks: below every window, not read)
-            valid = valid & (slots >= lowest)
         seen = valid[None, :] & (slots[None, :] <= pos[:, None])
         if WINDOW:
             seen = seen & (slots[None, :] >= low[:, None])
@@ -380,14 +374,18 @@ def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool, split_s
         # price: each of a block's G * T / 16 tiles reads the split's K/V (side by side, so mostly from L2)
         return BlockTiles(INVARIANT_TILE, keys, 4, 2)
     # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
-    # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475); verify blocks were tuned with 3.
+    # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475). Verify blocks of one 16-row tile take 2 as
+    # well: 0.91-0.98 of 3 stages' time for 2- and 4-wide blocks of heads 32/8, 16/8 and 8/2 and 8-wide of 16/8 at
+    # 16x25.6k, 4x25.6k and 1x32k, never more (H100, forty-third session); larger tiles keep 3 (32-row tiles of
+    # 32/8, 8/2 and the 1.5B's 12/2 took 1.11-1.24x with 2 at batch 4 and 16, 0.90-0.92 at batch 1).
     # A tile's fp32 accumulator holds at most 64 x 128 values (4 warps' registers): 6 x 16 = 96 rows at head_dim 128
     # (the 1.5B's width-16 verify) took 239 / 91 / 46 us in one 128-row tile at 16x25.6k / 4x25.6k / 1x32k against
     # 170 / 62 / 34 in two of 64 (H200, docs/results/sparse_gpu.md, thirty-eighth session). Its queries then take at
     # most 32 KiB, so that they and 3 stages of K/V fit in shared memory (an fp32 block of 7 x 32 rows at head_dim
     # 128 had asked 321 KiB of the H200's 227 before a cap)
     cap = max(16, 8192 // D)
-    return BlockTiles(min(max(16, triton.next_power_of_2(G * T)), cap), keys, 4, 2 if T == 1 else 3)
+    rows = min(max(16, triton.next_power_of_2(G * T)), cap)
+    return BlockTiles(rows, keys, 4, 2 if T == 1 or rows == 16 else 3)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -449,7 +447,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         v.stride(2), positions.stride(0), tree_arg.stride(0),
         HKV=Hkv, G=G, T=T, D=D, BLOCK_R=tiles.rows, BLOCK_N=tiles.keys,
         DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=tiles.warps,
-        num_stages=tiles.stages, TREE=tree is not None, WINDOW=window > 0, ONE_LOOP=tiles.one_loop)
+        num_stages=tiles.stages, TREE=tree is not None, WINDOW=window > 0)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     # (fixed chunks: a fixed merge tile too, so that a cache with more, empty, splits merges alike)
     block_s = MERGE_BLOCK_S if fixed else min(MERGE_BLOCK_S, triton.next_power_of_2(splits))
