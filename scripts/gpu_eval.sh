@@ -34,7 +34,7 @@ case $mode in
     end=$(( $(date +%s) + $1 ))
     while pgrep -f "sparsespec (eval|longgen)" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     for log in $root/*.log; do
-      printf '%s: ' "$(basename "$log" .log)"; tr '\r' '\n' < "$log" | grep -v -i warn | tail -2 | tr '\n' ' '; echo
+      printf '%s: ' "$(basename "$log" .log)"; tr '\r' '\n' < "$log" | grep -v -E 'Warning: |^ +warn' | tail -2 | tr '\n' ' '; echo
       [ -f "${log%.log}/results.jsonl" ] && echo "  rows: $(wc -l < "${log%.log}/results.jsonl")"
     done
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true

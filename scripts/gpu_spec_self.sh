@@ -14,7 +14,7 @@ bench() {  # name batch prompts dtype
   python3 -m sparsespec bench spec --target "$model" --target-name qwen2.5-coder-1.5b --kinds long-code \
     --long-chars ${CHARS:-80000} --prompts "$3" --batch "$2" --temperatures ${TEMPS:-0} --max-new-tokens ${N:-128} \
     --block-size ${BLOCK:-8} --device cuda --dtype "$4" --compile $EXTRA --out "$OUT/$1" --drafters $drafters 2>&1 \
-    | grep -v -i warn | tail -8
+    | grep -v -E 'Warning: |^ +warn' | tail -8
 }
 for run in ${RUNS:-b16 b4 b1 fp32}; do
   case $run in

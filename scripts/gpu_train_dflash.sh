@@ -21,7 +21,7 @@ run=${RUN:-/root/run}
 mkdir -p $run
 if [ -z "$SKIP_TRAIN" ]; then
   python3 -m sparsespec train dflash --target "$model" --device cuda --out $run --progress "$@" 2>&1 \
-    | grep --line-buffered -v -i warn >> $run/train.log
+    | grep --line-buffered -v -E 'Warning: |^ +warn' >> $run/train.log
 fi
 [ -n "$OUT" ] || exit 0
 tail -25 $run/train.log
