@@ -31,9 +31,9 @@
 #           decode steps read 128-key blocks; below, one H200 sweep found them slower), twice
 #   dense-keys  the one-query steps and 4- / 16-wide verify blocks of both models over 64 / 128 keys and 2 / 3
 #           stages at 16x32k, 4x128k, 1x128k and 16x25.6k (the forty-third session ran it with the retired one-loop
-#           form beside: the split loops with 128 keys came within 0-4% of it, and its 64-key launch was the slow one
-#           of the 12-04 regression; the 8B's 4-wide block, with 2 stages now its default, took 0.94-1.03 of it with
-#           128 keys)
+#           form beside: the split loops with 128 keys came within 0-4% of it; the split loops' 64-key launch was the
+#           slow one of the 12-04 regression; the 8B's 4-wide block, with 2 stages now its default, took 0.94-1.03
+#           of it with 128 keys)
 #   verify-stages  verify blocks (widths 2, 4, 8) of power-of-two groups over 2 and 3 pipeline stages: the
 #           thirty-eighth sweep had the 8B's 4-wide block (one 16-row tile) 13-18% faster with 2 stages than with the
 #           default's 3 at batch 4-16, as one-query steps are; whether `block_tiles` should give every 16-row tile 2

@@ -298,6 +298,7 @@ def test_block_tiles_defaults_and_checks():
     assert block_tiles(6, 2, 128, torch.bfloat16, False) == BlockTiles(16, 64, 4, 2)
     assert block_tiles(4, 8, 128, torch.bfloat16, False) == BlockTiles(32, 64, 4, 3)
     assert block_tiles(6, 4, 128, torch.bfloat16, False) == BlockTiles(32, 64, 4, 3)
+    assert block_tiles(4, 8, 512, torch.bfloat16, False).stages == 3  # (several 16-row tiles, capped at head_dim 512)
     # a decode step of a power-of-two group at head_dim 128 reads 128-key blocks over long splits (not over short
     # ones or slots read by index, split_slots 0, nor in fixed chunks)
     for G in (1, 2, 4, 8):

@@ -14,7 +14,7 @@ Every launch parameter is a function of shapes alone (no read-back), so a caller
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -375,17 +375,16 @@ def block_tiles(G: int, T: int, D: int, dtype: torch.dtype, fixed: bool, split_s
         return BlockTiles(INVARIANT_TILE, keys, 4, 2)
     # decode steps (T = 1) over a full cache, H200: 2 stages 128 / 480 / 472 us at 1x128k / 4x128k / 16x32k
     # against 143 / 574 / 540 with 3 (cuDNN SDPA: 133 / 478 / 475). Verify blocks of one 16-row tile take 2 as
-    # well: 0.91-0.98 of 3 stages' time for 2- and 4-wide blocks of heads 32/8, 16/8 and 8/2 and 8-wide of 16/8 at
-    # 16x25.6k, 4x25.6k and 1x32k, never more (H100, forty-third session); larger tiles keep 3 (32-row tiles of
-    # 32/8, 8/2 and the 1.5B's 12/2 took 1.11-1.24x with 2 at batch 4 and 16, 0.90-0.92 at batch 1).
+    # well: 0.91-1.00 of 3 stages' time for 2- and 4-wide blocks of heads 32/8, 16/8 and 8/2 and 8-wide of 16/8 at
+    # 16x25.6k, 4x25.6k and 1x32k (H100, forty-third session); larger blocks keep 3 (32-row tiles of 32/8, 8/2 and
+    # the 1.5B's 12/2 took 1.11-1.24x with 2 at batch 4 and 16, 0.90-0.92 at batch 1)
     # A tile's fp32 accumulator holds at most 64 x 128 values (4 warps' registers): 6 x 16 = 96 rows at head_dim 128
     # (the 1.5B's width-16 verify) took 239 / 91 / 46 us in one 128-row tile at 16x25.6k / 4x25.6k / 1x32k against
     # 170 / 62 / 34 in two of 64 (H200, docs/results/sparse_gpu.md, thirty-eighth session). Its queries then take at
     # most 32 KiB, so that they and 3 stages of K/V fit in shared memory (an fp32 block of 7 x 32 rows at head_dim
     # 128 had asked 321 KiB of the H200's 227 before a cap)
-    cap = max(16, 8192 // D)
-    rows = min(max(16, triton.next_power_of_2(G * T)), cap)
-    return BlockTiles(rows, keys, 4, 2 if T == 1 or rows == 16 else 3)
+    rows = min(max(16, triton.next_power_of_2(G * T)), max(16, 8192 // D))
+    return BlockTiles(rows, keys, 4, 2 if T == 1 or G * T <= 16 else 3)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -537,6 +536,8 @@ def sparse_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
     assert idx.dtype == count.dtype == torch.int32 and k.dtype == v.dtype == q.dtype and span >= 0
     scale = D**-0.5 if scale is None else scale
     tiles = block_tiles(G, T, D, q.dtype, False)
+    if T > 1:  # (the gathers of a sparse pass were timed with 3 stages; the 16-row tiles' 2 are the dense kernel's)
+        tiles = replace(tiles, stages=3)
     splits = num_splits(K + span, B * Hkv, D, q.device) if splits is None else splits
     positions, after = positions.contiguous(), after.contiguous()
     m_part = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
