@@ -45,7 +45,12 @@ export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 root=/root/kernels
 mkdir -p $root
 . scripts/steps.sh
-step tests python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_kernel_attend.py tests/test_tree.py \
+# With pytest-xdist among the carried wheels (`python3 -m pip download --no-deps -d .whl pytest-xdist execnet`: 90
+# kB), the tests run in JOBS (default 4) processes side by side: the card's memory holds them (no test loads more
+# than a small model) and the 16 cores compile their kernels at once (one process took 11 minutes of device time
+# for the five files, forty-first session). TESTS is split into words: `-k EXPR` takes one word, no quotes.
+jobs=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${JOBS:-4}")
+step tests python3 -m pytest -q -p no:cacheprovider $jobs ${TESTS:-tests/test_kernel_attend.py tests/test_tree.py \
   tests/test_cuda.py tests/test_spec.py tests/test_dflash_train.py}
 step sweep python3 bench/block_attention_sweep.py --shapes ${SHAPES:-qwen2.5-coder-1.5b,llama-3.1-8b} \
   --sizes ${SIZES:-16x25600,4x25600,1x32768} --widths 1,4,8,16 --out $root/sweep.json
