@@ -136,8 +136,7 @@ def main() -> None:
                                 "best": best.__dict__, "best_us": times[best], "sdpa_us": sdpa, "floor_us": floor,
                                 "all": [[t.__dict__, us] for t, us in times.items()]})
                 print(f"| {B} x {S} | {T} | {times[default]:.1f} | {tb(times[default]):.2f} | {times[best]:.1f} | "
-                      f"r{best.rows} k{best.keys} w{best.warps} s{best.stages} | "
-                      f"{sdpa:.1f} | {floor:.1f} | "
+                      f"r{best.rows} k{best.keys} w{best.warps} s{best.stages} | {sdpa:.1f} | {floor:.1f} | "
                       f"{times[best] / times[default]:.2f} |")
             del ks, vs
             torch.cuda.empty_cache()

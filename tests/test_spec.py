@@ -232,7 +232,7 @@ def test_a_cascade_over_kept_selections_is_lossless_and_selects_once_a_cycle(pol
         for p, b in zip(prompts, batch):
             d = make()
             calls, select = [], d.policy.fixed_selection
-            d.policy.fixed_selection = lambda *a: calls.append(1) or select(*a)  # noqa: B023
+            d.policy.fixed_selection = lambda *a, **kw: calls.append(1) or select(*a, **kw)  # noqa: B023
             alone = speculative_generate(target, [p], d, gen, 6)[0]
             assert (alone.token_ids, alone.committed) == (b.token_ids, b.committed)
             if every == 8:  # (two sparse layers: two calls a selection)

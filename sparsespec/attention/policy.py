@@ -157,11 +157,10 @@ class FixedPlan:
     #                      kept selections as their selecting block made them, and the slots after `selected_at`
     selected_at: torch.Tensor | None = None  # [B] int32 with kept selections: each row's last selecting position
     keep: torch.Tensor | None = None  # [B] bool with kept selections: rows whose selecting block keeps their old one
-    aside: bool = False  # with kept selections: a selection goes to `idx`/`count`, not the kept ones (`Policy.block`)
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where layer `layer`'s selection goes: (idx [B * Hkv, W] int32, count [B * Hkv] int32); W >= width."""
-        return (self.idx, self.count) if self.kept is None or self.aside else (self.kept[0][layer], self.kept[1][layer])
+        return (self.idx, self.count) if self.kept is None else (self.kept[0][layer], self.kept[1][layer])
 
 
 def _copy_row(state: Any, one: Any, row: int) -> None:
@@ -338,11 +337,7 @@ class SelectionPolicy(Policy):
                 idx, count = plan.buffers(layer)  # [B * Hkv, W], [B * Hkv]
                 plan.attended.add_(count.view(B, Hkv).float().mean(-1))
             elif plan.kept is not None:  # select aside, then keep it in the rows not in `keep`
-                plan.aside = True
-                try:
-                    fresh = self.fixed_selection(layer, q[:, :, :1], cache)  # [B * Hkv, width], [B * Hkv]
-                finally:
-                    plan.aside = False
+                fresh = self.fixed_selection(layer, q[:, :, :1], cache, into=(plan.idx, plan.count))
                 idx, count = plan.buffers(layer)  # [B * Hkv, W >= width], [B * Hkv]
                 width = fresh[0].shape[1]  # (a fresh selection's columns past width are past its count)
                 keep, kept_idx, kept_count = plan.keep.view(B, 1), idx.view(B, Hkv, -1)[..., :width], count.view(B, Hkv)
@@ -438,15 +433,17 @@ class SelectionPolicy(Policy):
             scores = self.scores(layer, q, cache, self.fixed.positions.long())  # [B, Hkv, S]
         return SelectKeys(ordered_keys(scores).flatten(0, 1), 32)
 
-    def fixed_selection(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, Hq, 1, D] -> the step's selection into the plan's buffers: (idx [B * Hkv, width] int32 in slot
-        order, count [B * Hkv] int32), its mean count per row added to `attended`. Default: the policy's keys
+    def fixed_selection(self, layer: int, q: torch.Tensor, cache: KVCache,
+                        into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Hq, 1, D] -> the step's selection into `into` (default the plan's buffers of the layer,
+        `FixedPlan.buffers`): (idx [B * Hkv, width] int32 in slot order, count [B * Hkv] int32), its mean count per
+        row added to `attended`. Default: the policy's keys
         (`fixed_keys`), then radix top-k; the Triton kernel on CUDA (or under TRITON_INTERPRET=1), its torch
         reference otherwise."""
         from ..kernels import triton_ready
 
         plan = self.fixed
-        into = plan.buffers(layer)  # [R, W], [R]: W >= width, and no row selects more than width
+        into = plan.buffers(layer) if into is None else into  # [R, W], [R]: W >= width, no row selects more
         sk = self.fixed_keys(layer, q, cache)
         forced_from = plan.positions + 1 if sk.forced_from is None else sk.forced_from
         args = (sk.keys, plan.positions, plan.tokens, forced_from, into[0].shape[1], sk.key_bits)

@@ -186,12 +186,12 @@ class Quest(SelectionPolicy):
         if not self.fixed.reusing:
             self.step_args.copy_(self.page_args(positions))
 
-    def fixed_selection(self, layer, q, cache):
+    def fixed_selection(self, layer, q, cache, into=None):
         from ..kernels import triton_ready
         from ..kernels.select import expand_pages, expand_pages_ref
 
         plan = self.fixed
-        into = plan.buffers(layer)
+        into = plan.buffers(layer) if into is None else into
         pages, count = self.select_pages(layer, q, cache, plan.positions, self.step_args, self.pages[0].shape[1],
                                          out=self.pages, scratch=plan.scratch)
         if triton_ready(q.device):

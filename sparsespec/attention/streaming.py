@@ -34,13 +34,14 @@ class StreamingLLM(SelectionPolicy):
             count = self._positional(plan.idx, plan.count)
             plan.attended.add_(count * self._sparse_layers)
 
-    def fixed_selection(self, layer, q, cache):
+    def fixed_selection(self, layer, q, cache, into=None):
         """Positions alone decide, so the selection is computed, not searched (`_positional`), once a step for
-        every layer (`begin_step`); with kept selections (select_every > 1) into the layer's own buffers."""
+        every layer (`begin_step`); with kept selections (select_every > 1) into `into` (default the layer's own
+        buffers)."""
         plan = self.fixed
         if plan.kept is None:
             return plan.idx, plan.count
-        into = plan.buffers(layer)
+        into = plan.buffers(layer) if into is None else into
         plan.attended.add_(self._positional(*into))
         return into
 
