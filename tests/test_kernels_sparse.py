@@ -131,13 +131,13 @@ def _check_selection(keys, positions, tokens, forced_from, k, key_bits, blocks=(
     # slot in 4, no margin: rows that keep too few candidates fall back, the others are served by theirs)
     paths = [dict(sampled=False)] + ([dict(sampled=True, stride=4, margin=0)] if candidates and key_bits <= 16
                                      else [])
-    for block in blocks:  # 2048: one block a row; 32: many blocks shared by several programs a row
-        for path in paths:
+    for block in blocks:  # 2048: one block a row; 32: many blocks shared by several programs a row (the candidate
+        for path in paths:  # path's counting and compaction passes too: runs of 32-slot blocks)
             idx = torch.full_like(ref_idx, -7)
             count = torch.full_like(ref_count, -7)
             attended = torch.full((len(positions),), 0.5, device=DEVICE)
             select_topk(keys.clone(), positions, tokens, forced_from, k, key_bits, out=(idx, count), block=block,
-                        attended=attended, **path, **kw)
+                        scan_block=block, attended=attended, **path, **kw)
             assert torch.equal(count, ref_count), path
             assert torch.allclose(attended, 0.5 + ref_count.view(len(positions), -1).float().mean(-1))
             for r in range(keys.shape[0]):
@@ -207,7 +207,7 @@ def test_select_reusing_one_scratch_equals_reference(block):
         ref_idx, ref_count = select_topk_ref(keys, positions, tokens, forced_from, 48, key_bits, **opts)
         for sampled in (False, True) if key_bits <= 16 else (False,):
             idx, count = select_topk(keys.clone(), positions, tokens, forced_from, 48, key_bits, scratch=scratch,
-                                     block=block, sampled=sampled, stride=4, **opts)
+                                     block=block, scan_block=block, sampled=sampled, stride=4, **opts)
             assert torch.equal(count, ref_count), (key_bits, sampled)
             for r in range(R):
                 assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), (key_bits, sampled, r)
@@ -233,7 +233,7 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
     tokens = torch.tensor([200, 25], dtype=torch.int32, device=DEVICE)
     ref_idx, ref_count = select_topk_ref(keys, positions, tokens, positions + 1, k, 14, sinks=2, window=3)
     idx, count = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, stride=stride,
-                             margin=0, block=block, sinks=2, window=3)
+                             margin=0, block=block, scan_block=block, sinks=2, window=3)
     assert torch.equal(count, ref_count)
     for r in range(R):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r

@@ -300,21 +300,20 @@ def _count_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_pt
     if p == 0:
         tl.store(lo_ptr + r, lo)
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    above = 0
-    n_forced = 0
-    live = 0
+    above = tl.zeros([BLOCK], tl.int32)  # per lane: one reduction after the run, not three a block
+    n_forced = tl.zeros([BLOCK], tl.int32)
+    live = tl.zeros([BLOCK], tl.int32)
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
-        if start <= pos:
-            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
-                                 BLOCK)
-            above += tl.sum((key >= lo).to(tl.int32), 0)
-            n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 0)
-            live += tl.sum((key > 0).to(tl.int32), 0)
+        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
+                             BLOCK)  # all 0 past the query
+        above += (key >= lo).to(tl.int32)
+        n_forced += (key == KEY_MASK).to(tl.int32)
+        live += (key > 0).to(tl.int32)
     own = counts_ptr + (r * P + p) * 3
-    tl.store(own, above)
-    tl.store(own + 1, n_forced)
-    tl.store(own + 2, live)
+    tl.store(own, tl.sum(above, 0))
+    tl.store(own + 1, tl.sum(n_forced, 0))
+    tl.store(own + 2, tl.sum(live, 0))
 
 
 @triton.jit
