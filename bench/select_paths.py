@@ -1,5 +1,6 @@
 """The two paths of `select_topk` on BinaryPC's own keys (H200): kernel by kernel (torch.profiler, device time per
-select) and whole (a CUDA graph replayed), checked to select the same slots as each other.
+select) and whole (a CUDA graph replayed), checked to select the same slots as each other, with the rows the
+candidates served (the others fell back to the radix passes: the same selection, more time).
 
     python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024] [--out DIR]
 
@@ -83,11 +84,15 @@ def main():
             row[f"{name}_kernels_us"] = kernel_times(call)
             row[f"{name}_ms"] = time_ms(graphed(call))
             outs[name] = [t.clone() for t in out]
+            served = torch.empty(keys.shape[0], dtype=torch.int32, device="cuda")  # (once more, untimed)
+            select_topk(keys, positions, tokens, positions + 1, width, key_bits, out=out, served=served, **kw, **opts)
+            row[f"{name}_served"] = int(served.sum())
         row["same"] = all(same_selection(outs["radix"], out) for out in outs.values())
         rows.append(row)
         print(f"{B} x {S} (auto: {row['auto']}; same selection on every path: {row['same']})")
         for name, _ in paths:
-            print(f"   {name} {row[f'{name}_ms'] * 1e3:.1f} us: " + ", ".join(
+            print(f"   {name} {row[f'{name}_ms'] * 1e3:.1f} us, {row[f'{name}_served']} of {keys.shape[0]} rows by "
+                  f"candidates: " + ", ".join(
                 f"{k.split('_kernel')[0].lstrip('_')} {v:.1f}" for k, v in row[f"{name}_kernels_us"].items()
                 if "elementwise" not in k))
         del keys

@@ -232,11 +232,16 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
     positions = torch.tensor([S - 1, S - 200], dtype=torch.int32, device=DEVICE)
     tokens = torch.tensor([200, 25], dtype=torch.int32, device=DEVICE)
     ref_idx, ref_count = select_topk_ref(keys, positions, tokens, positions + 1, k, 14, sinks=2, window=3)
+    served = torch.full((R,), -1, dtype=torch.int32, device=DEVICE)
     idx, count = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, stride=stride,
-                             margin=0, block=block, scan_block=block, sinks=2, window=3)
+                             margin=0, block=block, scan_block=block, sinks=2, window=3, served=served)
+    # rows 0 and 1 fell back, as built; some other row was served (with no margin, about half of them are)
+    assert served[:2].tolist() == [0, 0] and 1 <= int(served.sum()) and set(served.tolist()) <= {0, 1}
     assert torch.equal(count, ref_count)
     for r in range(R):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
+    select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=False, block=block, served=served)
+    assert not served.any()  # the radix path serves no row by candidates
 
 
 @cuda_only

@@ -448,7 +448,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, block: int = 2048,
                 waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
-                margin: int = 16, scan_waves: int = 4, scan_block: int = 2048):
+                margin: int = 16, scan_waves: int = 4, scan_block: int = 2048, served: torch.Tensor | None = None):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
@@ -462,7 +462,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     (`candidate_width` of them a row), whose selection maps back to slots. A row whose candidates do not hold its
     whole selection (too few above the threshold, or more than fit) takes the radix path over all its keys in
     the same launches; the selection is the same either way. Its counting and compaction passes take
-    `scan_block` slots a step and `scan_waves` programs per SM."""
+    `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to 1 for the
+    rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never shows
+    it, the time does."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
     B = positions.shape[0]
@@ -482,6 +484,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     if not sampled:
         _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats,
                done, **tuning)
+        if served is not None:
+            served.zero_()
         return idx, count
     if key_bits > 16 or stride < 1 or stride & (stride - 1):
         raise ValueError(f"the candidate path takes keys of up to 16 bits and a power-of-two stride, got "
@@ -512,6 +516,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                             count if attended is None else attended, sample_hist, R, S, C, k, sinks, window, bpp,
                             HKV=hkv, KEY_BITS=key_bits, P=P, PP=triton.next_power_of_2(P), BLOCK=blk,
                             ATTENDED=attended is not None, num_warps=num_warps)
+    if served is not None:
+        served.copy_(info[3])
     # the candidates: each row its own "batch row", nothing forced by position (forced keys are maximal already)
     _radix(cand, info[0], info[1], info[2], k, key_bits, 0, 0, idx, count, None, hist, stats, done, **tuning)
     mblock = min(1024, triton.next_power_of_2(k))
