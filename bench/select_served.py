@@ -1,0 +1,80 @@
+"""How many rows of a real model's BinaryPC keys the candidate select serves: the others fall back to the radix
+passes (the same selection, more time), so a workload that makes rows fall back is slower than the random keys of
+`bench/select_paths.py` say. BinaryPC's keys of every layer's fixed-width decode steps after a long-code prompt,
+computed on the CPU with real weights, then selected by the candidate path in Triton's interpreter at each sample
+stride / margin asked for; every selection is checked against the reference.
+
+    python bench/select_served.py --model qwen2.5-coder-0.5b --long-chars 24000 --steps 3 --settings 16/16,16/0
+
+Prints, per setting, the rows served of all rows and whether every selection equals the reference's.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the select's kernels on CPU tensors (set before Triton loads)
+
+import argparse  # noqa: E402
+
+import torch  # noqa: E402
+
+from sparsespec.attention import make_policy, parse_spec  # noqa: E402
+from sparsespec.generate import Engine  # noqa: E402
+from sparsespec.kernels.select import select_topk, select_topk_ref  # noqa: E402
+from sparsespec.runner import Runner  # noqa: E402
+from sparsespec.spec.prompts import make_prompts  # noqa: E402
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--attention", default="binarypc:budget=0.02,sinks=4,window=64")
+    ap.add_argument("--long-chars", type=int, default=24000)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--settings", default="16/16,16/0", help="sample stride / margin pairs, comma-separated")
+    args = ap.parse_args()
+    engine = Engine.from_name(args.model, device="cpu", dtype="float32")
+    ids = engine.encode(make_prompts(1, "heldout", ("long-code",), 0, args.long_chars)[0].text, chat=True)
+    name, opts = parse_spec(args.attention)
+    policy = make_policy(name, opts)
+    runner = Runner(engine.model, 1, len(ids) + args.steps + 1, policy, fixed=True)
+    calls = []  # each layer's select of each step, as the policy asks for it
+    keys_of = policy.fixed_keys
+
+    def kept_keys(layer, q, cache):  # the policy's keys, kept with the plan's arguments of that select
+        sk = keys_of(layer, q, cache)
+        plan = policy.fixed
+        forced_from = plan.positions + 1 if sk.forced_from is None else sk.forced_from
+        calls.append(((sk.keys.clone(), plan.positions.clone(), plan.tokens.clone(), forced_from.clone(),
+                       plan.buffers(layer)[0].shape[1], sk.key_bits),
+                      dict(sinks=policy.options.sinks, window=policy.options.window, extra=sk.extra,
+                           extra_n=sk.extra_n)))
+        return sk
+
+    policy.fixed_keys = kept_keys
+    token = engine.model.logits(runner.prefill([ids])).argmax(-1)
+    for _ in range(args.steps):
+        token = runner.decode(token).argmax(-1)  # [1]: greedy
+    rows = sum(a[0].shape[0] for a, _ in calls)
+    print(f"{args.model}, {args.attention}: prompt {len(ids)} tokens, {args.steps} steps, {len(calls)} selects "
+          f"({rows} rows of (layer, KV head))")
+    for setting in args.settings.split(","):
+        stride, margin = map(int, setting.split("/"))
+        served_rows, same = 0, True
+        for a, kw in calls:
+            served = torch.empty(a[0].shape[0], dtype=torch.int32)
+            idx, count = select_topk(a[0].clone(), *a[1:], sampled=True, stride=stride, margin=margin, served=served,
+                                     **kw)
+            ref_idx, ref_count = select_topk_ref(*a, **kw)
+            live = torch.arange(idx.shape[1]) < count[:, None]
+            same &= torch.equal(count, ref_count) and torch.equal(torch.where(live, idx, -1),
+                                                                  torch.where(live, ref_idx, -1))
+            served_rows += int(served.sum())
+        print(f"  stride {stride}, margin {margin}: {served_rows} of {rows} rows served by candidates; "
+              f"same selection as the reference: {same}")
+
+
+if __name__ == "__main__":
+    main()
