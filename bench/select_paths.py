@@ -1,4 +1,4 @@
-"""The two paths of `select_topk` on BinaryPC's own keys (H200): kernel by kernel (torch.profiler, device time per
+"""The two paths of `select_topk` on BinaryPC's own keys (CUDA): kernel by kernel (torch.profiler, device time per
 select) and whole (a CUDA graph replayed), checked to select the same slots as each other, with the rows the
 candidates served (the others fell back to the radix passes: the same selection, more time).
 

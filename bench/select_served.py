@@ -1,8 +1,8 @@
 """How many rows of a real model's BinaryPC keys the candidate select serves: the others fall back to the radix
 passes (the same selection, more time), so a workload that makes rows fall back is slower than the random keys of
-`bench/select_paths.py` say. BinaryPC's keys of every layer's fixed-width decode steps after a long-code prompt,
-computed on the CPU with real weights, then selected by the candidate path in Triton's interpreter at each sample
-stride / margin asked for; every selection is checked against the reference.
+`bench/select_paths.py` say. BinaryPC's keys of every sparse layer's fixed-width decode steps after a long-code
+prompt, computed on the CPU with real weights, then selected by the candidate path in Triton's interpreter at each
+sample stride / margin asked for; every selection is checked against the reference.
 
     python bench/select_served.py --model qwen2.5-coder-0.5b --long-chars 24000 --steps 3 --settings 16/16,16/0
 
@@ -30,7 +30,8 @@ from sparsespec.spec.prompts import make_prompts  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--attention", default="binarypc:budget=0.02,sinks=4,window=64")
+    ap.add_argument("--attention", default="binarypc:budget=0.02,sinks=4,window=64",
+                    help="a policy whose keys have at most 16 bits (BinaryPC; the candidate path takes no others)")
     ap.add_argument("--long-chars", type=int, default=24000)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--settings", default="16/16,16/0", help="sample stride / margin pairs, comma-separated")
@@ -49,14 +50,17 @@ def main() -> None:
         forced_from = plan.positions + 1 if sk.forced_from is None else sk.forced_from
         calls.append(((sk.keys.clone(), plan.positions.clone(), plan.tokens.clone(), forced_from.clone(),
                        plan.buffers(layer)[0].shape[1], sk.key_bits),
-                      dict(sinks=policy.options.sinks, window=policy.options.window, extra=sk.extra,
-                           extra_n=sk.extra_n)))
+                      dict(sinks=policy.options.sinks, window=policy.options.window,  # (a plan's lists change in
+                           extra=None if sk.extra is None else sk.extra.clone(),  # place from step to step)
+                           extra_n=None if sk.extra_n is None else sk.extra_n.clone())))
         return sk
 
     policy.fixed_keys = kept_keys
     token = engine.model.logits(runner.prefill([ids])).argmax(-1)
     for _ in range(args.steps):
         token = runner.decode(token).argmax(-1)  # [1]: greedy
+    if any(a[5] > 16 for a, _ in calls):
+        raise SystemExit(f"{args.attention}: keys of more than 16 bits, which the candidate path does not take")
     rows = sum(a[0].shape[0] for a, _ in calls)
     print(f"{args.model}, {args.attention}: prompt {len(ids)} tokens, {args.steps} steps, {len(calls)} selects "
           f"({rows} rows of (layer, KV head))")

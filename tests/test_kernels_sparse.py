@@ -235,8 +235,9 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
     served = torch.full((R,), -1, dtype=torch.int32, device=DEVICE)
     idx, count = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, stride=stride,
                              margin=0, block=block, scan_block=block, sinks=2, window=3, served=served)
-    # rows 0 and 1 fell back, as built; some other row was served (with no margin, about half of them are)
-    assert served[:2].tolist() == [0, 0] and 1 <= int(served.sum()) and set(served.tolist()) <= {0, 1}
+    # rows 0 and 1 fell back and row 4 (437 candidates, 25 wanted) was served, as built; the rest, random keys
+    # thresholded with no margin, either way
+    assert served[:2].tolist() == [0, 0] and int(served[4]) == 1 and set(served.tolist()) <= {0, 1}
     assert torch.equal(count, ref_count)
     for r in range(R):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r

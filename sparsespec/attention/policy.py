@@ -438,8 +438,7 @@ class SelectionPolicy(Policy):
         """q [B, Hq, 1, D] -> the step's selection into `into` (default the plan's buffers of the layer,
         `FixedPlan.buffers`): (idx [B * Hkv, width] int32 in slot order, count [B * Hkv] int32), its mean count per
         row added to `attended`. Default: the policy's keys
-        (`fixed_keys`), then radix top-k; the Triton kernel on CUDA (or under TRITON_INTERPRET=1), its torch
-        reference otherwise."""
+        (`fixed_keys`), then radix top-k; the Triton kernel on CUDA, its torch reference otherwise."""
         from ..kernels import triton_ready
 
         plan = self.fixed
@@ -467,8 +466,8 @@ class SelectionPolicy(Policy):
 
     def decode_fixed(self, layer: int, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One sparse layer of a fixed-width step: the selection (`fixed_selection`; a reusing step takes the
-        layer's kept one), then split-K attention over it. Triton kernels on CUDA (or under TRITON_INTERPRET=1),
-        their torch references otherwise."""
+        layer's kept one), then split-K attention over it. Triton kernels on CUDA, their torch references
+        otherwise (the kernels' tests run them on CPU tensors in Triton's interpreter)."""
         from ..kernels import triton_ready
         from ..kernels.attend import sparse_decode_attention, sparse_decode_attention_ref
 

@@ -303,10 +303,10 @@ def _count_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_pt
     above = tl.zeros([BLOCK], tl.int32)  # per lane: one reduction after the run, not three a block
     n_forced = tl.zeros([BLOCK], tl.int32)
     live = tl.zeros([BLOCK], tl.int32)
-    for i in range(BPP):
-        start = (p * BPP + i) * BLOCK
-        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
-                             BLOCK)  # all 0 past the query
+    first = p * BPP * BLOCK
+    for i in range(tl.minimum(BPP, tl.maximum(pos - first, -1) // BLOCK + 1)):  # the run's blocks up to the query
+        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, first + i * BLOCK, pos, forced_from, SINKS, WINDOW,
+                             KEY_BITS, BLOCK)
         above += (key >= lo).to(tl.int32)
         n_forced += (key == KEY_MASK).to(tl.int32)
         live += (key > 0).to(tl.int32)
@@ -467,6 +467,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     it, the time does."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
+    assert served is None or (served.shape == (R,) and served.dtype == torch.int32 and served.device == keys.device)
     B = positions.shape[0]
     hkv, digits, last = R // B, *key_digits(key_bits)
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
