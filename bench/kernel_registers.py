@@ -1,10 +1,12 @@
-"""The attention kernels compiled for a Hopper GPU without one (CPU is enough): per launch, the PTX instruction count,
-the `cp.async` copies, and what `ptxas -v` reports — registers a thread, spills, and Triton's shared memory. A
+"""The attention kernels (or the select's, `--select`) compiled for a Hopper GPU without one (CPU is enough): per
+launch, the PTX instruction count, the `cp.async` copies (the select's: its key loads' width, its barriers), and
+what `ptxas -v` reports — registers a thread, spills, and Triton's shared memory. A
 static check before device time is spent: which launches spill, how many programs a multiprocessor can hold, and
 whether two launches that time differently (e.g. the one-query block attention of query-head groups 4 and 6,
 docs/results/sparse_gpu.md, forty-second session) compile to different code.
 
     python bench/kernel_registers.py [--groups 4,6] [--widths 1] [--keys 64,128] [--warps 4] [--stages 2,3]
+    python bench/kernel_registers.py --select     (the select's passes over the keys: how wide their loads are)
 
 Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: the rows of `block_tiles`' tile) and
 `_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128, bf16, 8 KV heads. The
@@ -36,6 +38,7 @@ POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "positions": "*i64", "tree
             "count": "*i32", "m_part": "*fp32", "l_part": "*fp32", "acc_part": "*fp32"}
 UNIT = ("stride_pb", "stride_tb", "stride_ch")  # strides of 1 in a decode step (T = 1): Triton makes them constants
 SCALARS = ("qk_scale",)
+SELECT_POINTERS = {"keys_ptr": "*i16", "cand_ptr": "*i16", "samples_ptr": "*i16", "attended_ptr": "*fp32"}
 
 
 def ptxas() -> str:
@@ -60,7 +63,27 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, width: int = 1) -
             signature[name] = POINTERS.get(name, "i32")  # stride, T, only when T is)
             if name != "PARTS" and (name not in UNIT or width % 16 == 0):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return compiled(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), warps, stages)
+
+
+def compile_select(kernel, consts: dict, warps: int) -> dict:
+    """A kernel of the select (`kernels/select.py`) for BinaryPC's 14-bit int16 keys: pointers 16-aligned, the sizes
+    that real shapes make multiples of 16 (S, R, C, NS) marked so, as Triton specialises them on the device."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            signature[name], constexprs[(i,)] = "constexpr", consts[name]
+        elif name.endswith("_ptr"):
+            signature[name] = SELECT_POINTERS.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name in ("S", "R", "C", "NS"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return compiled(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), warps, 3)
+
+
+def compiled(src, warps: int, stages: int) -> dict:
     out = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
     ptx = out.asm["ptx"]
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_registers_{os.getpid()}.ptx"
@@ -80,7 +103,10 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, width: int = 1) -
     body = [line.split()[1] if line.startswith("@") else line.split()[0]  # (predicated: "@%p1 ld.global...")
             for line in lines if line[:1].isalpha() or line.startswith("@")]
     return {"instructions": len(body), "cp_async": sum(op.startswith("cp.async.cg") for op in body),
-            "registers": regs, "spill_bytes": spills, "shared_bytes": out.metadata.shared}
+            "registers": regs, "spill_bytes": spills, "shared_bytes": out.metadata.shared,
+            "scalar_16bit_loads": sum(op == "ld.global.b16" for op in body),
+            "vector_loads": sum(op.startswith("ld.global.v") for op in body),
+            "barriers": sum(op.startswith("bar.sync") for op in body)}
 
 
 def main() -> None:
@@ -90,7 +116,11 @@ def main() -> None:
     ap.add_argument("--keys", default="64,128")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--select", action="store_true",
+                    help="the select's passes over the keys instead (BinaryPC's 14-bit keys, 2,048-slot blocks)")
     args = ap.parse_args()
+    if args.select:
+        return select_table()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     print("| kernel | group | width | rows | keys | warps | stages | PTX instructions | cp.async | registers "
           "| spill bytes | shared bytes |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -112,6 +142,26 @@ def main() -> None:
                             print(f"| {name} | {G} | {T} | {consts.get('BLOCK_R', consts.get('BLOCK_G'))} | {keys} "
                                   f"| {warps} | {stages} | {r['instructions']} | {r['cp_async']} "
                                   f"| {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |")
+
+
+def select_table() -> None:
+    """The select's passes over the keys as the candidate and radix paths launch them at 8 KV heads (5 programs a
+    row): the key loads' width (a masked load vectorises only where Triton can prove the mask uniform over a run of
+    lanes), barriers, registers."""
+    from sparsespec.kernels import select
+
+    keys = dict(HKV=8, KEY_BITS=14, BLOCK=2048)
+    runs = [("count", select._count_kernel, dict(keys, LOW=6, STRIDE=16, P=5)),
+            ("compact", select._compact_kernel, dict(keys, P=5, PP=8, ATTENDED=True)),
+            ("histogram, top digit", select._histogram_kernel, dict(keys, LAST=6, D=0, P=5, SKIP=False)),
+            ("histogram, last digit", select._histogram_kernel, dict(keys, LAST=6, D=1, P=5, SKIP=False)),
+            ("write", select._write_kernel, dict(keys, LAST=6, P=5, PP=8, ATTENDED=True, SKIP=False))]
+    print("| kernel | PTX instructions | 16-bit scalar loads | vector loads | barriers | registers | shared bytes |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
+    for name, kernel, consts in runs:
+        r = compile_select(kernel, consts, 8)
+        print(f"| {name} | {r['instructions']} | {r['scalar_16bit_loads']} | {r['vector_loads']} | {r['barriers']} "
+              f"| {r['registers']} | {r['shared_bytes']} |")
 
 
 if __name__ == "__main__":
