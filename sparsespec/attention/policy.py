@@ -437,8 +437,8 @@ class SelectionPolicy(Policy):
                         into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, 1, D] -> the step's selection into `into` (default the plan's buffers of the layer,
         `FixedPlan.buffers`): (idx [B * Hkv, width] int32 in slot order, count [B * Hkv] int32), its mean count per
-        row added to `attended`. Default: the policy's keys
-        (`fixed_keys`), then radix top-k; the Triton kernel on CUDA, its torch reference otherwise."""
+        row added to `attended`. Default: the policy's keys (`fixed_keys`), then radix top-k; the Triton kernel on
+        CUDA, its torch reference otherwise."""
         from ..kernels import triton_ready
 
         plan = self.fixed
