@@ -54,10 +54,12 @@ def _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr
 
 
 @triton.jit
-def _keys_block(row_ptr, start, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """The ranked keys of slots [start, start + BLOCK)."""
+def _keys_block(row_ptr, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The ranked keys of slots [start, start + BLOCK) of a row of S slots. The load is masked by the row's end,
+    not by the query's position (`_ranked_keys` zeroes the slots past it): a mask constant over aligned runs lets
+    each thread load its keys in one vector access, not one 16-bit load a key."""
     s = start + tl.arange(0, BLOCK)
-    key = tl.load(row_ptr + s, mask=s <= pos, other=0)
+    key = tl.load(row_ptr + s, mask=s < S, other=0)
     return s, _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS)
 
 
@@ -137,7 +139,7 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
-            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
+            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS,
                                  BLOCK)
             match = key > 0
             if D == 0:
@@ -190,7 +192,7 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
-            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW, KEY_BITS,
+            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS,
                                  BLOCK)
             above = (key > 0) & (key > threshold)
             eq = (key > 0) & (key == threshold)
@@ -305,7 +307,7 @@ def _count_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_pt
     live = tl.zeros([BLOCK], tl.int32)
     first = p * BPP * BLOCK
     for i in range(tl.minimum(BPP, tl.maximum(pos - first, -1) // BLOCK + 1)):  # the run's blocks up to the query
-        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, first + i * BLOCK, pos, forced_from, SINKS, WINDOW,
+        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, first + i * BLOCK, S, pos, forced_from, SINKS, WINDOW,
                              KEY_BITS, BLOCK)
         above += (key >= lo).to(tl.int32)
         n_forced += (key == KEY_MASK).to(tl.int32)
@@ -345,7 +347,7 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr
         for i in range(BPP):
             start = (p * BPP + i) * BLOCK
             if start <= pos:
-                s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, pos, forced_from, SINKS, WINDOW,
+                s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, S, pos, forced_from, SINKS, WINDOW,
                                      KEY_BITS, BLOCK)
                 take = key >= lo
                 run = tl.cumsum(take.to(tl.int32), 0)
