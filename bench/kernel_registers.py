@@ -38,8 +38,7 @@ POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "positions": "*i64", "tree
             "count": "*i32", "m_part": "*fp32", "l_part": "*fp32", "acc_part": "*fp32"}
 UNIT = ("stride_pb", "stride_tb", "stride_ch")  # strides of 1 in a decode step (T = 1): Triton makes them constants
 SCALARS = ("qk_scale",)
-SELECT_POINTERS = {"keys_ptr": "*i16", "cand_ptr": "*i16", "samples_ptr": "*i16", "attended_ptr": "*fp32",
-                   "words_ptr": "*i64"}
+SELECT_POINTERS = {"keys_ptr": "*i16", "cand_ptr": "*i16", "samples_ptr": "*i16", "attended_ptr": "*fp32"}
 
 
 def ptxas() -> str:
@@ -152,8 +151,8 @@ def select_table() -> None:
     from sparsespec.kernels import select
 
     keys = dict(HKV=8, KEY_BITS=14, BLOCK=2048)
-    runs = [("scan (count and compact)", select._scan_kernel, dict(keys, LOW=6, STRIDE=16, P=5, PP=8,
-                                                                    COUNT_BITS=select.COUNT_BITS, ATTENDED=True)),
+    runs = [("count", select._count_kernel, dict(keys, LOW=6, STRIDE=16, P=5)),
+            ("compact", select._compact_kernel, dict(keys, P=5, PP=8, ATTENDED=True)),
             ("histogram, top digit", select._histogram_kernel, dict(keys, LAST=6, D=0, P=5, SKIP=False)),
             ("histogram, last digit", select._histogram_kernel, dict(keys, LAST=6, D=1, P=5, SKIP=False)),
             ("write", select._write_kernel, dict(keys, LAST=6, P=5, PP=8, ATTENDED=True, SKIP=False))]

@@ -21,12 +21,11 @@ row has its count) and writes the selection compacted in slot order. Every pass 
 a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then the write.
 
 The candidate path (keys of up to 16 bits, large selects: `takes_candidates`): histograms of one slot in 16 give a
-threshold a little below the row's budget; one scan pass counts the keys at or above it and writes them in slot
-order to a candidate buffer (each program of a row waits for its predecessors' counts: a decoupled look-back, so
-the row is read from memory once), the row's last program checks that they hold the row's selection and fit the
-buffer, and the radix select above runs over the candidates alone (its selection mapped back to slots) — one pass
-over the row instead of two histogram passes and the write. Rows whose candidates fall short or overflow take the
-radix path in the same launches: the selection is the same on both paths.
+threshold a little below the row's budget; a counting pass checks that the keys at or above it hold the row's
+selection and fit a candidate buffer, a compaction writes them in slot order, and the radix select above runs over
+the candidates alone (its selection mapped back to slots) — two scanning passes over the row instead of two
+histogram passes and the write. Rows whose candidates fall short or overflow take the radix path in the same
+launches: the selection is the same on both paths.
 
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
 of each row zeroes them again, so a plan keeps one scratch for every layer and step (no memset launch a select).
@@ -238,20 +237,14 @@ def _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE: tl.constexpr
 
 
 @triton.jit
-def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, words_ptr, R, S, K, SINKS, WINDOW,
-                   MARGIN, SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr, STRIDE: tl.constexpr,
-                   LEVEL: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, S, K, SINKS, WINDOW, MARGIN,
+                   SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr, STRIDE: tl.constexpr,
+                   LEVEL: tl.constexpr, BLOCK: tl.constexpr):
     """The sample's histograms, one slot in STRIDE, this program's SPP samples (added atomically to shist_ptr
     [R, 2, 256]): LEVEL 0 of the keys' top digit; LEVEL 1 (keys of two digits) of the low digit among the keys
-    whose top digit holds the sample's target rank. LOW: the bits below the top digit (0 for one digit). LEVEL 0
-    also zeroes the scan pass's words (words_ptr [R * P + 1]: P scan programs a row, then their places)."""
+    whose top digit holds the sample's target rank. LOW: the bits below the top digit (0 for one digit)."""
     r = tl.program_id(0)
     p = tl.program_id(1)
-    if LEVEL == 0:
-        if p == 0:
-            tl.store(words_ptr + r * P + tl.arange(0, PP), tl.zeros([PP], tl.int64), mask=tl.arange(0, PP) < P)
-            if r == 0:
-                tl.store(words_ptr + R * P, tl.zeros([1], tl.int64).sum(0))
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
@@ -294,71 +287,75 @@ def _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW
     return tl.where(target > tl.sum(top, 0), 1, tl.maximum(lo, 1))
 
 
-COUNT_BITS = 21  # bits of each count a scan program publishes (three in one int64 word): rows under 2^21 - 1 slots
-
-
 @triton.jit
-def _scan_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, words_ptr, cand_ptr, slots_ptr,
-                 info_ptr, attended_ptr, R, S, C, K, SINKS, WINDOW, MARGIN, BPP, HKV: tl.constexpr,
-                 KEY_BITS: tl.constexpr, LOW: tl.constexpr, STRIDE: tl.constexpr, P: tl.constexpr,
-                 PP: tl.constexpr, BLOCK: tl.constexpr, COUNT_BITS: tl.constexpr, ATTENDED: tl.constexpr):
-    """A row's candidates in one pass (a decoupled look-back): each of the row's P programs counts its run's keys at
-    or above the sampled threshold, with its forced and live keys, publishes the three counts (words_ptr [R * P +
-    1] int64, 1 + the counts packed, zeroed by the sample pass; the last word hands out the programs' places in
-    order of start, so a program waits only on programs already running), waits for its predecessors' and
-    compacts its candidates in slot order from its place in the row on into cand_ptr / slots_ptr [R, C] (a second
-    read of its run, from L2). The row's last program writes the row's info for the candidate select (info_ptr
-    [4, R]: last candidate, wanted, first forced slot = none, ok: at least as many candidates as wanted and at most
-    C; a row that is not ok takes the radix path and its candidates are ignored) and zeroes its sample histograms
-    for the next select (every program has read them by then)."""
-    t = tl.atomic_add(words_ptr + R * P, 1)
-    r = t % R
-    p = t // R
+def _count_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, lo_ptr, counts_ptr, S, K, SINKS,
+                  WINDOW, MARGIN, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
+                  STRIDE: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    """The candidate threshold from the sample (program 0 keeps it in lo_ptr[r]); this program's keys at or above
+    it, forced keys and live keys -> counts_ptr[r, p, :3]."""
+    r = tl.program_id(0)
+    p = tl.program_id(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW, STRIDE)
+    if p == 0:
+        tl.store(lo_ptr + r, lo)
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    FIELD: tl.constexpr = (1 << COUNT_BITS) - 1
-    row = keys_ptr + r.to(tl.int64) * S
     above = tl.zeros([BLOCK], tl.int32)  # per lane: one reduction after the run, not three a block
     n_forced = tl.zeros([BLOCK], tl.int32)
     live = tl.zeros([BLOCK], tl.int32)
     first = p * BPP * BLOCK
-    blocks = tl.minimum(BPP, tl.maximum(pos - first, -1) // BLOCK + 1)  # the run's blocks up to the query
-    for i in range(blocks):
-        s, key = _keys_block(row, first + i * BLOCK, S, pos, forced_from, SINKS, WINDOW, KEY_BITS, BLOCK)
+    for i in range(tl.minimum(BPP, tl.maximum(pos - first, -1) // BLOCK + 1)):  # the run's blocks up to the query
+        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, first + i * BLOCK, S, pos, forced_from, SINKS, WINDOW,
+                             KEY_BITS, BLOCK)
         above += (key >= lo).to(tl.int32)
         n_forced += (key == KEY_MASK).to(tl.int32)
         live += (key > 0).to(tl.int32)
-    above = tl.sum(above, 0)
-    n_forced = tl.sum(n_forced, 0)
-    live = tl.sum(live, 0)
-    words = words_ptr + r * P
-    tl.atomic_xchg(words + p, 1 + (above.to(tl.int64) | (n_forced.to(tl.int64) << COUNT_BITS)
-                                   | (live.to(tl.int64) << 2 * COUNT_BITS)))
+    own = counts_ptr + (r * P + p) * 3
+    tl.store(own, tl.sum(above, 0))
+    tl.store(own + 1, tl.sum(n_forced, 0))
+    tl.store(own + 2, tl.sum(live, 0))
+
+
+@triton.jit
+def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr, counts_ptr, cand_ptr, slots_ptr,
+                    info_ptr, attended_ptr, shist_ptr, R, S, C, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
+                    KEY_BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
+                    ATTENDED: tl.constexpr):
+    """The row's candidates (ranked keys at or above the threshold, with their slots) compacted in slot order into
+    cand_ptr / slots_ptr [R, C], if they hold its whole selection: at least as many as it wants and at most C.
+    Program 0 writes the row's info for the candidate select (info_ptr [4, R]: last candidate, wanted, first
+    forced slot = none, ok) — a row that is not ok has no candidates there and takes the radix path — and zeroes
+    the row's sample histograms (read by the count pass alone) for the next select."""
+    r = tl.program_id(0)
+    p = tl.program_id(1)
+    b = r // HKV
+    pos = tl.load(positions_ptr + b).to(tl.int32)
+    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
+    lo = tl.load(lo_ptr + r)
     prog = tl.arange(0, PP)
-    earlier = prog < p
-    seen = tl.load(words + prog, mask=earlier, other=1, volatile=True)
-    while tl.min(seen, 0) == 0:
-        seen = tl.load(words + prog, mask=earlier, other=1, volatile=True)
-    seen -= 1  # the predecessors' counts (zero past them)
-    out = tl.sum(seen & FIELD, 0).to(tl.int32)  # the row's candidates before this run
-    if out < C:
-        for i in range(blocks):
-            s, key = _keys_block(row, first + i * BLOCK, S, pos, forced_from, SINKS, WINDOW, KEY_BITS, BLOCK)
-            take = key >= lo
-            at = out + tl.cumsum(take.to(tl.int32), 0) - 1
-            dst = r.to(tl.int64) * C + at
-            tl.store(cand_ptr + dst, key.to(cand_ptr.dtype.element_ty), mask=take & (at < C))
-            tl.store(slots_ptr + dst, s, mask=take & (at < C))
-            out += tl.sum(take.to(tl.int32), 0)
-    if p == P - 1:
-        total = tl.sum(seen & FIELD, 0).to(tl.int32) + above
-        n_forced += tl.sum((seen >> COUNT_BITS) & FIELD, 0).to(tl.int32)
-        live += tl.sum((seen >> 2 * COUNT_BITS) & FIELD, 0).to(tl.int32)
-        want = tl.minimum(tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), live), K)
-        ok = (total >= want) & (total <= C)
+    own = counts_ptr + (r * P + prog) * 3
+    above = tl.load(own, mask=prog < P, other=0)
+    total = tl.sum(above, 0)
+    n_forced = tl.sum(tl.load(own + 1, mask=prog < P, other=0), 0)
+    live = tl.sum(tl.load(own + 2, mask=prog < P, other=0), 0)
+    want = tl.minimum(tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), live), K)
+    ok = (total >= want) & (total <= C)
+    if ok:
+        out = tl.sum(tl.where(prog < p, above, 0), 0)
+        for i in range(BPP):
+            start = (p * BPP + i) * BLOCK
+            if start <= pos:
+                s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, S, pos, forced_from, SINKS, WINDOW,
+                                     KEY_BITS, BLOCK)
+                take = key >= lo
+                run = tl.cumsum(take.to(tl.int32), 0)
+                dst = r.to(tl.int64) * C + out + run - 1
+                tl.store(cand_ptr + dst, key.to(cand_ptr.dtype.element_ty), mask=take)
+                tl.store(slots_ptr + dst, s, mask=take)
+                out += tl.sum(take.to(tl.int32), 0)
+    if p == 0:
         tl.store(shist_ptr + r * 512 + tl.arange(0, 512), tl.zeros([512], tl.int32))
         tl.store(info_ptr + r, tl.where(ok, total - 1, -1))
         tl.store(info_ptr + R + r, tl.where(ok, want, 0))
@@ -426,8 +423,7 @@ def candidate_width(k: int, capacity: int) -> int:
 def takes_candidates(rows: int, capacity: int, k: int, key_bits: int) -> bool:
     """Whether `select_topk(sampled=None)` takes the candidate path: keys of up to 16 bits, candidates at most a
     quarter of the row, and enough keys that its extra launches pay (measured: bench/select_paths.py)."""
-    return (key_bits <= 16 and 4 * candidate_width(k, capacity) <= capacity and rows * capacity >= SAMPLED_MIN_KEYS
-            and capacity < (1 << COUNT_BITS) - 1)
+    return key_bits <= 16 and 4 * candidate_width(k, capacity) <= capacity and rows * capacity >= SAMPLED_MIN_KEYS
 
 
 def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
@@ -463,12 +459,12 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     graph.
 
     `sampled` (keys of up to 16 bits; None: `takes_candidates`): the candidate path. A threshold estimated from
-    one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one pass that counts
-    and compacts them, no histogram over the whole row — and the radix select runs over the candidates alone
+    one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one counting pass
+    and one compaction, no histogram over the whole row — and the radix select runs over the candidates alone
     (`candidate_width` of them a row), whose selection maps back to slots. A row whose candidates do not hold its
     whole selection (too few above the threshold, or more than fit) takes the radix path over all its keys in
-    the same launches; the selection is the same either way. Its scan takes `scan_block` slots a step and
-    `scan_waves` programs per SM. `served` int32 [R], if given, is set to 1 for the
+    the same launches; the selection is the same either way. Its counting and compaction passes take
+    `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to 1 for the
     rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never shows
     it, the time does."""
     R, S = keys.shape
@@ -494,31 +490,35 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         if served is not None:
             served.zero_()
         return idx, count
-    if key_bits > 16 or stride < 1 or stride & (stride - 1) or S >= (1 << COUNT_BITS) - 1:
-        raise ValueError(f"the candidate path takes keys of up to 16 bits, a power-of-two stride and rows of fewer "
-                         f"than {(1 << COUNT_BITS) - 1} slots, got {key_bits} bits, stride {stride}, {S} slots")
+    if key_bits > 16 or stride < 1 or stride & (stride - 1):
+        raise ValueError(f"the candidate path takes keys of up to 16 bits and a power-of-two stride, got "
+                         f"{key_bits} bits, stride {stride}")
     C = candidate_width(k, S)
     sample_hist = scratch_all[R * 2 * 256:R * 4 * 256]  # [R, 2, 256]: the radix digits of <= 16-bit keys leave it
-    blk = min(scan_block, triton.next_power_of_2(S))
-    nb = triton.cdiv(S, blk)
-    P = programs_per_row(R, nb, keys.device, scan_waves)
-    bpp = triton.cdiv(nb, P)
-    words = torch.empty(R * P + 1, dtype=torch.int64, device=keys.device)  # zeroed by the sample's first level
     n_s, sblock = triton.cdiv(S, stride), 1024
     low = last if digits == 2 else 0  # the bits below the top digit (keys of up to 16 bits: one or two digits)
     ps = programs_per_row(R, triton.cdiv(n_s, sblock), keys.device, waves)
     spp = triton.cdiv(triton.cdiv(n_s, sblock), ps) * sblock
     for level in range(digits):
-        _sample_kernel[(R, ps)](keys, positions, tokens, forced_from, sample_hist, words, R, S, k, sinks, window,
-                                margin, spp, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, LEVEL=level, P=P,
-                                PP=triton.next_power_of_2(P), BLOCK=sblock, num_warps=4)
+        _sample_kernel[(R, ps)](keys, positions, tokens, forced_from, sample_hist, S, k, sinks, window, margin, spp,
+                                HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, LEVEL=level, BLOCK=sblock,
+                                num_warps=4)
+    blk = min(scan_block, triton.next_power_of_2(S))
+    nb = triton.cdiv(S, blk)
+    P = programs_per_row(R, nb, keys.device, scan_waves)
+    bpp = triton.cdiv(nb, P)
+    lo = torch.empty(R, dtype=torch.int32, device=keys.device)
+    counts = torch.empty(R, P, 3, dtype=torch.int32, device=keys.device)
+    _count_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, lo, counts, S, k, sinks, window, margin,
+                          bpp, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, P=P, BLOCK=blk,
+                          num_warps=num_warps)
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
     info = torch.empty(4, R, dtype=torch.int32, device=keys.device)  # last candidate, wanted, none forced, ok
-    _scan_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, words, cand, slots, info,
-                         count if attended is None else attended, R, S, C, k, sinks, window, margin, bpp, HKV=hkv,
-                         KEY_BITS=key_bits, LOW=low, STRIDE=stride, P=P, PP=triton.next_power_of_2(P), BLOCK=blk,
-                         COUNT_BITS=COUNT_BITS, ATTENDED=attended is not None, num_warps=num_warps)
+    _compact_kernel[(R, P)](keys, positions, tokens, forced_from, lo, counts, cand, slots, info,
+                            count if attended is None else attended, sample_hist, R, S, C, k, sinks, window, bpp,
+                            HKV=hkv, KEY_BITS=key_bits, P=P, PP=triton.next_power_of_2(P), BLOCK=blk,
+                            ATTENDED=attended is not None, num_warps=num_warps)
     if served is not None:
         served.copy_(info[3])
     # the candidates: each row its own "batch row", nothing forced by position (forced keys are maximal already)
