@@ -59,8 +59,13 @@ def _keys_block(row_ptr, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl
     not by the query's position (`_ranked_keys` zeroes the slots past it): a mask constant over aligned runs lets
     each thread load its keys in one vector access, not one 16-bit load a key."""
     s = start + tl.arange(0, BLOCK)
-    key = tl.load(row_ptr + s, mask=s < S, other=0)
-    return s, _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS)
+    stored = tl.load(row_ptr + s, mask=s < S, other=0)
+    key = (stored.to(tl.int32) if KEY_BITS <= 16 else stored.to(tl.int64)) & ((1 << KEY_BITS) - 1)
+    if (start < SINKS) | (start + BLOCK > pos - WINDOW + 1) | (start + BLOCK > forced_from):
+        # forced or future slots in the block; the others (most blocks of a long row) take the stored keys as they
+        # are, a third of the operations a key: the passes over the row are bound by them as much as by memory
+        key = _ranked_keys(s, stored, pos, forced_from, SINKS, WINDOW, KEY_BITS)
+    return s, key
 
 
 @triton.jit
