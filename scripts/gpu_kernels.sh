@@ -5,7 +5,7 @@
 #   sh scripts/gpu_kernels.sh                                                     (OUT set: $OUT/kernels.tar.gz)
 # Steps (each once into /root/kernels/<step>, skipped when done: scripts/steps.sh; ONLY picks some):
 #   tests   the CUDA tests of the kernels and of the loops on them (block attention, select and scorers, trees,
-#           whole steps, drafters): 3 min 20 s in 4 processes without the select's file (forty-fourth session);
+#           whole steps, drafters): 5 min 4 s in 4 processes with the select's file (forty-fifth session);
 #           TESTS="FILE ..." runs fewer, e.g. the kernels' and CUDA files alone after a kernel change
 #   sweep   bench/block_attention_sweep.py: every launch of the block attention against the default, SDPA and the
 #           bytes floor, decode steps and verify blocks (widths 1, 4, 8, 16) in both shapes

@@ -56,8 +56,9 @@ def _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr
 @triton.jit
 def _keys_block(row_ptr, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """The ranked keys of slots [start, start + BLOCK) of a row of S slots. The load is masked by the row's end,
-    not by the query's position (`_ranked_keys` zeroes the slots past it): a mask constant over aligned runs lets
-    each thread load its keys in one vector access, not one 16-bit load a key."""
+    not by the query's position (`_ranked_keys` zeroes the slots past it): a mask constant over aligned runs (S a
+    multiple of 16, as Triton's specialisation sees it) lets each thread load its keys in one vector access, not
+    one 16-bit load a key."""
     s = start + tl.arange(0, BLOCK)
     stored = tl.load(row_ptr + s, mask=s < S, other=0)
     key = (stored.to(tl.int32) if KEY_BITS <= 16 else stored.to(tl.int64)) & ((1 << KEY_BITS) - 1)
