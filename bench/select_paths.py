@@ -2,7 +2,8 @@
 select) and whole (a CUDA graph replayed), checked to select the same slots as each other, with the rows the
 candidates served (the others fell back to the radix passes: the same selection, more time).
 
-    python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024] [--out DIR]
+    python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024]
+        [--flat-rows 0,1,8] [--out DIR]
 
 Keys: 64-bit codes of random correlated keys (8 KV heads, head_dim 128) against a fresh basis, scored by the table
 kernel for 4 query heads a KV head with 7-bit probes (Llama-3.1-8B's heads); budget 2%, 4 sinks, window 64.
@@ -59,18 +60,23 @@ def main():
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--scan", default="4x2048",
                     help="the candidate path's counting/compaction tilings to time, WAVESxBLOCK comma-separated")
+    ap.add_argument("--flat-rows", default="0",
+                    help="how many rows get one key in every slot (the candidates overflow: those rows fall back to "
+                         "the radix passes), comma-separated counts, each timed: what a fallback costs")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
-    for shape in args.shapes.split(","):
+    for shape, flat in ((s, int(f)) for s in args.shapes.split(",") for f in args.flat_rows.split(",")):
         B, S = map(int, shape.split("x"))
         keys, positions, key_bits = binarypc_keys(B, S)
+        if flat:
+            keys[:flat] = keys[:flat].max()  # a flat row: its sampled threshold takes every live slot
         tokens = torch.full((B,), int(S * args.budget), dtype=torch.int32, device="cuda")
         width = int(S * args.budget) + 68
         opts = dict(sinks=4, window=64)
         outs = {}
-        row = {"batch": B, "context": S, "auto": "candidates" if takes_candidates(keys.shape[0], S, width, key_bits)
-               else "radix"}
+        row = {"batch": B, "context": S, "flat_rows": flat,
+               "auto": "candidates" if takes_candidates(keys.shape[0], S, width, key_bits) else "radix"}
         paths = [("radix", dict(sampled=False))]
         for i, tiling in enumerate(args.scan.split(",")):
             w, blk = map(int, tiling.split("x"))
@@ -89,7 +95,8 @@ def main():
             row[f"{name}_served"] = int(served.sum())
         row["same"] = all(same_selection(outs["radix"], out) for out in outs.values())
         rows.append(row)
-        print(f"{B} x {S} (auto: {row['auto']}; same selection on every path: {row['same']})")
+        print(f"{B} x {S}{f', {flat} flat rows' if flat else ''} (auto: {row['auto']}; same selection on every "
+              f"path: {row['same']})")
         for name, _ in paths:
             print(f"   {name} {row[f'{name}_ms'] * 1e3:.1f} us, {row[f'{name}_served']} of {keys.shape[0]} rows by "
                   f"candidates: " + ", ".join(

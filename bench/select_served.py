@@ -4,7 +4,8 @@ passes (the same selection, more time), so a workload that makes rows fall back 
 prompt, computed on the CPU with real weights, then selected by the candidate path in Triton's interpreter at each
 sample stride / margin asked for; every selection is checked against the reference.
 
-    python bench/select_served.py --model qwen2.5-coder-0.5b --long-chars 24000 --steps 3 --settings 16/16,16/0
+    python bench/select_served.py --model qwen2.5-coder-0.5b --kind long-code --long-chars 24000 --steps 3 \
+        --settings 16/16,16/0
 
 Prints, per setting, the rows served of all rows and whether every selection equals the reference's.
 """
@@ -32,12 +33,15 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--attention", default="binarypc:budget=0.02,sinks=4,window=64",
                     help="a policy whose keys have at most 16 bits (BinaryPC; the candidate path takes no others)")
+    ap.add_argument("--kind", default="long-code", choices=("long-code", "long-text", "long-essay"),
+                    help="the prompt: code of the standard library, or prose of the packaged corpora")
+    ap.add_argument("--seed", type=int, default=0, help="which prompt of the kind")
     ap.add_argument("--long-chars", type=int, default=24000)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--settings", default="16/16,16/0", help="sample stride / margin pairs, comma-separated")
     args = ap.parse_args()
     engine = Engine.from_name(args.model, device="cpu", dtype="float32")
-    ids = engine.encode(make_prompts(1, "heldout", ("long-code",), 0, args.long_chars)[0].text, chat=True)
+    ids = engine.encode(make_prompts(1, "heldout", (args.kind,), args.seed, args.long_chars)[0].text, chat=True)
     name, opts = parse_spec(args.attention)
     policy = make_policy(name, opts)
     runner = Runner(engine.model, 1, len(ids) + args.steps + 1, policy, fixed=True)
@@ -62,7 +66,8 @@ def main() -> None:
     if any(a[5] > 16 for a, _ in calls):
         raise SystemExit(f"{args.attention}: keys of more than 16 bits, which the candidate path does not take")
     rows = sum(a[0].shape[0] for a, _ in calls)
-    print(f"{args.model}, {args.attention}: prompt {len(ids)} tokens, {args.steps} steps, {len(calls)} selects "
+    print(f"{args.model}, {args.attention}: {args.kind} prompt (seed {args.seed}) of {len(ids)} tokens, "
+          f"{args.steps} steps, {len(calls)} selects "
           f"({rows} rows of (layer, KV head))")
     refs = [select_topk_ref(*a, **kw) for a, kw in calls]  # what every setting must select
     for setting in args.settings.split(","):

@@ -40,6 +40,8 @@
 #           (the forty-third session's H100 run: 0.91-1.00 of 3 stages' time for every 16-row tile; now the default)
 #   select  bench/select_paths.py: the select's radix and candidate paths kernel by kernel at 1 / 4 / 16 x 128k and
 #           16 x 32k, with the rows the candidates served
+#   select-fallback  the same with 1 and 8 rows whose candidates overflow (one key in every slot: those rows take
+#           the radix passes): what a fallback costs beside the served rows (real keys: `bench/select_served.py`)
 #   attention-binarypc  `sparsespec bench attention` for BinaryPC 2%: one layer against SDPA at 32k / 128k, batch 1 /
 #           4 / 16, stage by stage (issue 11's per-layer bars)
 #   decode-binarypc  `sparsespec bench decode` for BinaryPC 2%, the whole step against the dense graphs at
@@ -91,6 +93,8 @@ step dense-keys python3 bench/block_attention_sweep.py --shapes llama-3.1-8b,qwe
 step verify-stages python3 bench/block_attention_sweep.py --shapes 32/8/128,16/8/128,8/2/128 --sizes \
   16x25600,4x25600,1x32768 --widths 2,4,8 --layers 8 --keys 64 --warps 4 --stages 2,3 --out $root/verify_stages.json
 step select python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 --out $root/select
+step select-fallback python3 bench/select_paths.py --shapes 4x131072,16x32768,16x131072 --flat-rows 1,8 \
+  --out $root/select-fallback
 step attention-binarypc python3 -m sparsespec bench attention --attention binarypc:budget=0.02 --contexts 32768,131072 \
   --batches 1,4,16 --out $root/attention-binarypc
 step decode-binarypc python3 -m sparsespec bench decode --attention binarypc:budget=0.02 \
@@ -98,4 +102,4 @@ step decode-binarypc python3 -m sparsespec bench decode --attention binarypc:bud
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json select/*.json \
-  attention-binarypc/* decode-binarypc/* 2>/dev/null; ls -la $OUT
+  select-fallback/*.json attention-binarypc/* decode-binarypc/* 2>/dev/null; ls -la $OUT
