@@ -475,6 +475,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     it, the time does."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
+    assert keys.is_contiguous(), "keys [R, S] must be contiguous: the passes step through a row S slots apart"
     assert served is None or (served.shape == (R,) and served.dtype == torch.int32 and served.device == keys.device)
     B = positions.shape[0]
     hkv, digits, last = R // B, *key_digits(key_bits)
