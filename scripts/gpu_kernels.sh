@@ -42,6 +42,9 @@
 #           16 x 32k, with the rows the candidates served
 #   select-fallback  the same with 1 and 8 rows whose candidates overflow (one key in every slot: those rows take
 #           the radix passes): what a fallback costs beside the served rows (real keys: `bench/select_served.py`)
+#   ncu-layer  Nsight Compute over one BinaryPC 2% layer at 16 x 128k (bench/profile_layer.py's eager steps): the
+#           probe, score and select kernels' throughput, stalls, occupancy and shared-memory bank conflicts (the
+#           forty-fifth session profiled the count and compaction passes alone; the scorer never)
 #   attention-binarypc  `sparsespec bench attention` for BinaryPC 2%: one layer against SDPA at 32k / 128k, batch 1 /
 #           4 / 16, stage by stage (issue 11's per-layer bars)
 #   decode-binarypc  `sparsespec bench decode` for BinaryPC 2%, the whole step against the dense graphs at
@@ -95,6 +98,12 @@ step verify-stages python3 bench/block_attention_sweep.py --shapes 32/8/128,16/8
 step select python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 --out $root/select
 step select-fallback python3 bench/select_paths.py --shapes 4x131072,16x32768,16x131072 --flat-rows 1,8 \
   --out $root/select-fallback
+step ncu-layer sh -c "timeout 300 ncu --clock-control none --kernel-name \
+  regex:'_probe_kernel|_score_kernel|_sample_kernel|_count_kernel|_compact_kernel|_histogram_kernel|_write_kernel' \
+  --launch-skip 30 --launch-count 12 --section SpeedOfLight --section WarpStateStats --section Occupancy --metrics \
+  l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,\
+smsp__sass_inst_executed_op_shared_ld.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+  python3 bench/profile_layer.py --shapes 16x131072 --steps 3 > $root/ncu_layer.txt 2>&1"
 step attention-binarypc python3 -m sparsespec bench attention --attention binarypc:budget=0.02 --contexts 32768,131072 \
   --batches 1,4,16 --out $root/attention-binarypc
 step decode-binarypc python3 -m sparsespec bench decode --attention binarypc:budget=0.02 \
@@ -102,4 +111,4 @@ step decode-binarypc python3 -m sparsespec bench decode --attention binarypc:bud
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json select/*.json \
-  select-fallback/*.json attention-binarypc/* decode-binarypc/* 2>/dev/null; ls -la $OUT
+  select-fallback/*.json ncu_layer.txt attention-binarypc/* decode-binarypc/* 2>/dev/null; ls -la $OUT
