@@ -3,7 +3,7 @@ select) and whole (a CUDA graph replayed), checked to select the same slots as e
 candidates served (the others fell back to the radix passes: the same selection, more time).
 
     python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024]
-        [--samples 32/16,32/32] [--flat-rows 0,1,8] [--out DIR]
+        [--samples 32/16,64/32/4] [--flat-rows 0,1,8] [--out DIR]
 
 Keys: 64-bit codes of random correlated keys (8 KV heads, head_dim 128) against a fresh basis, scored by the table
 kernel for 4 query heads a KV head with 7-bit probes (Llama-3.1-8B's heads); budget 2%, 4 sinks, window 64.
@@ -61,8 +61,8 @@ def main():
     ap.add_argument("--scan", default="4x2048",
                     help="the candidate path's counting/compaction tilings to time, WAVESxBLOCK comma-separated")
     ap.add_argument("--samples", default="",
-                    help="more sample stride / margin settings of the candidate path to time beside the default's "
-                         "16/16 (with the first scan tiling), comma-separated")
+                    help="more settings of the candidate path to time beside the default's 16/16/2 (with the first "
+                         "scan tiling): sample stride / margin [/ room, in selection widths], comma-separated")
     ap.add_argument("--flat-rows", default="0",
                     help="how many rows get one key in every slot (the candidates overflow: those rows fall back to "
                          "the radix passes), comma-separated counts, each timed: what a fallback costs")
@@ -86,8 +86,9 @@ def main():
             paths.append(("candidates" + (f" {tiling}" if i else ""), dict(sampled=True, scan_waves=w,
                                                                             scan_block=blk)))
         for setting in filter(None, args.samples.split(",")):
-            stride, margin = map(int, setting.split("/"))
-            paths.append((f"candidates s{stride}/m{margin}", dict(paths[1][1], stride=stride, margin=margin)))
+            stride, margin, room = (list(map(int, setting.split("/"))) + [2])[:3]
+            paths.append((f"candidates {stride}/{margin}/{room}", dict(paths[1][1], stride=stride, margin=margin,
+                                                                       room=room)))
         for name, kw in paths:
             out = (torch.empty(keys.shape[0], width, dtype=torch.int32, device="cuda"),
                    torch.empty(keys.shape[0], dtype=torch.int32, device="cuda"))

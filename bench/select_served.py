@@ -38,7 +38,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="which prompt of the kind")
     ap.add_argument("--long-chars", type=int, default=24000)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--settings", default="16/16,16/0", help="sample stride / margin pairs, comma-separated")
+    ap.add_argument("--settings", default="16/16,16/0",
+                    help="sample stride / margin [/ room for candidates, in selection widths], comma-separated")
     args = ap.parse_args()
     engine = Engine.from_name(args.model, device="cpu", dtype="float32")
     ids = engine.encode(make_prompts(1, "heldout", (args.kind,), args.seed, args.long_chars)[0].text, chat=True)
@@ -71,14 +72,15 @@ def main() -> None:
           f"({rows} rows of (layer, KV head))")
     refs = [select_topk_ref(*a, **kw) for a, kw in calls]  # what every setting must select
     for setting in args.settings.split(","):
-        stride, margin = map(int, setting.split("/"))
+        stride, margin, room = (list(map(int, setting.split("/"))) + [2])[:3]
         served_rows, same = 0, True
         for (a, kw), ref in zip(calls, refs):
             served = torch.empty(a[0].shape[0], dtype=torch.int32)
-            got = select_topk(a[0].clone(), *a[1:], sampled=True, stride=stride, margin=margin, served=served, **kw)
+            got = select_topk(a[0].clone(), *a[1:], sampled=True, stride=stride, margin=margin, room=room,
+                              served=served, **kw)
             same &= same_selection(got, ref)
             served_rows += int(served.sum())
-        print(f"  stride {stride}, margin {margin}: {served_rows} of {rows} rows served by candidates; "
+        print(f"  stride {stride}, margin {margin}, room {room}: {served_rows} of {rows} rows served by candidates; "
               f"same selection as the reference: {same}")
 
 

@@ -42,7 +42,8 @@
 #           16 x 32k, with the rows the candidates served
 #   select-fallback  the same with 0, 1 and 8 rows whose candidates overflow (one key in every slot: those rows take
 #           the radix passes): what a fallback costs beside the served rows (real keys: `bench/select_served.py`);
-#           and samples of one slot in 32 (margins 16 and 32): half the sample's reads, against fallbacks
+#           and samples of one slot in 32 or 64 (half or a quarter of the sample's reads) with room for 2 or 4
+#           selection widths of candidates (real keys overflow 2 at stride 32 and 64, not 4: select-served/)
 #   ncu-layer  Nsight Compute over one BinaryPC 2% layer at 16 x 128k (bench/profile_layer.py's eager steps): the
 #           probe, score and select kernels' throughput, stalls, occupancy and shared-memory bank conflicts (the
 #           forty-fifth session profiled the count and compaction passes alone; the scorer never)
@@ -98,7 +99,7 @@ step verify-stages python3 bench/block_attention_sweep.py --shapes 32/8/128,16/8
   16x25600,4x25600,1x32768 --widths 2,4,8 --layers 8 --keys 64 --warps 4 --stages 2,3 --out $root/verify_stages.json
 step select python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 --out $root/select
 step select-fallback python3 bench/select_paths.py --shapes 4x131072,16x32768,16x131072 --flat-rows 0,1,8 \
-  --samples 32/16,32/32 --out $root/select-fallback
+  --samples 32/16,32/16/4,64/32/4 --out $root/select-fallback
 step ncu-layer sh -c "timeout 300 ncu --clock-control none --kernel-name \
   regex:'_probe_kernel|_score_kernel|_sample_kernel|_count_kernel|_compact_kernel|_histogram_kernel|_write_kernel' \
   --launch-skip 30 --launch-count 12 --section SpeedOfLight --section WarpStateStats --section Occupancy --metrics \

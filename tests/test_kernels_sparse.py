@@ -241,6 +241,12 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
     assert torch.equal(count, ref_count)
     for r in range(R):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
+    # with room for 4 widths (2,048 candidates, not 1,024) the flat row's 1,500 ties fit: served, the same selection
+    idx, count = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, stride=stride,
+                             margin=0, room=4, block=block, scan_block=block, sinks=2, window=3, served=served)
+    assert served[:2].tolist() == [0, 1] and torch.equal(count, ref_count)
+    for r in range(R):
+        assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
     select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=False, block=block, served=served)
     assert not served.any()  # the radix path serves no row by candidates
 
@@ -278,6 +284,9 @@ def test_candidate_path_is_taken_by_shape():
     assert not takes_candidates(128, 131072, 2622, 32)  # 32-bit keys: the radix path
     assert not takes_candidates(128, 16384, 4000, 14)  # candidates would fill a quarter of the row
     assert candidate_width(2622, 131072) == 8192 and candidate_width(5, 100) == 100
+    assert candidate_width(2622, 131072, room=4) == 16384  # more room against ties at the threshold
+    assert takes_candidates(128, 32768, 2000, 14) and not takes_candidates(128, 32768, 2000, 14, room=4)  # ... which
+    # must still fit a quarter of the row
 
 
 def test_ordered_keys_keep_the_order_of_scores():

@@ -420,16 +420,21 @@ SAMPLE_STRIDE = 16  # the candidate path's threshold is estimated from one slot 
 SAMPLED_MIN_KEYS = 1 << 22  # `sampled=None` takes the candidate path from this many keys a select (R x S) up
 
 
-def candidate_width(k: int, capacity: int) -> int:
-    """Room for one row's candidates on the candidate path (at least twice the width: the threshold is estimated
-    for 5/4 of the budget)."""
-    return min(capacity, triton.next_power_of_2(2 * k + 256))
+CANDIDATE_ROOM = 2  # candidates a row has room for, in selection widths (`candidate_width`)
 
 
-def takes_candidates(rows: int, capacity: int, k: int, key_bits: int) -> bool:
+def candidate_width(k: int, capacity: int, room: int = CANDIDATE_ROOM) -> int:
+    """Room for one row's candidates on the candidate path: `room` times the width (at least 2: the threshold is
+    estimated for 5/4 of the budget) and 256 more, rounded up to a power of two. Ties at the sampled threshold make
+    a row overflow it (real BinaryPC keys: up to 3.6x the wanted keys at stride 16, 5.9x at 32)."""
+    return min(capacity, triton.next_power_of_2(room * k + 256))
+
+
+def takes_candidates(rows: int, capacity: int, k: int, key_bits: int, room: int = CANDIDATE_ROOM) -> bool:
     """Whether `select_topk(sampled=None)` takes the candidate path: keys of up to 16 bits, candidates at most a
     quarter of the row, and enough keys that its extra launches pay (measured: bench/select_paths.py)."""
-    return key_bits <= 16 and 4 * candidate_width(k, capacity) <= capacity and rows * capacity >= SAMPLED_MIN_KEYS
+    return (key_bits <= 16 and 4 * candidate_width(k, capacity, room) <= capacity
+            and rows * capacity >= SAMPLED_MIN_KEYS)
 
 
 def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
@@ -456,7 +461,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, block: int = 2048,
                 waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
-                margin: int = 16, scan_waves: int = 4, scan_block: int = 2048, served: torch.Tensor | None = None):
+                margin: int = 16, room: int = CANDIDATE_ROOM, scan_waves: int = 4, scan_block: int = 2048,
+                served: torch.Tensor | None = None):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
@@ -467,12 +473,12 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     `sampled` (keys of up to 16 bits; None: `takes_candidates`): the candidate path. A threshold estimated from
     one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one counting pass
     and one compaction, no histogram over the whole row — and the radix select runs over the candidates alone
-    (`candidate_width` of them a row), whose selection maps back to slots. A row whose candidates do not hold its
-    whole selection (too few above the threshold, or more than fit) takes the radix path over all its keys in
-    the same launches; the selection is the same either way. Its counting and compaction passes take
-    `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to 1 for the
-    rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never shows
-    it, the time does."""
+    (room for `candidate_width(k, S, room)` of them a row), whose selection maps back to slots. A row whose
+    candidates do not hold its whole selection (too few above the threshold, or more than fit) takes the radix path
+    over all its keys in the same launches; the selection is the same either way. Its counting and compaction
+    passes take `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to
+    1 for the rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never
+    shows it, the time does."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
     assert keys.is_contiguous(), "keys [R, S] must be contiguous: the passes step through a row S slots apart"
@@ -490,17 +496,17 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     window = max(window, 1)
     tuning = dict(block=block, waves=waves, num_warps=num_warps)
     if sampled is None:
-        sampled = takes_candidates(R, S, k, key_bits)
+        sampled = takes_candidates(R, S, k, key_bits, room)
     if not sampled:
         _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats,
                done, **tuning)
         if served is not None:
             served.zero_()
         return idx, count
-    if key_bits > 16 or stride < 1 or stride & (stride - 1):
-        raise ValueError(f"the candidate path takes keys of up to 16 bits and a power-of-two stride, got "
-                         f"{key_bits} bits, stride {stride}")
-    C = candidate_width(k, S)
+    if key_bits > 16 or stride < 1 or stride & (stride - 1) or room < 2:
+        raise ValueError(f"the candidate path takes keys of up to 16 bits, a power-of-two stride and room for at "
+                         f"least twice the width, got {key_bits} bits, stride {stride}, room {room}")
+    C = candidate_width(k, S, room)
     sample_hist = scratch_all[R * 2 * 256:R * 4 * 256]  # [R, 2, 256]: the radix digits of <= 16-bit keys leave it
     n_s, sblock = triton.cdiv(S, stride), 1024
     low = last if digits == 2 else 0  # the bits below the top digit (keys of up to 16 bits: one or two digits)

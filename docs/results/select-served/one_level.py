@@ -3,11 +3,11 @@ bin) would serve, against the candidate select's two levels: a torch emulation o
 (`_jittered`, `_sample_target`, `_crossing` in sparsespec/kernels/select.py) over the keys of every sparse layer's
 decode steps, qwen2.5-coder-0.5b on CPU, the held-out long-code prompt of CHARS characters (forty-fifth session).
 
-    python docs/results/select-served/one_level.py [CHARS]
+    python docs/results/select-served/one_level.py [CHARS [STEPS]]
 """
 import os, sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
-import numpy as np, torch
+import numpy as np, torch, triton
 from sparsespec.attention import make_policy, parse_spec
 from sparsespec.generate import Engine
 from sparsespec.runner import Runner
@@ -15,7 +15,7 @@ from sparsespec.spec.prompts import make_prompts
 from sparsespec.kernels.select import candidate_width, select_topk_ref
 
 chars = int(sys.argv[1]) if len(sys.argv) > 1 else 24000
-steps = 3
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 torch.set_grad_enabled(False)
 engine = Engine.from_name("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
 ids = engine.encode(make_prompts(1, "heldout", ("long-code",), 0, chars)[0].text, chat=True)
@@ -44,7 +44,7 @@ def crossing(hist, k):
 
 res = {}
 for STRIDE, MARGIN in ((16, 16), (32, 16), (32, 32), (64, 32)):
-    stats = {"one": [0, 0, []], "two": [0, 0, []]}
+    stats = {"one": [0, 0, [], 0, 0, 0], "two": [0, 0, [], 0, 0, 0]}  # rows, served, ratios, short, over, served C4
     for keys, positions, tokens, ff, K, bits, extra, extra_n in calls:
         R, S = keys.shape
         hkv = R // positions.shape[0]
@@ -85,6 +85,11 @@ for STRIDE, MARGIN in ((16, 16), (32, 16), (32, 32), (64, 32)):
                 st = stats[nm]
                 st[0] += 1
                 st[1] += int(want <= total <= C)
+                st[3] += int(total < want)
+                st[4] += int(total > C)
+                st[5] += int(want <= total <= min(triton.next_power_of_2(4 * K + 256), S))
                 st[2].append(total / max(want, 1))
     for nm, st in stats.items():
-        print(f"stride {STRIDE} margin {MARGIN} {nm}-level: served {st[1]}/{st[0]}, candidates/want mean {np.mean(st[2]):.2f} max {np.max(st[2]):.2f}", flush=True)
+        print(f"stride {STRIDE} margin {MARGIN} {nm}-level: served {st[1]}/{st[0]} (short {st[3]}, over C {st[4]}; "
+              f"{st[5]} with 4k + 256 candidates), "
+              f"candidates/want mean {np.mean(st[2]):.2f} max {np.max(st[2]):.2f}", flush=True)
