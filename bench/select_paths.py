@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sparsespec.kernels.binarypc import encode_slots, key_range, probe_tables, score_keys
-from sparsespec.kernels.select import same_selection, select_topk, takes_candidates
+from sparsespec.kernels.select import CANDIDATE_ROOM, same_selection, select_topk, takes_candidates
 from sparsespec.sparse_bench import graphed, time_ms
 
 
@@ -86,7 +86,7 @@ def main():
             paths.append(("candidates" + (f" {tiling}" if i else ""), dict(sampled=True, scan_waves=w,
                                                                             scan_block=blk)))
         for setting in filter(None, args.samples.split(",")):
-            stride, margin, room = (list(map(int, setting.split("/"))) + [2])[:3]
+            stride, margin, room = (list(map(int, setting.split("/"))) + [CANDIDATE_ROOM])[:3]
             paths.append((f"candidates {stride}/{margin}/{room}", dict(paths[1][1], stride=stride, margin=margin,
                                                                        room=room)))
         for name, kw in paths:

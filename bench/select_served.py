@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from sparsespec.attention import make_policy, parse_spec  # noqa: E402
 from sparsespec.generate import Engine  # noqa: E402
-from sparsespec.kernels.select import same_selection, select_topk, select_topk_ref  # noqa: E402
+from sparsespec.kernels.select import CANDIDATE_ROOM, same_selection, select_topk, select_topk_ref  # noqa: E402
 from sparsespec.runner import Runner  # noqa: E402
 from sparsespec.spec.prompts import make_prompts  # noqa: E402
 
@@ -72,7 +72,7 @@ def main() -> None:
           f"({rows} rows of (layer, KV head))")
     refs = [select_topk_ref(*a, **kw) for a, kw in calls]  # what every setting must select
     for setting in args.settings.split(","):
-        stride, margin, room = (list(map(int, setting.split("/"))) + [2])[:3]
+        stride, margin, room = (list(map(int, setting.split("/"))) + [CANDIDATE_ROOM])[:3]
         served_rows, same = 0, True
         for (a, kw), ref in zip(calls, refs):
             served = torch.empty(a[0].shape[0], dtype=torch.int32)

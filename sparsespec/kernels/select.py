@@ -43,11 +43,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _stored_keys(x, KEY_BITS: tl.constexpr):
+    """Loaded keys -> their KEY_BITS bits in the keys' arithmetic type (`_key_type`)."""
+    return _key_type(x, KEY_BITS) & ((1 << KEY_BITS) - 1)
+
+
+@triton.jit
 def _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr):
-    """Stored keys of slots s -> the keys the select ranks (int32 up to 16 key bits, else int64): forced slots at
-    the maximal key, slots past the query at 0."""
+    """Stored keys of slots s (`_stored_keys`) -> the keys the select ranks: forced slots at the maximal key, slots
+    past the query at 0."""
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    key = (key.to(tl.int32) if KEY_BITS <= 16 else key.to(tl.int64)) & KEY_MASK
     forced = (s < SINKS) | (s > pos - WINDOW) | (s >= forced_from)
     key = tl.where(forced, KEY_MASK, key)
     return tl.where(s <= pos, key, 0)
@@ -60,12 +65,11 @@ def _keys_block(row_ptr, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl
     multiple of 16, as Triton's specialisation sees it) lets each thread load its keys in one vector access, not
     one 16-bit load a key."""
     s = start + tl.arange(0, BLOCK)
-    stored = tl.load(row_ptr + s, mask=s < S, other=0)
-    key = (stored.to(tl.int32) if KEY_BITS <= 16 else stored.to(tl.int64)) & ((1 << KEY_BITS) - 1)
+    key = _stored_keys(tl.load(row_ptr + s, mask=s < S, other=0), KEY_BITS)
     if (start < SINKS) | (start + BLOCK > pos - WINDOW + 1) | (start + BLOCK > forced_from):
         # forced or future slots in the block; the others (most blocks of a long row) take the stored keys as they
         # are, a third of the operations a key: the passes over the row are bound by them as much as by memory
-        key = _ranked_keys(s, stored, pos, forced_from, SINKS, WINDOW, KEY_BITS)
+        key = _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS)
     return s, key
 
 
@@ -266,7 +270,8 @@ def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_p
     for j0 in range(p * SPP, tl.minimum((p + 1) * SPP, n_s), BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         s = _jittered(j, STRIDE)
-        key = _ranked_keys(s, tl.load(row + s, mask=s <= pos, other=0), pos, forced_from, SINKS, WINDOW, KEY_BITS)
+        key = _ranked_keys(s, _stored_keys(tl.load(row + s, mask=s <= pos, other=0), KEY_BITS), pos, forced_from,
+                           SINKS, WINDOW, KEY_BITS)
         if LEVEL == 0:
             match = key > 0
             value = key >> LOW
