@@ -7,6 +7,7 @@ docs/results/sparse_gpu.md, forty-second session) compile to different code.
 
     python bench/kernel_registers.py [--groups 4,6] [--widths 1] [--keys 64,128] [--warps 4] [--stages 2,3]
     python bench/kernel_registers.py --select     (the select's passes over the keys: how wide their loads are)
+    python bench/kernel_registers.py --scorers    (BinaryPC's table and dp4a scorers: SASS instructions a key)
 
 Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: the rows of `block_tiles`' tile) and
 `_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128, bf16, 8 KV heads. The
@@ -38,7 +39,8 @@ POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "positions": "*i64", "tree
             "count": "*i32", "m_part": "*fp32", "l_part": "*fp32", "acc_part": "*fp32"}
 UNIT = ("stride_pb", "stride_tb", "stride_ch")  # strides of 1 in a decode step (T = 1): Triton makes them constants
 SCALARS = ("qk_scale",)
-SELECT_POINTERS = {"keys_ptr": "*i16", "cand_ptr": "*i16", "samples_ptr": "*i16", "attended_ptr": "*fp32"}
+SELECT_POINTERS = {"keys_ptr": "*i16", "cand_ptr": "*i16", "samples_ptr": "*i16", "attended_ptr": "*fp32",
+                   "codes_ptr": "*i64", "tables_ptr": "*i64", "positions_ptr": "*i64"}
 
 
 def ptxas() -> str:
@@ -66,7 +68,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, width: int = 1) -
     return compiled(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), warps, stages)
 
 
-def compile_select(kernel, consts: dict, warps: int) -> dict:
+def compile_select(kernel, consts: dict, warps: int, sass: bool = False) -> dict:
     """A kernel of the select (`kernels/select.py`) for BinaryPC's 14-bit int16 keys: pointers 16-aligned, the sizes
     that real shapes make multiples of 16 (S, R, C, NS) marked so, as Triton specialises them on the device."""
     signature, constexprs, attrs = {}, {}, {}
@@ -80,17 +82,19 @@ def compile_select(kernel, consts: dict, warps: int) -> dict:
             signature[name] = "i32"
             if name in ("S", "R", "C", "NS"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return compiled(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), warps, 3)
+    return compiled(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), warps, 3, sass)
 
 
-def compiled(src, warps: int, stages: int) -> dict:
+def compiled(src, warps: int, stages: int, sass: bool = False) -> dict:
     out = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
     ptx = out.asm["ptx"]
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_registers_{os.getpid()}.ptx"
+    cubin = path.with_suffix(".cubin")
     path.write_text(ptx)
-    report = subprocess.run([ptxas(), "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
-                            text=True)
+    report = subprocess.run([ptxas(), "-arch=sm_90a", "-v", str(path), "-o", str(cubin) if sass else os.devnull],
+                            capture_output=True, text=True)
     path.unlink()
+    ops = sass_ops(cubin) if sass else {}
     regs = spills = None
     for line in report.stderr.splitlines():
         if "Used" in line and "registers" in line:
@@ -106,7 +110,21 @@ def compiled(src, warps: int, stages: int) -> dict:
             "registers": regs, "spill_bytes": spills, "shared_bytes": out.metadata.shared,
             "scalar_16bit_loads": sum(op == "ld.global.b16" for op in body),
             "vector_loads": sum(op.startswith("ld.global.v") for op in body),
-            "barriers": sum(op.startswith("bar.sync") for op in body)}
+            "barriers": sum(op.startswith("bar.sync") for op in body), "sass": ops}
+
+
+def sass_ops(cubin: Path) -> dict[str, int]:
+    """SASS opcode -> how many in the compiled kernel (nvdisasm, shipped with Triton); the cubin is removed."""
+    listing = subprocess.run([str(Path(ptxas()).parent / "nvdisasm"), "-c", str(cubin)], capture_output=True,
+                             text=True).stdout
+    cubin.unlink()
+    ops: dict[str, int] = {}
+    for line in listing.splitlines():
+        code = line.strip().split("*/", 1)[1].strip() if line.strip().startswith("/*") and "*/" in line else ""
+        words = code.split()[1:] if code.startswith("@") else code.split()  # (predicated: "@P0 LDG...")
+        if words:
+            ops[words[0].rstrip(";")] = ops.get(words[0].rstrip(";"), 0) + 1
+    return ops
 
 
 def main() -> None:
@@ -118,9 +136,13 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--select", action="store_true",
                     help="the select's passes over the keys instead (BinaryPC's 14-bit keys, 2,048-slot blocks)")
+    ap.add_argument("--scorers", action="store_true",
+                    help="BinaryPC's two scorers instead (64-bit codes, 4 query heads a KV head, 7-bit probes)")
     args = ap.parse_args()
     if args.select:
         return select_table()
+    if args.scorers:
+        return scorer_table()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     print("| kernel | group | width | rows | keys | warps | stages | PTX instructions | cp.async | registers "
           "| spill bytes | shared bytes |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -162,6 +184,33 @@ def select_table() -> None:
         r = compile_select(kernel, consts, 8)
         print(f"| {name} | {r['instructions']} | {r['scalar_16bit_loads']} | {r['vector_loads']} | {r['barriers']} "
               f"| {r['registers']} | {r['shared_bytes']} |")
+
+
+
+def scorer_table() -> None:
+    """BinaryPC's scorers over one program's slots (Llama-3.1-8B's heads: 4 query heads a KV head, 64-bit codes,
+    7-bit probes), per key: SASS instructions, shared-memory loads (the table scorer's lookups), dp4a, barriers —
+    a static account of what each spends a key, not a time."""
+    from sparsespec.kernels import binarypc
+
+    lay = binarypc.TableLayout.of(4, 64, 7)
+    table = dict(HKV=8, G=4, W=1, WP=1, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
+                 BIAS=lay.bias)
+    runs = [("table", binarypc._score_kernel, dict(table, BLOCK=1024), 4),
+            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=1024, ASM=True), 4),
+            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=512, ASM=True), 4),
+            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=2048, ASM=True), 8)]
+    print("| scorer | slots | warps | registers | shared bytes | SASS a key | shared loads a key | dp4a a key "
+          "| barriers a program |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, kernel, consts, warps in runs:
+        r = compile_select(kernel, consts, warps, sass=True)
+        per = consts["BLOCK"] / (32 * warps)  # keys a thread
+        ops = r["sass"]
+        lds = sum(n for op, n in ops.items() if op.startswith("LDS"))
+        dp4a = sum(n for op, n in ops.items() if op.startswith("IDP"))
+        bars = sum(n for op, n in ops.items() if op.startswith("BAR"))
+        print(f"| {name} | {consts['BLOCK']} | {warps} | {r['registers']} | {r['shared_bytes']} "
+              f"| {sum(ops.values()) / per:.0f} | {lds / per:.1f} | {dp4a / per:.0f} | {bars} |")
 
 
 if __name__ == "__main__":

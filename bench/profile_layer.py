@@ -2,7 +2,10 @@
 a policy's fixed-width decode, random keys in Llama-3.1-8B heads; then the policy's kernels at several tilings
 (BinaryPC, top-k, Quest, Double-P).
 
-    python bench/profile_layer.py [--policy binarypc] [--shapes 16x131072,1x131072]
+    python bench/profile_layer.py [--policy binarypc] [--shapes 16x131072,1x131072] [--bare]
+
+`--bare`: the eager steps alone, no torch.profiler and no sweep — for an outside profiler (Nsight Compute), whose
+counters the profiler's CUPTI session would contend for.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ def main() -> None:
     ap.add_argument("--policy", default="binarypc")
     ap.add_argument("--shapes", default="16x131072,1x131072", help="BATCHxCONTEXT,...")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--bare", action="store_true", help="the steps alone (for Nsight Compute): no profiler, no sweep")
     args = ap.parse_args()
     cfg = LLAMA31_8B
     for shape in args.shapes.split(","):
@@ -34,24 +38,25 @@ def main() -> None:
         policy.build(0, cache, [context] * batch)
         policy.plan_fixed(cache, [context] * batch)
         policy.begin_step(positions)
-        for _ in range(3):
+        for _ in range(3 if not args.bare else 3 + args.steps):
             policy.decode(0, q, cache, positions)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                policy.decode(0, q, cache, positions)
-            torch.cuda.synchronize()
-        print(f"\n{args.policy}, batch {batch}, context {context}: per-step device time by kernel "
-              f"(mean over {args.steps} steps)")
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        total = sum(e.device_time_total for e in events) / args.steps
-        for e in sorted(events, key=lambda e: -e.device_time_total):
-            print(f"  {e.device_time_total / args.steps:9.1f} us  x{e.count // args.steps:<3d} {e.key[:90]}")
-        print(f"  {total:9.1f} us  total")
-        if name in ("binarypc", "topk", "quest"):
-            sweep(name, policy, cache, q, positions, cfg)
-        elif name == "doublep":
-            sweep_doublep(policy, cache, q, cfg)
+        if not args.bare:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.steps):
+                    policy.decode(0, q, cache, positions)
+                torch.cuda.synchronize()
+            print(f"\n{args.policy}, batch {batch}, context {context}: per-step device time by kernel "
+                  f"(mean over {args.steps} steps)")
+            events = [e for e in prof.key_averages() if e.device_time_total > 0]
+            total = sum(e.device_time_total for e in events) / args.steps
+            for e in sorted(events, key=lambda e: -e.device_time_total):
+                print(f"  {e.device_time_total / args.steps:9.1f} us  x{e.count // args.steps:<3d} {e.key[:90]}")
+            print(f"  {total:9.1f} us  total")
+            if name in ("binarypc", "topk", "quest"):
+                sweep(name, policy, cache, q, positions, cfg)
+            elif name == "doublep":
+                sweep_doublep(policy, cache, q, cfg)
         policy.end_fixed()
         del cache
         torch.cuda.empty_cache()

@@ -47,9 +47,14 @@
 #   ncu-layer  Nsight Compute over one BinaryPC 2% layer at 16 x 128k (bench/profile_layer.py's eager steps): the
 #           probe, score and select kernels' throughput, stalls, occupancy and shared-memory bank conflicts (the
 #           forty-fifth session profiled the count and compaction passes alone; the scorer never)
-#   attention-binarypc  `sparsespec bench attention` for BinaryPC 2%: one layer against SDPA at 32k / 128k, batch 1 /
-#           4 / 16, stage by stage (issue 11's per-layer bars)
-#   decode-binarypc  `sparsespec bench decode` for BinaryPC 2%, the whole step against the dense graphs at
+#   scorers  bench/scorers.py: BinaryPC's table scorer against the dp4a scorer (`scorer=dp4a`, never run on a GPU
+#           before: its keys are checked equal first), probe and score apart, the dp4a one over five tilings, with
+#           the bytes floor, at 1 / 4 / 16 x 128k and 16 x 32k
+#   ncu-dp4a  Nsight Compute over the dp4a scorer's two kernels in the same layer (what bounds it: its dp4a issue
+#           rate, the codes' bytes, occupancy)
+#   attention-binarypc  `sparsespec bench attention` for BinaryPC 2% with each scorer: one layer against SDPA at
+#           32k / 128k, batch 1 / 4 / 16, stage by stage (issue 11's per-layer bars)
+#   decode-binarypc  `sparsespec bench decode` for BinaryPC 2% (each scorer), the whole step against the dense graphs at
 #           DECODE_SHAPES (default 1x131072: the 8B's (4, 128k) and (16, 32k) caches do not fit beside its weights
 #           on an H100; on an H200 DECODE_SHAPES=1x131072,4x131072,16x32768)
 # SHAPES (default qwen2.5-coder-1.5b,llama-3.1-8b) and SIZES (16x25600,4x25600,1x32768) size the sweep.
@@ -105,12 +110,20 @@ step ncu-layer sh -c "timeout 300 ncu --clock-control none --kernel-name \
   --launch-skip 30 --launch-count 12 --section SpeedOfLight --section WarpStateStats --section Occupancy --metrics \
   l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,\
 smsp__sass_inst_executed_op_shared_ld.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-  python3 bench/profile_layer.py --shapes 16x131072 --steps 3 > $root/ncu_layer.txt 2>&1"
-step attention-binarypc python3 -m sparsespec bench attention --attention binarypc:budget=0.02 --contexts 32768,131072 \
-  --batches 1,4,16 --out $root/attention-binarypc
+  python3 bench/profile_layer.py --shapes 16x131072 --steps 3 --bare \
+  > $root/ncu_layer.txt 2>&1"
+step scorers python3 bench/scorers.py --shapes 1x131072,4x131072,16x32768,16x131072 --out $root/scorers
+step ncu-dp4a sh -c "timeout 300 ncu --clock-control none --kernel-name \
+  regex:'_probe_packed_kernel|_score_dp4a_kernel' --launch-skip 6 --launch-count 4 --section SpeedOfLight \
+  --section WarpStateStats --section Occupancy --section InstructionStats \
+  --metrics dram__bytes_read.sum,dram__bytes_write.sum python3 bench/profile_layer.py \
+  --policy binarypc:scorer=dp4a --shapes 16x131072 --steps 3 --bare > $root/ncu_dp4a.txt 2>&1"
+step attention-binarypc python3 -m sparsespec bench attention --attention binarypc:budget=0.02 \
+  binarypc:budget=0.02,scorer=dp4a --contexts 32768,131072 --batches 1,4,16 --out $root/attention-binarypc
 step decode-binarypc python3 -m sparsespec bench decode --attention binarypc:budget=0.02 \
-  --shapes ${DECODE_SHAPES:-1x131072} --out $root/decode-binarypc
+  binarypc:budget=0.02,scorer=dp4a --shapes ${DECODE_SHAPES:-1x131072} --out $root/decode-binarypc
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json select/*.json \
-  select-fallback/*.json ncu_layer.txt attention-binarypc/* decode-binarypc/* 2>/dev/null; ls -la $OUT
+  select-fallback/*.json ncu_layer.txt scorers/*.json ncu_dp4a.txt attention-binarypc/* decode-binarypc/* 2>/dev/null
+ls -la $OUT

@@ -10,8 +10,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
-                                         key_range, probe_bytes, probe_tables, probe_tables_ref, score_keys,
-                                         score_keys_ref)
+                                         key_range, packed_probe, probe_bytes, probe_packed, probe_tables,
+                                         probe_tables_ref, score_keys, score_keys_dp4a, score_keys_ref)
 from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, topk_keys_ref  # noqa: E402
 from sparsespec.kernels.select import (expand_pages, expand_pages_ref, ordered_keys, select_scratch,  # noqa: E402
                                        select_topk, select_topk_ref)
@@ -92,6 +92,82 @@ def test_score_keys_equal_popcount_reference(G, bits, m, S):
     h = ((codes[..., None] >> torch.arange(64, device=DEVICE)) & 1).flatten(-2)[..., :bits] * 2 - 1  # [B,Hkv,S,b]
     direct = (probe.view(B, Hkv, G, 1, bits).double() * h[:, :, None].double()).sum(-1).amax(2).flatten(0, 1)
     assert torch.equal(ref[live].long(), direct[live].long() + offset)
+
+
+def random_codes(g: torch.Generator, B: int, Hkv: int, S: int, bits: int) -> torch.Tensor:
+    """codes [B, Hkv, S, W] int64 of `bits` random bits (the top bit of a full word too)."""
+    W = -(-bits // 64)
+    codes = torch.randint(-(1 << 62), 1 << 62, (B, Hkv, S, W), generator=g)
+    codes[..., 0] |= torch.randint(0, 2, (B, Hkv, S), generator=g) << 63
+    if bits % 64:
+        codes[..., -1] &= (1 << (bits % 64)) - 1
+    return codes.to(DEVICE)
+
+
+@pytest.mark.parametrize("G,D,bits,m", [(1, 64, 64, 7), (4, 128, 64, 7), (7, 16, 100, 3), (3, 16, 7, 5),
+                                        (2, 32, 256, 7), (3, 16, 131, 1)])
+def test_probe_packed_equals_reference(G, D, bits, m):
+    g = torch.Generator().manual_seed(G * 100 + bits)
+    B, Hkv = 2, 3
+    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
+    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
+    probe, packed, sums = probe_packed(q, basis, m)
+    table_probe, _ = probe_tables(q, basis, m)
+    # the same quantised probe as the table scorer's, but where a float dot product summed in another order lands
+    # on the other side of a rounding boundary
+    exact = q.double().view(B, Hkv, G, D) @ basis.double().transpose(-1, -2)
+    level = (exact / exact.abs().amax(dim=(-2, -1), keepdim=True) * ((1 << m) - 1)).flatten(0, 1)
+    differ = probe != table_probe
+    assert int((probe - table_probe).abs().max()) <= 1
+    assert bool(((level[differ] - level[differ].floor() - 0.5).abs() < 1e-4).all())
+    ref_packed, ref_sums = packed_probe(probe)  # packed: exactly the kernel's own probe, packed
+    assert torch.equal(packed, ref_packed) and torch.equal(sums, ref_sums)
+    assert packed.shape == (B * Hkv, G, 2 * -(-bits // 64), 8)
+
+
+def test_packed_probe_dotted_with_the_byte_masks_gives_the_probe_dot_the_bits():
+    """What the dp4a scorer computes, in torch: for each 32-bit half and k < 8, the bytes of (half >> k) & 0x01010101
+    times the packed probe's signed bytes, summed, is Σ_i p̃_i b_i; twice it less Σ p̃ is Σ p̃_i h_i."""
+    g = torch.Generator().manual_seed(5)
+    R, G, bits = 3, 4, 100
+    probe = torch.randint(-127, 128, (R, G, bits), generator=g)
+    packed, sums = packed_probe(probe)
+    code = random_codes(g, 1, 1, 1, bits).cpu().view(-1)  # [W]
+    halves = torch.stack([code & 0xFFFFFFFF, (code >> 32) & 0xFFFFFFFF], 1).flatten()  # [H]
+    y = torch.arange(4)
+
+    def signed(v):  # int32 [...] -> its four bytes as signed integers [..., 4]
+        b = (v.long()[..., None] >> (8 * y)) & 255
+        return b - ((b & 128) << 1)
+
+    total = torch.zeros(R, G, dtype=torch.int64)
+    for h in range(len(halves)):
+        for k in range(8):
+            mask = (halves[h] >> k) & 0x01010101
+            total += (((mask >> (8 * y)) & 255) * signed(packed[:, :, h, k])).sum(-1)
+    b = (code[:, None] >> torch.arange(64)) & 1  # [W, 64]
+    b = b.flatten()[:bits]
+    assert torch.equal(total, (probe * b).sum(-1))
+    h_signs = b * 2 - 1
+    assert torch.equal(2 * total - sums.long(), (probe * h_signs).sum(-1))
+
+
+@pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 150), (7, 128, 7, 70), (2, 40, 4, 70),
+                                        (3, 64, 1, 50), (2, 256, 7, 45), (3, 131, 6, 33)])
+def test_score_keys_dp4a_equal_popcount_reference(G, bits, m, S):
+    g = torch.Generator().manual_seed(S * 11 + G)
+    B, Hkv, D = 3, 2, 16
+    codes = random_codes(g, B, Hkv, S, bits)
+    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
+    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
+    positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
+    probe, packed, sums = probe_packed(q, basis, m)
+    keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=64)
+    ref = score_keys_ref(codes, probe, positions, m, bits)
+    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
+    assert keys.dtype == ref.dtype and torch.equal(keys[live], ref[live])
+    # and the table scorer's keys for the same probe
+    assert torch.equal(keys[live], score_keys(codes, byte_tables(probe, m), positions, m, bits, G)[live])
 
 
 @pytest.mark.parametrize("D,bits,S,max_slots", [(16, 64, 37, 37), (64, 64, 20, 5), (32, 100, 45, 45), (16, 7, 9, 9)])

@@ -55,6 +55,32 @@ def test_fixed_width_step_equals_eager_step(name, options, tmp_path):
     assert torch.allclose(fixed, eager, atol=1e-5, rtol=1e-4)
 
 
+def test_binarypc_fixed_step_through_either_scorer_kernel_equals_the_eager_step(monkeypatch):
+    """The fixed-width step through the Triton kernels (interpreted here, as they run on CUDA): the table scorer and
+    the dp4a scorer select what the eager step selects."""
+    import sparsespec.kernels
+
+    monkeypatch.setattr(sparsespec.kernels, "triton_ready", lambda device: True)
+    B, Hkv, S, D = 2, 2, 150, 16
+    cache = cache_with_keys(anisotropic_keys(B * Hkv, S, D, seed=4).view(B, Hkv, S, D))
+    lengths = [S - 10, 97]
+    q = torch.randn(B, 2 * Hkv, 1, D, generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor(lengths)
+    for scorer in ("tables", "dp4a"):
+        policy = make_policy("binarypc", {"budget": 0.1, "sinks": 2, "window": 3, "dense_layers": 0,
+                                          "min_tokens": 0, "scorer": scorer})
+        policy.build(0, cache, lengths)
+        with policy.stepping(lengths):
+            idx, valid = policy.select(0, q, cache, positions)
+        policy.plan_fixed(cache, lengths)
+        policy.begin_step(positions)
+        policy.decode(0, q, cache, positions)
+        plan = policy.fixed
+        for r in range(B * Hkv):
+            b, h = divmod(r, Hkv)
+            assert sorted(idx[b, h][valid[b, h]].tolist()) == plan.idx[r, :plan.count[r]].tolist(), scorer
+
+
 def label_file(folder, num_kv_heads: int, head_dim: int) -> str:
     """Double Sparsity label channels (random, but a valid file) for a one-layer cache."""
     from safetensors.torch import save_file

@@ -35,6 +35,8 @@ class BinaryPCOptions(BudgetOptions):
                                          "false: they are all attended)")
     basis: str = option("", "a calibrated basis file (`sparsespec calibrate binarypc`); empty: fit on each prompt")
     fit_tokens: int = option(8192, "fit the basis on at most this many keys per head, evenly spaced (0: every key)")
+    scorer: str = option("tables", "the GPU step's scorer: `tables` (byte tables in shared memory) or `dp4a` (byte "
+                                   "dot products in registers; probe_bits <= 7); the same keys")
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,6 +50,11 @@ class BinaryPCOptions(BudgetOptions):
             raise SparseSpecError(f"probe_bits must be in [1, 30], got {self.probe_bits}")
         if self.fit_tokens < 0:
             raise SparseSpecError(f"fit_tokens must be >= 0, got {self.fit_tokens}")
+        if self.scorer not in ("tables", "dp4a"):
+            raise SparseSpecError(f"scorer must be tables or dp4a, got {self.scorer!r}")
+        if self.scorer == "dp4a" and self.probe_bits > 7:
+            raise SparseSpecError(f"scorer dp4a multiplies signed bytes: probe_bits must be <= 7, got "
+                                  f"{self.probe_bits}")
         if self.basis and not Path(self.basis).is_file():
             raise SparseSpecError(f"basis file {self.basis} not found")
 
@@ -334,7 +341,10 @@ class BinaryPC(SelectionPolicy):
         B, Hq, _, D = q.shape
         Hkv = state.basis.shape[1]
         key_bits = kernels.key_range(opts.bits, opts.probe_bits)[1]
-        if fast:  # byte tables of the quantised probe, then one table read per code byte
+        if fast and opts.scorer == "dp4a":  # the probe packed as bytes, four code bits a dp4a
+            _, packed, sums = kernels.probe_packed(q.view(B, Hq, D), state.basis, opts.probe_bits)
+            keys = kernels.score_keys_dp4a(state.codes, packed, sums, plan.positions, opts.probe_bits, opts.bits)
+        elif fast:  # byte tables of the quantised probe, then one table read per code byte
             _, tables = kernels.probe_tables(q.view(B, Hq, D), state.basis, opts.probe_bits)
             keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv)
         else:

@@ -5,6 +5,9 @@ and the residual sign encoding of keys. Each has its torch reference (`*_ref`), 
             tables [B*Hkv, T, NB, 256] int64 (NB = ceil(b / 8) code bytes; T tables of `lanes` query heads each)
     score   codes [B, Hkv, S, W] int64, tables, positions [B] -> keys [B*Hkv, S] int16/int32
             key = max over the group of Σ_i p̃_i h_i, plus an offset that makes every key >= 1 (0 = never attend)
+    packed  q, basis -> probe [B*Hkv, G, b] int32, packed [B*Hkv, G, H, 8] int32 (H = 2 ceil(b / 64) code halves:
+            the probe's signed bytes four to a word, `packed_probe`), sums [B*Hkv, G] int32 (Σ_i p̃_i)
+    score   codes, packed, sums, positions -> keys as above, by dp4a (`score_keys_dp4a`)
     encode  keys [B, Hkv, S, D], basis -> codes [B, Hkv, S, W] int64 and reconstruction error [B, Hkv, S] fp32
             of the slots [start[b], end[b]) of each row
 
@@ -16,6 +19,12 @@ word and query head). Several query heads share one int64 entry as lanes of 16 (
 8 (2^m − 1) so a lane never goes negative and a sum of NB entries never carries into the next lane: one read
 serves up to four query heads. The reference is the policy's own popcount scoring (`packed_scores`), a different
 computation of the same integers.
+
+Scoring by dp4a (`probe_packed`, `score_keys_dp4a`; 7 magnitude bits at most): with b_i the code's bits (0 or 1),
+Σ_i p̃_i h_i = 2 Σ_i p̃_i b_i − Σ_i p̃_i. For a 32-bit half of the code, (half >> k) & 0x01010101 holds bits k, k + 8,
+k + 16, k + 24 as the bytes 0 or 1, so one `dp4a` (four byte products, summed) against those four bits' p̃, packed
+as signed bytes, adds their part of Σ p̃_i b_i: 16 dp4a a 64-bit code and query head, all in registers — no table
+in shared memory (the table scorer's bound: its lookups' bank conflicts and the tables' 16 KB a program).
 """
 
 from __future__ import annotations
@@ -222,6 +231,127 @@ def score_keys_ref(codes: torch.Tensor, probe: torch.Tensor, positions: torch.Te
     keys = packed_scores(codes, probe.long().view(B, Hkv, -1, bits), magnitude_bits).amax(2).flatten(0, 1) + offset
     live = torch.arange(S, device=codes.device) <= positions.long().repeat_interleave(Hkv)[:, None]
     return torch.where(live, keys, 0).to(key_dtype(key_bits))
+
+
+# ---------------------------------------------------------------------------------------------- dp4a scoring
+
+def packed_probe(probe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of the packing: probe [R, G, b] integers in [−127, 127] -> (packed [R, G, H, 8] int32,
+    sums [R, G] int32), H = 2 ceil(b / 64) halves of 32 bits: byte y of packed[r, g, h, k] is p̃ of bit 32 h + 8 y + k
+    (0 past b) — the bits whose 0 or 1 `(half_h >> k) & 0x01010101` holds in its bytes."""
+    R, G, bits = probe.shape
+    H = 2 * -(-bits // 64)
+    p = torch.zeros(R, G, H * 32, dtype=torch.int64, device=probe.device)
+    p[:, :, :bits] = probe.long()
+    by_byte = p.view(R, G, H, 4, 8) & 255  # [R, G, h, y, k]
+    word = (by_byte << (8 * torch.arange(4, device=probe.device)).view(4, 1)).sum(3)  # disjoint bytes: their OR
+    return (word - ((word >> 31) << 32)).int(), probe.sum(-1).int()  # (the same 32 bits as a signed int32)
+
+
+@triton.jit
+def _probe_packed_kernel(q_ptr, basis_ptr, probe_ptr, packed_ptr, sums_ptr, G: tl.constexpr, D: tl.constexpr,
+                         BITS: tl.constexpr, W: tl.constexpr, M: tl.constexpr):
+    r = tl.program_id(0)  # (row, KV head); its query heads are r * G .. r * G + G - 1
+    i = tl.arange(0, 64)
+    d = tl.arange(0, D)
+    top = (1 << M) - 1
+    scale = 0.0
+    for w in tl.static_range(W):  # the scale: max |probe| over the group and every bit
+        basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[:, None] * D + d[None, :],
+                        mask=(w * 64 + i < BITS)[:, None], other=0.0)  # [64, D]
+        for g in tl.static_range(G):
+            qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
+            scale = tl.maximum(scale, tl.max(tl.abs(tl.sum(basis * qg[None, :], 1)), 0))
+    scale = tl.maximum(scale, 1e-30)
+    j = tl.arange(0, 16)  # (half h, bit k) = (j // 8, j % 8) of a 64-bit word: packed word 2 w + h, entry k
+    for g in tl.static_range(G):
+        qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
+        total = 0
+        for w in tl.static_range(W):
+            word = tl.zeros([16], dtype=tl.int32)
+            for y in tl.static_range(4):  # byte y of each packed word: bit 32 h + 8 y + k
+                bit = w * 64 + (j // 8) * 32 + y * 8 + j % 8
+                live = bit < BITS
+                basis = tl.load(basis_ptr + (r * BITS + bit)[:, None] * D + d[None, :], mask=live[:, None],
+                                other=0.0)  # [16, D]
+                p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top).to(tl.int32)
+                p = tl.where(live, p, 0)
+                tl.store(probe_ptr + (r * G + g) * BITS + bit, p, mask=live)
+                total += tl.sum(p, 0)
+                word += (p & 255) << (8 * y)  # disjoint bytes: the sum is their OR
+            tl.store(packed_ptr + ((r * G + g) * 2 * W + 2 * w) * 8 + j, word)
+        tl.store(sums_ptr + r * G + g, total)
+
+
+def probe_packed(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
+    """q [B, Hq, D] (any float dtype), basis [B, Hkv, b, D] fp32, at most 7 magnitude bits -> (probe [B*Hkv, G, b]
+    int32, packed [B*Hkv, G, H, 8] int32, sums [B*Hkv, G] int32): the probe of `probe_tables` (the same arithmetic),
+    packed for `score_keys_dp4a` as `packed_probe` packs it. One program a (row, KV head)."""
+    B, Hq, D = q.shape
+    _, Hkv, bits, _ = basis.shape
+    assert magnitude_bits <= 7, "dp4a multiplies signed bytes: at most 7 magnitude bits"
+    G, W, R = Hq // Hkv, -(-bits // 64), B * Hkv
+    probe = torch.empty(R, G, bits, dtype=torch.int32, device=q.device)
+    packed = torch.empty(R, G, 2 * W, 8, dtype=torch.int32, device=q.device)
+    sums = torch.empty(R, G, dtype=torch.int32, device=q.device)
+    _probe_packed_kernel[(R,)](q.contiguous(), basis.contiguous(), probe, packed, sums, G=G, D=D, BITS=bits, W=W,
+                               M=magnitude_bits, num_warps=4)
+    return probe, packed, sums
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + Σ over the four bytes of a (unsigned) times those of b (signed): one instruction on the GPU; its
+    arithmetic spelled out in the interpreter (which runs no PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        out = c
+        for y in tl.static_range(4):
+            out += ((a >> (8 * y)) & 255) * ((b << (24 - 8 * y)) >> 24)
+        return out
+
+
+@triton.jit
+def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV: tl.constexpr,
+                       G: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = s <= tl.load(positions_ptr + r // HKV)
+    row = codes_ptr + (r.to(tl.int64) * S + s) * W  # [BLOCK]: each slot's code words
+    best = tl.full([BLOCK], -(1 << 30), tl.int32)
+    for g in tl.static_range(G):  # (each head's loads and byte masks are the same: the compiler keeps one of each)
+        head = packed_ptr + (r * G + g) * (2 * W * 8)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)  # Σ_i p̃_i b_i
+        for w in tl.static_range(W):
+            word = tl.load(row + w, mask=live, other=0)  # [BLOCK] int64
+            for h in tl.static_range(2):
+                half = (word >> (32 * h)).to(tl.int32)
+                for k in tl.static_range(8):  # bits 8 y + k of the half, as bytes 0 or 1
+                    acc = _dp4a((half >> k) & 0x01010101, tl.load(head + (2 * w + h) * 8 + k), acc, ASM)
+        best = tl.maximum(best, 2 * acc - tl.load(sums_ptr + r * G + g))
+    tl.store(keys_ptr + r.to(tl.int64) * S + s, (best + OFFSET).to(keys_ptr.dtype.element_ty), mask=live)
+
+
+def score_keys_dp4a(codes: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, positions: torch.Tensor,
+                    magnitude_bits: int, bits: int, out: torch.Tensor | None = None, block: int = 1024,
+                    num_warps: int = 4) -> torch.Tensor:
+    """codes [B, Hkv, S, W] int64, packed / sums from `probe_packed`, positions [B] -> keys [B*Hkv, S], the same
+    keys as `score_keys` (slots past a row's position are not written). Tuning: `block` slots and `num_warps` a
+    program."""
+    from . import interpreting
+
+    B, Hkv, S, W = codes.shape
+    G = packed.shape[1]
+    offset, key_bits = key_range(bits, magnitude_bits)
+    if out is None:
+        out = torch.empty(B * Hkv, S, dtype=key_dtype(key_bits), device=codes.device)
+    block = min(block, triton.next_power_of_2(S))
+    _score_dp4a_kernel[(B * Hkv, triton.cdiv(S, block))](
+        codes, packed, sums, positions, out, S, offset, HKV=Hkv, G=G, W=W, BLOCK=block, ASM=not interpreting(),
+        num_warps=num_warps)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- encoding
