@@ -170,6 +170,24 @@ def test_score_keys_dp4a_equal_popcount_reference(G, bits, m, S):
     assert torch.equal(keys[live], score_keys(codes, byte_tables(probe, m), positions, m, bits, G)[live])
 
 
+@cuda_only
+@pytest.mark.parametrize("B,S,block,warps", [(4, 131072, 1024, 4), (16, 32771, 512, 4), (3, 100003, 2048, 8)])
+def test_score_keys_dp4a_at_full_size_equal_the_table_scorer(B, S, block, warps):
+    """Llama-3.1-8B's heads (8 KV heads, 4 query heads each, 64-bit codes, 7-bit probes) at full size, rows of
+    different lengths, the tilings `bench/scorers.py` times: dp4a on the device gives the table scorer's keys."""
+    g = torch.Generator().manual_seed(S + B)
+    Hkv, G, D, bits, m = 8, 4, 128, 64, 7
+    codes = random_codes(g, B, Hkv, S, bits)
+    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE, torch.bfloat16)
+    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
+    positions = torch.randint(S // 2, S, (B,), generator=g).to(DEVICE)
+    probe, packed, sums = probe_packed(q, basis, m)
+    keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=block, num_warps=warps)
+    want = score_keys(codes, byte_tables(probe, m), positions, m, bits, G)
+    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
+    assert torch.equal(keys[live], want[live])
+
+
 @pytest.mark.parametrize("D,bits,S,max_slots", [(16, 64, 37, 37), (64, 64, 20, 5), (32, 100, 45, 45), (16, 7, 9, 9)])
 def test_encode_slots_equal_reference(D, bits, S, max_slots):
     g = torch.Generator().manual_seed(D + bits + S)
