@@ -249,38 +249,38 @@ def packed_probe(probe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _probe_packed_kernel(q_ptr, basis_ptr, probe_ptr, packed_ptr, sums_ptr, G: tl.constexpr, D: tl.constexpr,
-                         BITS: tl.constexpr, W: tl.constexpr, M: tl.constexpr):
+def _probe_packed_kernel(q_ptr, basis_ptr, probe_ptr, packed_ptr, sums_ptr, G: tl.constexpr, GP: tl.constexpr,
+                         D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, M: tl.constexpr):
     r = tl.program_id(0)  # (row, KV head); its query heads are r * G .. r * G + G - 1
+    g = tl.arange(0, GP)
     i = tl.arange(0, 64)
     d = tl.arange(0, D)
     top = (1 << M) - 1
+    q = tl.load(q_ptr + (r * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
     scale = 0.0
     for w in tl.static_range(W):  # the scale: max |probe| over the group and every bit
-        basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[:, None] * D + d[None, :],
-                        mask=(w * 64 + i < BITS)[:, None], other=0.0)  # [64, D]
-        for g in tl.static_range(G):
-            qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
-            scale = tl.maximum(scale, tl.max(tl.abs(tl.sum(basis * qg[None, :], 1)), 0))
+        basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[None, :] * D + d[:, None],
+                        mask=(w * 64 + i < BITS)[None, :], other=0.0)  # [D, 64]
+        scale = tl.maximum(scale, tl.max(tl.max(tl.abs(tl.dot(q, basis, input_precision="ieee")), 1), 0))
     scale = tl.maximum(scale, 1e-30)
-    j = tl.arange(0, 16)  # (half h, bit k) = (j // 8, j % 8) of a 64-bit word: packed word 2 w + h, entry k
-    for g in tl.static_range(G):
-        qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)
-        total = 0
-        for w in tl.static_range(W):
-            word = tl.zeros([16], dtype=tl.int32)
-            for y in tl.static_range(4):  # byte y of each packed word: bit 32 h + 8 y + k
-                bit = w * 64 + (j // 8) * 32 + y * 8 + j % 8
-                live = bit < BITS
-                basis = tl.load(basis_ptr + (r * BITS + bit)[:, None] * D + d[None, :], mask=live[:, None],
-                                other=0.0)  # [16, D]
-                p = _round_half_even(tl.math.div_rn(tl.sum(basis * qg[None, :], 1), scale) * top).to(tl.int32)
-                p = tl.where(live, p, 0)
-                tl.store(probe_ptr + (r * G + g) * BITS + bit, p, mask=live)
-                total += tl.sum(p, 0)
-                word += (p & 255) << (8 * y)  # disjoint bytes: the sum is their OR
-            tl.store(packed_ptr + ((r * G + g) * 2 * W + 2 * w) * 8 + j, word)
-        tl.store(sums_ptr + r * G + g, total)
+    total = tl.zeros([GP], dtype=tl.int32)
+    for w in tl.static_range(W):
+        bit = w * 64 + i
+        live = bit < BITS
+        basis = tl.load(basis_ptr + (r * BITS + bit)[None, :] * D + d[:, None], mask=live[None, :], other=0.0)
+        level = tl.math.div_rn(tl.dot(q, basis, input_precision="ieee"), scale) * top  # [GP, 64]
+        p = tl.where(live[None, :], _round_half_even(level).to(tl.int32), 0)
+        tl.store(probe_ptr + (r * G + g)[:, None] * BITS + bit[None, :], p, mask=(g < G)[:, None] & live[None, :])
+        total += tl.sum(p, 1)
+        # bit 32 h + 8 y + k -> byte y of packed word (2 w + h, k); disjoint bytes: their sum is their OR
+        y = tl.arange(0, 4)
+        bytes = tl.reshape(p & 255, (GP, 2, 4, 8)) << (8 * y)[None, None, :, None]
+        words = tl.sum(bytes, 2)  # [GP, 2, 8]
+        h = tl.arange(0, 2)
+        k = tl.arange(0, 8)
+        at = (r * G + g)[:, None, None] * (2 * W * 8) + (2 * w + h)[None, :, None] * 8 + k[None, None, :]
+        tl.store(packed_ptr + at, words, mask=(g < G)[:, None, None])
+    tl.store(sums_ptr + r * G + g, total, mask=g < G)
 
 
 def probe_packed(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
@@ -294,8 +294,9 @@ def probe_packed(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
     probe = torch.empty(R, G, bits, dtype=torch.int32, device=q.device)
     packed = torch.empty(R, G, 2 * W, 8, dtype=torch.int32, device=q.device)
     sums = torch.empty(R, G, dtype=torch.int32, device=q.device)
-    _probe_packed_kernel[(R,)](q.contiguous(), basis.contiguous(), probe, packed, sums, G=G, D=D, BITS=bits, W=W,
-                               M=magnitude_bits, num_warps=4)
+    _probe_packed_kernel[(R,)](q.contiguous(), basis.contiguous(), probe, packed, sums, G=G,
+                               GP=max(16, triton.next_power_of_2(G)), D=D, BITS=bits, W=W, M=magnitude_bits,
+                               num_warps=4)
     return probe, packed, sums
 
 
