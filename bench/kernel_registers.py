@@ -196,10 +196,10 @@ def scorer_table() -> None:
     lay = binarypc.TableLayout.of(4, 64, 7)
     table = dict(HKV=8, G=4, W=1, WP=1, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
                  BIAS=lay.bias)
-    runs = [("table", binarypc._score_kernel, dict(table, BLOCK=1024), 4),
-            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=1024, ASM=True), 4),
-            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=512, ASM=True), 4),
-            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=2048, ASM=True), 8)]
+    runs = [("table", binarypc._score_kernel, dict(table, BLOCK=1024, STRIDE=16, SAMPLES=True), 4),
+            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=1024, ASM=True, STRIDE=16, SAMPLES=True), 4),
+            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=512, ASM=True, STRIDE=16, SAMPLES=True), 4),
+            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=2048, ASM=True, STRIDE=16, SAMPLES=True), 8)]
     print("| scorer | slots | warps | registers | shared bytes | SASS a key | shared loads a key | dp4a a key "
           "| barriers a program |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, kernel, consts, warps in runs:

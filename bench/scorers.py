@@ -7,7 +7,9 @@ head, in registers), each stage replayed as a CUDA graph, the dp4a scorer over s
         [--out DIR]
 
 Codes: random 64-bit words (the scorers' time does not depend on their values), 8 KV heads, 4 query heads a KV head,
-head_dim 128, 7-bit probes: Llama-3.1-8B's heads, as `sparsespec bench attention` times them.
+head_dim 128, 7-bit probes: Llama-3.1-8B's heads, as `sparsespec bench attention` times them; where the select
+takes its candidate path (2% of 4 x 128k, 16 x 32k, 16 x 128k) the scorers also copy the sampled slots' keys, as
+the policy's step has them do.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from sparsespec.kernels.binarypc import byte_tables, probe_packed, probe_tables, score_keys, score_keys_dp4a
+from sparsespec.kernels.binarypc import (byte_tables, key_range, probe_packed, probe_tables, score_keys,
+                                         score_keys_dp4a)
+from sparsespec.kernels.select import SAMPLE_STRIDE, takes_candidates
 from sparsespec.sparse_bench import copy_bandwidth, graphed, time_ms
 
 
@@ -48,14 +52,18 @@ def main():
         own = score_keys(codes, byte_tables(packed_probe, m), positions, m, bits, G)  # the table scorer's keys of
         # the dp4a probe (the two probe kernels may round a level on a boundary apart: counted below)
         out = torch.empty_like(keys)
+        # the sampled slots' keys copied beside them where the select samples them, as the policy's step does
+        samples = (torch.empty(B * Hkv, -(-S // SAMPLE_STRIDE), dtype=keys.dtype, device="cuda")
+                   if takes_candidates(B * Hkv, S, int(S * 0.02) + 68, key_range(bits, m)[1]) else None)
         times = {"table probe": time_ms(graphed(lambda: probe_tables(q, basis, m))),
-                 "table score": time_ms(graphed(lambda: score_keys(codes, tables, positions, m, bits, G, out=out))),
+                 "table score": time_ms(graphed(lambda: score_keys(codes, tables, positions, m, bits, G, out=out,
+                                                                   samples=samples))),
                  "packed probe": time_ms(graphed(lambda: probe_packed(q, basis, m)))}
         equal = {}
         for tiling in args.tilings.split(","):
             block, warps = map(int, tiling.split("x"))
             run = graphed(lambda: score_keys_dp4a(codes, packed, sums, positions, m, bits, out=out, block=block,
-                                                  num_warps=warps))
+                                                  num_warps=warps, samples=samples))
             run()
             torch.cuda.synchronize()
             equal[tiling] = torch.equal(out, own)  # the dp4a keys: those of the table scorer for the same probe
@@ -66,7 +74,8 @@ def main():
         tables_ms = times["table probe"] + times["table score"]
         dp4a_ms = times["packed probe"] + times[f"dp4a score {best}"]
         floor_ms = (codes.numel() * 8 + keys.numel() * keys.element_size()) / bandwidth * 1e3
-        rows.append({"shape": shape, **times, "best tiling": best, "floor": floor_ms, "equal keys": equal,
+        rows.append({"shape": shape, **times, "samples copied": samples is not None, "best tiling": best,
+                     "floor": floor_ms, "equal keys": equal,
                      "probe levels that differ": int((probe != packed_probe).sum())})
         us = lambda ms: f"{ms * 1e3:.1f}"  # noqa: E731
         print(f"| {shape} | {us(times['table probe'])} | {us(times['table score'])} | {us(tables_ms)} "

@@ -5,6 +5,9 @@ candidates served (the others fell back to the radix passes: the same selection,
     python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024]
         [--samples 32/16,64/32/4] [--flat-rows 0,1,8] [--out DIR]
 
+Paths: radix; candidates (each scan tiling); candidates reading the sampled slots' keys from their copy
+(`select_topk(samples=)`, what BinaryPC's scorers write beside the keys); candidates at each --samples setting.
+
 Keys: 64-bit codes of random correlated keys (8 KV heads, head_dim 128) against a fresh basis, scored by the table
 kernel for 4 query heads a KV head with 7-bit probes (Llama-3.1-8B's heads); budget 2%, 4 sinks, window 64.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sparsespec.kernels.binarypc import encode_slots, key_range, probe_tables, score_keys
+from sparsespec.kernels.binarypc import encode_slots, key_range, probe_tables, sampled_keys_ref, score_keys
 from sparsespec.kernels.select import CANDIDATE_ROOM, same_selection, select_topk, takes_candidates
 from sparsespec.sparse_bench import graphed, time_ms
 
@@ -85,6 +88,9 @@ def main():
             w, blk = map(int, tiling.split("x"))
             paths.append(("candidates" + (f" {tiling}" if i else ""), dict(sampled=True, scan_waves=w,
                                                                             scan_block=blk)))
+        # the sampled slots' keys read from the copy a scorer writes beside the keys (as the policy's step does)
+        copy = sampled_keys_ref(keys).contiguous()
+        paths.append(("candidates, sample copy", dict(paths[1][1], samples=copy)))
         for setting in filter(None, args.samples.split(",")):
             stride, margin, room = (list(map(int, setting.split("/"))) + [CANDIDATE_ROOM])[:3]
             paths.append((f"candidates {stride}/{margin}/{room}", dict(paths[1][1], stride=stride, margin=margin,

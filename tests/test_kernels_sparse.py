@@ -11,10 +11,12 @@ triton = pytest.importorskip("triton")
 
 from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
                                          key_range, packed_probe, probe_bytes, probe_packed, probe_tables,
-                                         probe_tables_ref, score_keys, score_keys_dp4a, score_keys_ref)
+                                         probe_tables_ref, sampled_keys_ref, score_keys, score_keys_dp4a,
+                                         score_keys_ref)
 from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, topk_keys_ref  # noqa: E402
-from sparsespec.kernels.select import (expand_pages, expand_pages_ref, ordered_keys, select_scratch,  # noqa: E402
-                                       select_topk, select_topk_ref)
+from sparsespec.kernels.select import (SAMPLE_STRIDE, expand_pages, expand_pages_ref, ordered_keys,  # noqa: E402
+                                       same_selection, sampled_slots, select_scratch, select_topk,
+                                       select_topk_ref)
 
 from .conftest import DEVICE, cuda_only  # noqa: E402
 
@@ -81,10 +83,12 @@ def test_score_keys_equal_popcount_reference(G, bits, m, S):
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
     probe, tables = probe_tables_ref(q, basis, m)
-    keys = score_keys(codes, tables, positions, m, bits, G)
+    samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=ref_dtype(bits, m), device=DEVICE)
+    keys = score_keys(codes, tables, positions, m, bits, G, samples=samples)
     ref = score_keys_ref(codes, probe, positions, m, bits)
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
     assert torch.equal(keys[live], ref[live])
+    assert_samples(samples, ref, positions, Hkv)
     offset, key_bits = key_range(bits, m)
     assert (key_bits <= 15) == (ref.dtype == torch.int16) and int(ref[live].min()) >= 1
     assert int(ref[live].max()) < (1 << key_bits) - 1  # below the forced key
@@ -92,6 +96,18 @@ def test_score_keys_equal_popcount_reference(G, bits, m, S):
     h = ((codes[..., None] >> torch.arange(64, device=DEVICE)) & 1).flatten(-2)[..., :bits] * 2 - 1  # [B,Hkv,S,b]
     direct = (probe.view(B, Hkv, G, 1, bits).double() * h[:, :, None].double()).sum(-1).amax(2).flatten(0, 1)
     assert torch.equal(ref[live].long(), direct[live].long() + offset)
+
+
+def ref_dtype(bits: int, m: int) -> torch.dtype:
+    return torch.int16 if key_range(bits, m)[1] <= 16 else torch.int32
+
+
+def assert_samples(samples: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, Hkv: int) -> None:
+    """A scorer's copy of the sampled slots' keys: the keys of the live sampled slots; the others left alone."""
+    slots = sampled_slots(keys.shape[1], SAMPLE_STRIDE, keys.device)
+    live = slots <= positions.long().repeat_interleave(Hkv)[:, None]  # [R, NS] (a slot past S: never live)
+    assert torch.equal(samples[live], sampled_keys_ref(keys)[live])
+    assert bool((samples[~live] == -5).all())
 
 
 def random_codes(g: torch.Generator, B: int, Hkv: int, S: int, bits: int) -> torch.Tensor:
@@ -162,10 +178,12 @@ def test_score_keys_dp4a_equal_popcount_reference(G, bits, m, S):
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
     probe, packed, sums = probe_packed(q, basis, m)
-    keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=64)
+    samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=ref_dtype(bits, m), device=DEVICE)
+    keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=64, samples=samples)
     ref = score_keys_ref(codes, probe, positions, m, bits)
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
     assert keys.dtype == ref.dtype and torch.equal(keys[live], ref[live])
+    assert_samples(samples, ref, positions, Hkv)
     # and the table scorer's keys for the same probe
     assert torch.equal(keys[live], score_keys(codes, byte_tables(probe, m), positions, m, bits, G)[live])
 
@@ -317,8 +335,7 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
     B, Hkv, S, k, stride = 2, 3, 1500, 240, 16
     R = B * Hkv
     keys = torch.randint(1, 3000, (R, S), generator=g).to(torch.int16)
-    j = torch.arange(-(-S // stride))
-    sampled = (j * stride + (((j * -1640531535) >> 16) & (stride - 1))).clamp_max(S - 1)  # as _jittered
+    sampled = sampled_slots(S, stride).clamp_max(S - 1)
     keys[0, sampled] = 15000  # the sample sees only these: its threshold keeps ~94 of the 200 wanted
     keys[1] = 7  # flat: every key a candidate, more than fit
     keys[4, ::3] = 9000
@@ -343,6 +360,52 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
     select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=False, block=block, served=served)
     assert not served.any()  # the radix path serves no row by candidates
+
+
+@pytest.mark.parametrize("stride", [16, 32])
+def test_the_samples_copy_gives_the_same_selection_and_rows_served(stride):
+    """`select_topk(samples=)`: the sample passes read the sampled slots' keys from their copy — the same selection
+    and the same rows served as sampling the row itself, with a forced list of sampled and other slots (written
+    into the copy too) and copy entries past a row's position holding garbage."""
+    g = torch.Generator().manual_seed(stride)
+    B, Hkv, S, k = 2, 3, 1500, 240
+    R = B * Hkv
+    keys = torch.randint(1, 3000, (R, S), generator=g).to(torch.int16)
+    slots = sampled_slots(S, stride)
+    keys[0, slots.clamp_max(S - 1)] = 15000  # the sample sees only these: row 0 falls back
+    keys[4, ::3] = 9000
+    keys = keys.to(DEVICE)
+    positions = torch.tensor([S - 1, S - 200], dtype=torch.int32, device=DEVICE)
+    tokens = torch.tensor([200, 25], dtype=torch.int32, device=DEVICE)
+    # each row's forced list: three sampled slots (below and past the second row's position) and two others
+    n_s = len(slots)
+    listed = torch.stack([torch.cat([slots[[5 + r, n_s // 2, n_s - 2]], slots[[7, n_s // 3]] + 1]) for r in range(R)])
+    extra, extra_n = listed.int().to(DEVICE), torch.tensor([5, 4], dtype=torch.int32, device=DEVICE)
+    copy = torch.where(slots < S, keys[:, slots.clamp_max(S - 1).to(DEVICE)], 0)  # [R, NS]
+    past = slots.to(DEVICE) > positions.repeat_interleave(Hkv)[:, None]
+    copy = torch.where(past, torch.randint(1, 30000, copy.shape, generator=g).to(DEVICE, torch.int16), copy)
+    runs = {}
+    for name, samples in (("row", None), ("copy", copy)):
+        served = torch.full((R,), -1, dtype=torch.int32, device=DEVICE)
+        runs[name] = (*select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, extra=extra, extra_n=extra_n,
+                                   sampled=True, stride=stride, sinks=2, window=3, served=served,
+                                   samples=samples), served)
+    (idx, count, served), (idx2, count2, served2) = runs["row"], runs["copy"]
+    assert same_selection((idx, count), (idx2, count2)) and torch.equal(served, served2)
+    assert int(served[0]) == 0 and 1 in served.tolist()  # a row that fell back, and rows served
+    ref_idx, ref_count = select_topk_ref(keys, positions, tokens, positions + 1, k, 14, sinks=2, window=3,
+                                         extra=extra, extra_n=extra_n)
+    idx, count, _ = runs["copy"]
+    assert torch.equal(count, ref_count)
+    for r in range(R):
+        assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
+    # the listed sampled slots up to each row's position now hold the forced key in the copy
+    for r in range(R):
+        b = r // Hkv
+        for j, slot in enumerate(listed[r, :int(extra_n[b])].tolist()):
+            at = slot // stride
+            if slot <= int(positions[b]) and int(slots[at]) == slot:
+                assert int(copy[r, at]) == -1, (r, slot)
 
 
 @cuda_only

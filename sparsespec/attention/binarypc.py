@@ -341,19 +341,29 @@ class BinaryPC(SelectionPolicy):
         B, Hq, _, D = q.shape
         Hkv = state.basis.shape[1]
         key_bits = kernels.key_range(opts.bits, opts.probe_bits)[1]
+        samples = None
+        if fast:  # the sampled slots' keys written beside the keys when the select samples them
+            from ..kernels.select import SAMPLE_STRIDE, takes_candidates
+
+            S = state.codes.shape[2]
+            if takes_candidates(B * Hkv, S, plan.width, key_bits):
+                samples = torch.empty(B * Hkv, -(-S // SAMPLE_STRIDE), dtype=kernels.key_dtype(key_bits),
+                                      device=q.device)
         if fast and opts.scorer == "dp4a":  # the probe packed as bytes, four code bits a dp4a
             _, packed, sums = kernels.probe_packed(q.view(B, Hq, D), state.basis, opts.probe_bits)
-            keys = kernels.score_keys_dp4a(state.codes, packed, sums, plan.positions, opts.probe_bits, opts.bits)
+            keys = kernels.score_keys_dp4a(state.codes, packed, sums, plan.positions, opts.probe_bits, opts.bits,
+                                           samples=samples)
         elif fast:  # byte tables of the quantised probe, then one table read per code byte
             _, tables = kernels.probe_tables(q.view(B, Hq, D), state.basis, opts.probe_bits)
-            keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv)
+            keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv,
+                                      samples=samples)
         else:
             probe = q.view(B, Hkv, Hq // Hkv, D).float() @ state.basis.transpose(-1, -2)  # [B, Hkv, G, b]
             keys = kernels.score_keys_ref(state.codes, quantize_probe(probe, opts.probe_bits).flatten(0, 1),
                                           plan.positions, opts.probe_bits, opts.bits)
         safe = opts.safeguard > 0
         return SelectKeys(keys, key_bits, state.encoded_dev, state.safe.flatten(0, 1) if safe else None,
-                          plan.listed if safe else None)
+                          plan.listed if safe else None, samples)
 
     def listed_forced(self, tokens):
         # the safeguard: the worst-described keys, a share of the budget (once per step, for every layer)

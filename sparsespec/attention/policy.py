@@ -36,12 +36,14 @@ def option(default: Any, help: str) -> Any:
 class SelectKeys:
     """A fixed-width step's selection keys of one layer, as `select_topk` takes them: keys [B * Hkv, S] int16/int32
     of `key_bits` bits; slots from forced_from [B] on forced (None: after the query); a forced list extra
-    [B * Hkv, E] of which extra_n [B] count."""
+    [B * Hkv, E] of which extra_n [B] count; the sampled slots' keys beside them (`select_topk(samples=)`), if the
+    scorer wrote them."""
     keys: torch.Tensor
     key_bits: int
     forced_from: torch.Tensor | None = None
     extra: torch.Tensor | None = None
     extra_n: torch.Tensor | None = None
+    samples: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -450,7 +452,8 @@ class SelectionPolicy(Policy):
         if triton_ready(q.device):
             from ..kernels.select import select_topk
 
-            return select_topk(*args, out=into, attended=plan.attended, scratch=plan.scratch, **opts)
+            return select_topk(*args, out=into, attended=plan.attended, scratch=plan.scratch, samples=sk.samples,
+                               **opts)
         from ..kernels.select import select_topk_ref
 
         return self.keep_selection(*select_topk_ref(*args, **opts), into)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..attention.binarypc import encode, pack_bits, packed_scores, quantize_probe
+from .select import SAMPLE_STRIDE, _jittered, sampled_slots
 
 
 def key_range(bits: int, magnitude_bits: int) -> tuple[int, int]:
@@ -176,12 +177,32 @@ def probe_tables_ref(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
 # ---------------------------------------------------------------------------------------------- scoring
 
 @triton.jit
-def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV: tl.constexpr, G: tl.constexpr,
-                  W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
-                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _store_keys(keys_ptr, samples_ptr, r, start, key, pos, S, NS, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
+                SAMPLES: tl.constexpr):
+    """A block's keys (slots start .. start + BLOCK - 1, start a multiple of BLOCK) into the row up to the query's
+    position, and with SAMPLES the sampled slots' among them (`select.sampled_slots`: one in each run of STRIDE)
+    into their contiguous copy samples_ptr [R, NS], for the select's sample passes."""
+    s = start + tl.arange(0, BLOCK)
+    key = key.to(keys_ptr.dtype.element_ty)
+    tl.store(keys_ptr + r.to(tl.int64) * S + s, key, mask=s <= pos)
+    if SAMPLES:
+        j = start // STRIDE + tl.arange(0, BLOCK // STRIDE)  # the block's runs
+        at = _jittered(j, STRIDE) - j * STRIDE  # each run's sampled slot
+        runs = tl.reshape(key, (BLOCK // STRIDE, STRIDE))
+        picked = tl.sum(tl.where(tl.arange(0, STRIDE)[None, :] == at[:, None], runs, 0), 1)
+        tl.store(samples_ptr + r.to(tl.int64) * NS + j, picked.to(samples_ptr.dtype.element_ty),
+                 mask=j * STRIDE + at <= pos)
+
+
+@triton.jit
+def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, samples_ptr, S, NS, OFFSET, HKV: tl.constexpr,
+                  G: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
+                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                  STRIDE: tl.constexpr, SAMPLES: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = s <= tl.load(positions_ptr + r // HKV)
+    pos = tl.load(positions_ptr + r // HKV)
+    live = s <= pos
     w = tl.arange(0, WP)
     tile = tl.load(codes_ptr + (r.to(tl.int64) * S + s[:, None]) * W + w[None, :],
                    mask=live[:, None] & (w[None, :] < W), other=0)  # [BLOCK, WP]
@@ -201,25 +222,52 @@ def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV
         for lane in tl.static_range(LANES):
             if tb * LANES + lane < G:
                 best = tl.maximum(best, (acc >> (lane * LANE_BITS)) & LANE_MASK)
-    key = best - NB * BIAS + OFFSET
-    tl.store(keys_ptr + r.to(tl.int64) * S + s, key.to(keys_ptr.dtype.element_ty), mask=live)
+    _store_keys(keys_ptr, samples_ptr, r, tl.program_id(1) * BLOCK, best - NB * BIAS + OFFSET, pos, S, NS, BLOCK,
+                STRIDE, SAMPLES)
 
 
 def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, magnitude_bits: int, bits: int,
-               group: int, out: torch.Tensor | None = None, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+               group: int, out: torch.Tensor | None = None, block: int = 1024, num_warps: int = 4,
+               samples: torch.Tensor | None = None) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, tables from `probe_tables` (`group` query heads per KV head), positions [B]
-    -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written). Tuning:
-    `block` slots and `num_warps` a program."""
+    -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written). `samples`
+    [B*Hkv, ceil(S / SAMPLE_STRIDE)] of the keys' dtype, if given: the keys of `select.sampled_slots` written there
+    too (for `select_topk(samples=)`). Tuning: `block` slots and `num_warps` a program."""
     B, Hkv, S, W = codes.shape
     lay = TableLayout.of(group, bits, magnitude_bits)
     offset, key_bits = key_range(bits, magnitude_bits)
-    if out is None:
-        out = torch.empty(B * Hkv, S, dtype=key_dtype(key_bits), device=codes.device)
-    block = min(block, triton.next_power_of_2(S))
+    out = _keys_out(out, samples, B * Hkv, S, key_bits, codes.device)
+    block = _block(block, S, samples)
     _score_kernel[(B * Hkv, triton.cdiv(S, block))](
-        codes, tables, positions, out, S, offset, HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb,
-        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BLOCK=block, num_warps=num_warps)
+        codes, tables, positions, out, out if samples is None else samples, S, triton.cdiv(S, SAMPLE_STRIDE), offset,
+        HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits,
+        T=lay.tables, BIAS=lay.bias, BLOCK=block, STRIDE=SAMPLE_STRIDE, SAMPLES=samples is not None,
+        num_warps=num_warps)
     return out
+
+
+def _keys_out(out: torch.Tensor | None, samples: torch.Tensor | None, rows: int, S: int, key_bits: int, device):
+    """A scorer's keys buffer (`out`, or a new one), its `samples` checked against it."""
+    if out is None:
+        out = torch.empty(rows, S, dtype=key_dtype(key_bits), device=device)
+    assert samples is None or (samples.shape == (rows, triton.cdiv(S, SAMPLE_STRIDE)) and samples.dtype == out.dtype
+                               and samples.is_contiguous()), f"samples: [B*Hkv, ceil(S / {SAMPLE_STRIDE})], keys' dtype"
+    return out
+
+
+def _block(block: int, S: int, samples: torch.Tensor | None) -> int:
+    """A scorer's slots a program: at most the row's (rounded up to a power of two), and whole runs of the sample's
+    stride where it copies the sampled slots."""
+    block = min(block, triton.next_power_of_2(S))
+    return block if samples is None else max(block, SAMPLE_STRIDE)
+
+
+def sampled_keys_ref(keys: torch.Tensor) -> torch.Tensor:
+    """keys [R, S] -> the keys of `select.sampled_slots(S)` [R, ceil(S / SAMPLE_STRIDE)] (a slot past S: 0), what
+    the scorers write into `samples`."""
+    slots = sampled_slots(keys.shape[1], SAMPLE_STRIDE, keys.device)
+    inside = slots < keys.shape[1]
+    return torch.where(inside, keys[:, slots.clamp_max(keys.shape[1] - 1)], 0)
 
 
 def score_keys_ref(codes: torch.Tensor, probe: torch.Tensor, positions: torch.Tensor, magnitude_bits: int,
@@ -315,11 +363,13 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr, S, OFFSET, HKV: tl.constexpr,
-                       G: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):
+def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr, samples_ptr, S, NS, OFFSET,
+                       HKV: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr,
+                       STRIDE: tl.constexpr, SAMPLES: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = s <= tl.load(positions_ptr + r // HKV)
+    pos = tl.load(positions_ptr + r // HKV)
+    live = s <= pos
     row = codes_ptr + (r.to(tl.int64) * S + s) * W  # [BLOCK]: each slot's code words
     best = tl.full([BLOCK], -(1 << 30), tl.int32)
     for g in tl.static_range(G):  # (each head's loads and byte masks are the same: the compiler keeps one of each)
@@ -332,26 +382,27 @@ def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr,
                 for k in tl.static_range(8):  # bits 8 y + k of the half, as bytes 0 or 1
                     acc = _dp4a((half >> k) & 0x01010101, tl.load(head + (2 * w + h) * 8 + k), acc, ASM)
         best = tl.maximum(best, 2 * acc - tl.load(sums_ptr + r * G + g))
-    tl.store(keys_ptr + r.to(tl.int64) * S + s, (best + OFFSET).to(keys_ptr.dtype.element_ty), mask=live)
+    _store_keys(keys_ptr, samples_ptr, r, tl.program_id(1) * BLOCK, best + OFFSET, pos, S, NS, BLOCK, STRIDE,
+                SAMPLES)
 
 
 def score_keys_dp4a(codes: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, positions: torch.Tensor,
                     magnitude_bits: int, bits: int, out: torch.Tensor | None = None, block: int = 1024,
-                    num_warps: int = 4) -> torch.Tensor:
+                    num_warps: int = 4, samples: torch.Tensor | None = None) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, packed / sums from `probe_packed`, positions [B] -> keys [B*Hkv, S], the same
-    keys as `score_keys` (slots past a row's position are not written). Tuning: `block` slots and `num_warps` a
-    program."""
+    keys as `score_keys` (slots past a row's position are not written; `samples` as there). Tuning: `block` slots
+    and `num_warps` a program."""
     from . import interpreting
 
     B, Hkv, S, W = codes.shape
     G = packed.shape[1]
     offset, key_bits = key_range(bits, magnitude_bits)
-    if out is None:
-        out = torch.empty(B * Hkv, S, dtype=key_dtype(key_bits), device=codes.device)
-    block = min(block, triton.next_power_of_2(S))
+    out = _keys_out(out, samples, B * Hkv, S, key_bits, codes.device)
+    block = _block(block, S, samples)
     _score_dp4a_kernel[(B * Hkv, triton.cdiv(S, block))](
-        codes, packed, sums, positions, out, S, offset, HKV=Hkv, G=G, W=W, BLOCK=block, ASM=not interpreting(),
-        num_warps=num_warps)
+        codes, packed, sums, positions, out, out if samples is None else samples, S, triton.cdiv(S, SAMPLE_STRIDE),
+        offset, HKV=Hkv, G=G, W=W, BLOCK=block, ASM=not interpreting(), STRIDE=SAMPLE_STRIDE,
+        SAMPLES=samples is not None, num_warps=num_warps)
     return out
 
 

@@ -85,8 +85,10 @@ def _crossing(hist, k):
 
 
 @triton.jit
-def _force_kernel(keys_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, E, HKV: tl.constexpr, EBLOCK: tl.constexpr):
-    """The policy's forced list written into each row as maximal keys (all bits set)."""
+def _force_kernel(keys_ptr, samples_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, NS, E, HKV: tl.constexpr,
+                  EBLOCK: tl.constexpr, STRIDE: tl.constexpr, SAMPLES: tl.constexpr):
+    """The policy's forced list written into each row as maximal keys (all bits set); with SAMPLES, into the
+    sampled slots' copy too (samples_ptr [R, NS])."""
     r = tl.program_id(0)
     b = r // HKV
     pos = tl.load(positions_ptr + b)
@@ -94,8 +96,13 @@ def _force_kernel(keys_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, E, HKV: tl
     for j0 in range(0, E, EBLOCK):
         j = j0 + tl.arange(0, EBLOCK)
         slot = tl.load(extra_ptr + r.to(tl.int64) * E + j, mask=j < n_extra, other=0)
+        listed = (j < n_extra) & (slot <= pos)
         tl.store(keys_ptr + r.to(tl.int64) * S + slot, tl.full([EBLOCK], -1, tl.int32).to(
-            keys_ptr.dtype.element_ty), mask=(j < n_extra) & (slot <= pos))
+            keys_ptr.dtype.element_ty), mask=listed)
+        if SAMPLES:
+            at = slot // STRIDE
+            tl.store(samples_ptr + r.to(tl.int64) * NS + at, tl.full([EBLOCK], -1, tl.int32).to(
+                samples_ptr.dtype.element_ty), mask=listed & (slot == _jittered(at, STRIDE)))
 
 
 @triton.jit
@@ -247,18 +254,20 @@ def _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE: tl.constexpr
 
 
 @triton.jit
-def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, S, K, SINKS, WINDOW, MARGIN,
-                   SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr, STRIDE: tl.constexpr,
-                   LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, S, NS, K, SINKS,
+                   WINDOW, MARGIN, SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
+                   STRIDE: tl.constexpr, LEVEL: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
     """The sample's histograms, one slot in STRIDE, this program's SPP samples (added atomically to shist_ptr
     [R, 2, 256]): LEVEL 0 of the keys' top digit; LEVEL 1 (keys of two digits) of the low digit among the keys
-    whose top digit holds the sample's target rank. LOW: the bits below the top digit (0 for one digit)."""
+    whose top digit holds the sample's target rank. LOW: the bits below the top digit (0 for one digit). SAMPLES:
+    the sampled slots' keys read from their copy (samples_ptr [R, NS], contiguous) instead of the row."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     row = keys_ptr + r.to(tl.int64) * S
+    copy = samples_ptr + r.to(tl.int64) * NS
     n, n_s, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
     bins = tl.arange(0, 256)
     hist = tl.zeros([256], dtype=tl.int32)
@@ -270,8 +279,8 @@ def _sample_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_p
     for j0 in range(p * SPP, tl.minimum((p + 1) * SPP, n_s), BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         s = _jittered(j, STRIDE)
-        key = _ranked_keys(s, _stored_keys(tl.load(row + s, mask=s <= pos, other=0), KEY_BITS), pos, forced_from,
-                           SINKS, WINDOW, KEY_BITS)
+        stored = tl.load(copy + j, mask=s <= pos, other=0) if SAMPLES else tl.load(row + s, mask=s <= pos, other=0)
+        key = _ranked_keys(s, _stored_keys(stored, KEY_BITS), pos, forced_from, SINKS, WINDOW, KEY_BITS)
         if LEVEL == 0:
             match = key > 0
             value = key >> LOW
@@ -468,7 +477,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, block: int = 2048,
                 waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
                 margin: int = 16, room: int = CANDIDATE_ROOM, scan_waves: int = 4, scan_block: int = 2048,
-                served: torch.Tensor | None = None):
+                served: torch.Tensor | None = None, samples: torch.Tensor | None = None):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
@@ -484,11 +493,18 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     over all its keys in the same launches; the selection is the same either way. Its counting and compaction
     passes take `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to
     1 for the rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never
-    shows it, the time does."""
+    shows it, the time does. `samples` [R, ceil(S / stride)], keys' dtype, if given: the keys of the sampled slots
+    (`sampled_slots(S, stride)`), as a scorer wrote them beside the keys (`score_keys(samples=)`): the sample passes
+    read this contiguous copy instead of one key in every `stride` slots of each row (at stride 16, every 32-byte
+    sector of 2-byte keys); the forced list is written into both, so the selection and the rows served are the
+    same."""
     R, S = keys.shape
     assert (keys.dtype == torch.int16 and 8 <= key_bits <= 16) or (keys.dtype == torch.int32 and key_bits == 32)
     assert keys.is_contiguous(), "keys [R, S] must be contiguous: the passes step through a row S slots apart"
     assert served is None or (served.shape == (R,) and served.dtype == torch.int32 and served.device == keys.device)
+    n_s = triton.cdiv(S, max(stride, 1))
+    assert samples is None or (samples.shape == (R, n_s) and samples.dtype == keys.dtype and samples.is_contiguous()
+                               and samples.device == keys.device), "samples: [R, ceil(S / stride)] of the keys' dtype"
     B = positions.shape[0]
     hkv, digits, last = R // B, *key_digits(key_bits)
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
@@ -497,8 +513,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     hist, stats, done = _scratch_views(scratch_all, R, digits)
     if extra is not None and extra.shape[1] > 0:
         E = extra.shape[1]
-        _force_kernel[(R,)](keys, positions, extra, extra_n, S, E, HKV=hkv,
-                            EBLOCK=min(256, triton.next_power_of_2(E)), num_warps=4)
+        _force_kernel[(R,)](keys, keys if samples is None else samples, positions, extra, extra_n, S, n_s, E,
+                            HKV=hkv, EBLOCK=min(256, triton.next_power_of_2(E)), STRIDE=max(stride, 1),
+                            SAMPLES=samples is not None, num_warps=4)
     window = max(window, 1)
     tuning = dict(block=block, waves=waves, num_warps=num_warps)
     if sampled is None:
@@ -514,13 +531,14 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                          f"least twice the width, got {key_bits} bits, stride {stride}, room {room}")
     C = candidate_width(k, S, room)
     sample_hist = scratch_all[R * 2 * 256:R * 4 * 256]  # [R, 2, 256]: the radix digits of <= 16-bit keys leave it
-    n_s, sblock = triton.cdiv(S, stride), 1024
+    sblock = 1024
     low = last if digits == 2 else 0  # the bits below the top digit (keys of up to 16 bits: one or two digits)
     ps = programs_per_row(R, triton.cdiv(n_s, sblock), keys.device, waves)
     spp = triton.cdiv(triton.cdiv(n_s, sblock), ps) * sblock
     for level in range(digits):
-        _sample_kernel[(R, ps)](keys, positions, tokens, forced_from, sample_hist, S, k, sinks, window, margin, spp,
-                                HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, LEVEL=level, BLOCK=sblock,
+        _sample_kernel[(R, ps)](keys, keys if samples is None else samples, positions, tokens, forced_from,
+                                sample_hist, S, n_s, k, sinks, window, margin, spp, HKV=hkv, KEY_BITS=key_bits,
+                                LOW=low, STRIDE=stride, LEVEL=level, BLOCK=sblock, SAMPLES=samples is not None,
                                 num_warps=4)
     blk = min(scan_block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, blk)
@@ -547,6 +565,14 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
            skip=info[3], **tuning)
     return idx, count
+
+
+def sampled_slots(capacity: int, stride: int = SAMPLE_STRIDE, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The slots the candidate path samples, one in each run of `stride` (`_jittered`) -> int64 [ceil(S / stride)]
+    (the last may lie past the capacity, as the kernels' own sampling never reads: it is never live)."""
+    j = torch.arange(-(-capacity // stride), device=device)
+    hashed = (j * -1640531535) & 0xFFFFFFFF  # the kernels' int32 product, as 32 unsigned bits
+    return j * stride + ((hashed >> 16) & (stride - 1))
 
 
 def same_selection(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
