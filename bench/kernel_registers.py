@@ -189,19 +189,20 @@ def select_table() -> None:
 
 def scorer_table() -> None:
     """BinaryPC's scorers over one program's slots (Llama-3.1-8B's heads: 4 query heads a KV head, 64-bit codes,
-    7-bit probes), per key: SASS instructions, shared-memory loads (the table scorer's lookups), dp4a, barriers —
-    a static account of what each spends a key, not a time."""
+    7-bit probes), with and without the copy of the sampled slots' keys (`samples=`), per key: SASS instructions,
+    shared-memory loads (the table scorer's lookups), dp4a, barriers — a static account of what each spends a key,
+    not a time."""
     from sparsespec.kernels import binarypc
 
     lay = binarypc.TableLayout.of(4, 64, 7)
     table = dict(HKV=8, G=4, W=1, WP=1, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
                  BIAS=lay.bias)
-    runs = [("table", binarypc._score_kernel, dict(table, BLOCK=1024, STRIDE=16, SAMPLES=True), 4),
-            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=1024, ASM=True, STRIDE=16, SAMPLES=True), 4),
-            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=512, ASM=True, STRIDE=16, SAMPLES=True), 4),
-            ("dp4a", binarypc._score_dp4a_kernel, dict(HKV=8, G=4, W=1, BLOCK=2048, ASM=True, STRIDE=16, SAMPLES=True), 8)]
-    print("| scorer | slots | warps | registers | shared bytes | SASS a key | shared loads a key | dp4a a key "
-          "| barriers a program |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    dp4a = dict(HKV=8, G=4, W=1, ASM=True, STRIDE=16)
+    runs = [("table", binarypc._score_kernel, dict(table, BLOCK=1024, STRIDE=16, SAMPLES=copy), 4) for copy in (0, 1)]
+    runs += [("dp4a", binarypc._score_dp4a_kernel, dict(dp4a, BLOCK=block, SAMPLES=copy), warps)
+             for block, warps in ((1024, 4), (512, 4), (2048, 8)) for copy in (0, 1)]
+    print("| scorer | slots | warps | sample copy | registers | shared bytes | SASS a key | shared loads a key "
+          "| dp4a a key | barriers a program |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for name, kernel, consts, warps in runs:
         r = compile_select(kernel, consts, warps, sass=True)
         per = consts["BLOCK"] / (32 * warps)  # keys a thread
@@ -209,7 +210,8 @@ def scorer_table() -> None:
         lds = sum(n for op, n in ops.items() if op.startswith("LDS"))
         dp4a = sum(n for op, n in ops.items() if op.startswith("IDP"))
         bars = sum(n for op, n in ops.items() if op.startswith("BAR"))
-        print(f"| {name} | {consts['BLOCK']} | {warps} | {r['registers']} | {r['shared_bytes']} "
+        print(f"| {name} | {consts['BLOCK']} | {warps} | {'yes' if consts['SAMPLES'] else 'no'} | {r['registers']} "
+              f"| {r['shared_bytes']} "
               f"| {sum(ops.values()) / per:.0f} | {lds / per:.1f} | {dp4a / per:.0f} | {bars} |")
 
 
