@@ -120,8 +120,8 @@ def random_codes(g: torch.Generator, B: int, Hkv: int, S: int, bits: int) -> tor
     return codes.to(DEVICE)
 
 
-@pytest.mark.parametrize("G,D,bits,m", [(1, 64, 64, 7), (4, 128, 64, 7), (7, 16, 100, 3), (3, 16, 7, 5),
-                                        (2, 32, 256, 7), (3, 16, 131, 1)])
+@pytest.mark.parametrize("G,D,bits,m", [(1, 64, 64, 7), (4, 128, 64, 7), (7, 16, 70, 3), (3, 16, 7, 5),
+                                        (2, 16, 256, 7), (3, 16, 131, 1)])
 def test_probe_packed_equals_reference(G, D, bits, m):
     g = torch.Generator().manual_seed(G * 100 + bits)
     B, Hkv = 2, 3
@@ -168,7 +168,7 @@ def test_packed_probe_dotted_with_the_byte_masks_gives_the_probe_dot_the_bits():
     assert torch.equal(2 * total - sums.long(), (probe * h_signs).sum(-1))
 
 
-@pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 150), (7, 128, 7, 70), (2, 40, 4, 70),
+@pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 150), (7, 128, 7, 40), (2, 40, 4, 70),
                                         (3, 64, 1, 50), (2, 256, 7, 45), (3, 131, 6, 33)])
 def test_score_keys_dp4a_equal_popcount_reference(G, bits, m, S):
     g = torch.Generator().manual_seed(S * 11 + G)

@@ -55,28 +55,28 @@ def test_fixed_width_step_equals_eager_step(name, options, tmp_path):
     assert torch.allclose(fixed, eager, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("S,second,budget,scorers", [(150, 97, 0.1, ("tables", "dp4a")), (2100, 2060, 0.02, ("dp4a",))])
-def test_binarypc_fixed_step_through_either_scorer_kernel_equals_the_eager_step(monkeypatch, S, second, budget,
-                                                                                scorers):
+@pytest.mark.parametrize("candidates", [False, True])
+def test_binarypc_fixed_step_through_either_scorer_kernel_equals_the_eager_step(monkeypatch, candidates):
     """The fixed-width step through the Triton kernels (interpreted here, as they run on CUDA): the table scorer and
     the dp4a scorer select what the eager step selects — on the select's radix path, and on its candidate path
-    (the threshold sampled from the copy of the sampled slots' keys the scorer writes)."""
+    (taken here at any size), whose threshold is sampled from the copy of the sampled slots' keys the scorer
+    writes."""
     import sparsespec.kernels
     from sparsespec.kernels import select
 
     monkeypatch.setattr(sparsespec.kernels, "triton_ready", lambda device: True)
-    monkeypatch.setattr(select, "SAMPLED_MIN_KEYS", 0)  # (the candidate path wherever the candidates fit)
+    monkeypatch.setattr(select, "takes_candidates", lambda *a, **kw: candidates)
     copies = []
     topk = select.select_topk
     monkeypatch.setattr(select, "select_topk", lambda *a, **kw: copies.append(kw["samples"] is not None)
                         or topk(*a, **kw))
-    B, Hkv, D = 2, 2, 16
+    B, Hkv, S, D = 2, 2, 150, 16
     cache = cache_with_keys(anisotropic_keys(B * Hkv, S, D, seed=4).view(B, Hkv, S, D))
-    lengths = [S - 10, second]
+    lengths = [S - 10, 97]
     q = torch.randn(B, 2 * Hkv, 1, D, generator=torch.Generator().manual_seed(2))
     positions = torch.tensor(lengths)
-    for scorer in scorers:
-        policy = make_policy("binarypc", {"budget": budget, "sinks": 2, "window": 3, "dense_layers": 0,
+    for scorer in ("tables", "dp4a"):
+        policy = make_policy("binarypc", {"budget": 0.1, "sinks": 2, "window": 3, "dense_layers": 0,
                                           "min_tokens": 0, "scorer": scorer})
         policy.build(0, cache, lengths)
         with policy.stepping(lengths):
@@ -88,7 +88,7 @@ def test_binarypc_fixed_step_through_either_scorer_kernel_equals_the_eager_step(
         for r in range(B * Hkv):
             b, h = divmod(r, Hkv)
             assert sorted(idx[b, h][valid[b, h]].tolist()) == plan.idx[r, :plan.count[r]].tolist(), scorer
-    assert copies == [S > 1000] * len(scorers)  # the sampled slots' keys copied exactly where the select samples them
+    assert copies == [candidates] * 2  # the sampled slots' keys copied exactly where the select samples them
 
 
 def label_file(folder, num_kv_heads: int, head_dim: int) -> str:
