@@ -40,7 +40,7 @@ POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "positions": "*i64", "tree
 UNIT = ("stride_pb", "stride_tb", "stride_ch")  # strides of 1 in a decode step (T = 1): Triton makes them constants
 SCALARS = ("qk_scale",)
 SELECT_POINTERS = {"keys_ptr": "*i16", "cand_ptr": "*i16", "samples_ptr": "*i16", "attended_ptr": "*fp32",
-                   "codes_ptr": "*i64", "tables_ptr": "*i64", "positions_ptr": "*i64"}
+                   "codes_ptr": "*i64", "tables_ptr": "*i64"}  # (others, positions included: int32, as a plan has)
 
 
 def ptxas() -> str:
@@ -186,7 +186,6 @@ def select_table() -> None:
               f"| {r['registers']} | {r['shared_bytes']} |")
 
 
-
 def scorer_table() -> None:
     """BinaryPC's scorers over one program's slots (Llama-3.1-8B's heads: 4 query heads a KV head, 64-bit codes,
     7-bit probes), with and without the copy of the sampled slots' keys (`samples=`), per key: SASS instructions,
@@ -197,9 +196,9 @@ def scorer_table() -> None:
     lay = binarypc.TableLayout.of(4, 64, 7)
     table = dict(HKV=8, G=4, W=1, WP=1, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
                  BIAS=lay.bias)
-    dp4a = dict(HKV=8, G=4, W=1, ASM=True, STRIDE=16)
+    packed = dict(HKV=8, G=4, W=1, ASM=True, STRIDE=16)
     runs = [("table", binarypc._score_kernel, dict(table, BLOCK=1024, STRIDE=16, SAMPLES=copy), 4) for copy in (0, 1)]
-    runs += [("dp4a", binarypc._score_dp4a_kernel, dict(dp4a, BLOCK=block, SAMPLES=copy), warps)
+    runs += [("dp4a", binarypc._score_dp4a_kernel, dict(packed, BLOCK=block, SAMPLES=copy), warps)
              for block, warps in ((1024, 4), (512, 4), (2048, 8)) for copy in (0, 1)]
     print("| scorer | slots | warps | sample copy | registers | shared bytes | SASS a key | shared loads a key "
           "| dp4a a key | barriers a program |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")

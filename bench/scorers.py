@@ -53,8 +53,9 @@ def main():
         # the dp4a probe (the two probe kernels may round a level on a boundary apart: counted below)
         out = torch.empty_like(keys)
         # the sampled slots' keys copied beside them where the select samples them, as the policy's step does
+        width = int(S * 0.02) + 68  # a 2% plan's width: the budget, 4 sinks and a 64-slot window beside it
         samples = (torch.empty(B * Hkv, -(-S // SAMPLE_STRIDE), dtype=keys.dtype, device="cuda")
-                   if takes_candidates(B * Hkv, S, int(S * 0.02) + 68, key_range(bits, m)[1]) else None)
+                   if takes_candidates(B * Hkv, S, width, key_range(bits, m)[1]) else None)
         times = {"table probe": time_ms(graphed(lambda: probe_tables(q, basis, m))),
                  "table score": time_ms(graphed(lambda: score_keys(codes, tables, positions, m, bits, G, out=out,
                                                                    samples=samples))),

@@ -206,9 +206,10 @@ def report(out: Path | None, name: str, bandwidth: float, rows: list[dict], line
 
 
 def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]:
-    """Scoring (probe tables + table-scored keys), selection and attention of BinaryPC's fixed-width step, timed
-    apart; the selection also on each of its two paths (radix over every key, candidates from a sampled
-    threshold), checked to select the same slots."""
+    """Scoring (the policy's scorer: the probe, the keys, and the copy of the sampled slots' keys where the select
+    samples), selection and attention of BinaryPC's fixed-width step, timed apart; the selection also on each of
+    its two paths (radix over every key, candidates from a threshold sampled from that copy), checked to select the
+    same slots."""
     from .kernels.attend import sparse_decode_attention
     from .kernels.select import same_selection, select_topk
 
@@ -220,7 +221,7 @@ def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]
     def select(sampled=None, out=(plan.idx, plan.count)):
         return select_topk(sk.keys, plan.positions, plan.tokens, sk.forced_from, plan.width, sk.key_bits,
                            sinks=opts.sinks, window=opts.window, extra=sk.extra, extra_n=sk.extra_n, out=out,
-                           sampled=sampled)
+                           sampled=sampled, samples=sk.samples)
 
     stages = {"score": time_ms(graphed(lambda: policy.fixed_keys(0, q, cache))), "select": time_ms(graphed(select)),
               "select_radix": time_ms(graphed(lambda: select(False))), "select_candidates": None,

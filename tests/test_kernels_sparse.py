@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
-                                         key_range, packed_probe, probe_bytes, probe_packed, probe_tables,
+                                         key_dtype, key_range, packed_probe, probe_bytes, probe_packed, probe_tables,
                                          probe_tables_ref, sampled_keys_ref, score_keys, score_keys_dp4a,
                                          score_keys_ref)
 from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, topk_keys_ref  # noqa: E402
@@ -69,39 +69,6 @@ def test_byte_tables_sum_to_the_probe_dot_the_signs():
         assert torch.equal(got - lay.nb * lay.bias, (probe[:, head] * h).sum(-1))
 
 
-@pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 300), (7, 128, 7, 129), (2, 40, 4, 70),
-                                        (3, 64, 12, 50), (6, 256, 7, 90)])
-def test_score_keys_equal_popcount_reference(G, bits, m, S):
-    g = torch.Generator().manual_seed(S * 7 + G)
-    B, Hkv, D = 3, 2, 16
-    W = -(-bits // 64)
-    codes = torch.randint(-(1 << 62), 1 << 62, (B, Hkv, S, W), generator=g).to(DEVICE)
-    codes[..., 0] |= torch.randint(0, 2, (B, Hkv, S), generator=g).to(DEVICE) << 63  # the top bit too
-    if bits % 64:
-        codes[..., -1] &= (1 << (bits % 64)) - 1
-    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
-    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
-    positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
-    probe, tables = probe_tables_ref(q, basis, m)
-    samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=ref_dtype(bits, m), device=DEVICE)
-    keys = score_keys(codes, tables, positions, m, bits, G, samples=samples)
-    ref = score_keys_ref(codes, probe, positions, m, bits)
-    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
-    assert torch.equal(keys[live], ref[live])
-    assert_samples(samples, ref, positions, Hkv)
-    offset, key_bits = key_range(bits, m)
-    assert (key_bits <= 15) == (ref.dtype == torch.int16) and int(ref[live].min()) >= 1
-    assert int(ref[live].max()) < (1 << key_bits) - 1  # below the forced key
-    # the same numbers as the float reference: the group max of p̃ · h, shifted by the offset
-    h = ((codes[..., None] >> torch.arange(64, device=DEVICE)) & 1).flatten(-2)[..., :bits] * 2 - 1  # [B,Hkv,S,b]
-    direct = (probe.view(B, Hkv, G, 1, bits).double() * h[:, :, None].double()).sum(-1).amax(2).flatten(0, 1)
-    assert torch.equal(ref[live].long(), direct[live].long() + offset)
-
-
-def ref_dtype(bits: int, m: int) -> torch.dtype:
-    return torch.int16 if key_range(bits, m)[1] <= 16 else torch.int32
-
-
 def assert_samples(samples: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, Hkv: int) -> None:
     """A scorer's copy of the sampled slots' keys: the keys of the live sampled slots; the others left alone."""
     slots = sampled_slots(keys.shape[1], SAMPLE_STRIDE, keys.device)
@@ -118,6 +85,32 @@ def random_codes(g: torch.Generator, B: int, Hkv: int, S: int, bits: int) -> tor
     if bits % 64:
         codes[..., -1] &= (1 << (bits % 64)) - 1
     return codes.to(DEVICE)
+
+
+@pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 300), (7, 128, 7, 129), (2, 40, 4, 70),
+                                        (3, 64, 12, 50), (6, 256, 7, 90)])
+def test_score_keys_equal_popcount_reference(G, bits, m, S):
+    g = torch.Generator().manual_seed(S * 7 + G)
+    B, Hkv, D = 3, 2, 16
+    codes = random_codes(g, B, Hkv, S, bits)
+    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
+    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
+    positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
+    probe, tables = probe_tables_ref(q, basis, m)
+    samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=key_dtype(key_range(bits, m)[1]),
+                         device=DEVICE)
+    keys = score_keys(codes, tables, positions, m, bits, G, samples=samples)
+    ref = score_keys_ref(codes, probe, positions, m, bits)
+    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
+    assert torch.equal(keys[live], ref[live])
+    assert_samples(samples, ref, positions, Hkv)
+    offset, key_bits = key_range(bits, m)
+    assert (key_bits <= 15) == (ref.dtype == torch.int16) and int(ref[live].min()) >= 1
+    assert int(ref[live].max()) < (1 << key_bits) - 1  # below the forced key
+    # the same numbers as the float reference: the group max of p̃ · h, shifted by the offset
+    h = ((codes[..., None] >> torch.arange(64, device=DEVICE)) & 1).flatten(-2)[..., :bits] * 2 - 1  # [B,Hkv,S,b]
+    direct = (probe.view(B, Hkv, G, 1, bits).double() * h[:, :, None].double()).sum(-1).amax(2).flatten(0, 1)
+    assert torch.equal(ref[live].long(), direct[live].long() + offset)
 
 
 @pytest.mark.parametrize("G,D,bits,m", [(1, 64, 64, 7), (4, 128, 64, 7), (7, 16, 70, 3), (3, 16, 7, 5),
@@ -178,7 +171,8 @@ def test_score_keys_dp4a_equal_popcount_reference(G, bits, m, S):
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
     probe, packed, sums = probe_packed(q, basis, m)
-    samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=ref_dtype(bits, m), device=DEVICE)
+    samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=key_dtype(key_range(bits, m)[1]),
+                         device=DEVICE)
     keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=64, samples=samples)
     ref = score_keys_ref(codes, probe, positions, m, bits)
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
@@ -399,13 +393,24 @@ def test_the_samples_copy_gives_the_same_selection_and_rows_served(stride):
     assert torch.equal(count, ref_count)
     for r in range(R):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
-    # the listed sampled slots up to each row's position now hold the forced key in the copy
+    # the listed sampled slots up to each row's position now hold the forced key in the copy; the runs of the listed
+    # slots that are not sampled keep their sampled key
     for r in range(R):
         b = r // Hkv
-        for j, slot in enumerate(listed[r, :int(extra_n[b])].tolist()):
+        forced = set(listed[r, :int(extra_n[b])].tolist())
+        for slot in forced:
             at = slot // stride
-            if slot <= int(positions[b]) and int(slots[at]) == slot:
+            if int(slots[at]) not in forced:
+                assert int(copy[r, at]) == int(keys[r, slots[at]]), (r, slot)
+            elif int(slots[at]) <= int(positions[b]):
                 assert int(copy[r, at]) == -1, (r, slot)
+    # and the sample passes read the copy, not the row: a copy whose every key is maximal puts row 4's threshold at
+    # the top, too few candidates — it falls back, to the same selection
+    copy[4] = 16383
+    served = torch.zeros(R, dtype=torch.int32, device=DEVICE)
+    poisoned = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, extra=extra, extra_n=extra_n,
+                           sampled=True, stride=stride, sinks=2, window=3, served=served, samples=copy)
+    assert int(runs["row"][2][4]) == 1 and int(served[4]) == 0 and same_selection(poisoned, (idx, count))
 
 
 @cuda_only

@@ -63,13 +63,21 @@ def test_binarypc_fixed_step_through_either_scorer_kernel_equals_the_eager_step(
     writes."""
     import sparsespec.kernels
     from sparsespec.kernels import select
+    from sparsespec.kernels.binarypc import sampled_keys_ref
 
     monkeypatch.setattr(sparsespec.kernels, "triton_ready", lambda device: True)
     monkeypatch.setattr(select, "takes_candidates", lambda *a, **kw: candidates)
     copies = []
     topk = select.select_topk
-    monkeypatch.setattr(select, "select_topk", lambda *a, **kw: copies.append(kw["samples"] is not None)
-                        or topk(*a, **kw))
+
+    def spy(keys, positions, *a, samples=None, **kw):  # the copy as the scorer wrote it: the sampled slots' keys
+        if samples is not None:
+            live = select.sampled_slots(keys.shape[1]) <= positions.long().repeat_interleave(Hkv)[:, None]
+            assert torch.equal(samples[live], sampled_keys_ref(keys)[live])
+        copies.append(samples is not None)
+        return topk(keys, positions, *a, samples=samples, **kw)
+
+    monkeypatch.setattr(select, "select_topk", spy)
     B, Hkv, S, D = 2, 2, 150, 16
     cache = cache_with_keys(anisotropic_keys(B * Hkv, S, D, seed=4).view(B, Hkv, S, D))
     lengths = [S - 10, 97]
@@ -88,7 +96,7 @@ def test_binarypc_fixed_step_through_either_scorer_kernel_equals_the_eager_step(
         for r in range(B * Hkv):
             b, h = divmod(r, Hkv)
             assert sorted(idx[b, h][valid[b, h]].tolist()) == plan.idx[r, :plan.count[r]].tolist(), scorer
-    assert copies == [candidates] * 2  # the sampled slots' keys copied exactly where the select samples them
+    assert copies == [candidates] * 2  # the copy made whenever the select is to sample
 
 
 def label_file(folder, num_kv_heads: int, head_dim: int) -> str:

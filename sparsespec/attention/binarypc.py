@@ -36,7 +36,8 @@ class BinaryPCOptions(BudgetOptions):
     basis: str = option("", "a calibrated basis file (`sparsespec calibrate binarypc`); empty: fit on each prompt")
     fit_tokens: int = option(8192, "fit the basis on at most this many keys per head, evenly spaced (0: every key)")
     scorer: str = option("tables", "the GPU step's scorer: `tables` (byte tables in shared memory) or `dp4a` (byte "
-                                   "dot products in registers; probe_bits <= 7); the same keys")
+                                   "dot products in registers; probe_bits <= 7); the same keys but where a probe "
+                                   "level lies on a rounding boundary")
 
     def __post_init__(self):
         super().__post_init__()
@@ -345,8 +346,8 @@ class BinaryPC(SelectionPolicy):
         if fast:  # the sampled slots' keys written beside the keys when the select samples them
             from ..kernels.select import SAMPLE_STRIDE, takes_candidates
 
-            S = state.codes.shape[2]
-            if takes_candidates(B * Hkv, S, plan.width, key_bits):
+            S = state.codes.shape[2]  # (the width the step's select takes by default: `fixed_selection`)
+            if takes_candidates(B * Hkv, S, plan.buffers(layer)[0].shape[1], key_bits):
                 samples = torch.empty(B * Hkv, -(-S // SAMPLE_STRIDE), dtype=kernels.key_dtype(key_bits),
                                       device=q.device)
         if fast and opts.scorer == "dp4a":  # the probe packed as bytes, four code bits a dp4a

@@ -322,8 +322,8 @@ def _probe_packed_kernel(q_ptr, basis_ptr, probe_ptr, packed_ptr, sums_ptr, G: t
         total += tl.sum(p, 1)
         # bit 32 h + 8 y + k -> byte y of packed word (2 w + h, k); disjoint bytes: their sum is their OR
         y = tl.arange(0, 4)
-        bytes = tl.reshape(p & 255, (GP, 2, 4, 8)) << (8 * y)[None, None, :, None]
-        words = tl.sum(bytes, 2)  # [GP, 2, 8]
+        parts = tl.reshape(p & 255, (GP, 2, 4, 8)) << (8 * y)[None, None, :, None]
+        words = tl.sum(parts, 2)  # [GP, 2, 8]
         h = tl.arange(0, 2)
         k = tl.arange(0, 8)
         at = (r * G + g)[:, None, None] * (2 * W * 8) + (2 * w + h)[None, :, None] * 8 + k[None, None, :]
@@ -333,8 +333,9 @@ def _probe_packed_kernel(q_ptr, basis_ptr, probe_ptr, packed_ptr, sums_ptr, G: t
 
 def probe_packed(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
     """q [B, Hq, D] (any float dtype), basis [B, Hkv, b, D] fp32, at most 7 magnitude bits -> (probe [B*Hkv, G, b]
-    int32, packed [B*Hkv, G, H, 8] int32, sums [B*Hkv, G] int32): the probe of `probe_tables` (the same arithmetic),
-    packed for `score_keys_dp4a` as `packed_probe` packs it. One program a (row, KV head)."""
+    int32, packed [B*Hkv, G, H, 8] int32, sums [B*Hkv, G] int32): the probe of `probe_tables` (but where a level
+    lies on a rounding boundary: the projections are summed in another order), packed for `score_keys_dp4a` as
+    `packed_probe` packs it. One program a (row, KV head)."""
     B, Hq, D = q.shape
     _, Hkv, bits, _ = basis.shape
     assert magnitude_bits <= 7, "dp4a multiplies signed bytes: at most 7 magnitude bits"

@@ -568,8 +568,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
 
 
 def sampled_slots(capacity: int, stride: int = SAMPLE_STRIDE, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The slots the candidate path samples, one in each run of `stride` (`_jittered`) -> int64 [ceil(S / stride)]
-    (the last may lie past the capacity, as the kernels' own sampling never reads: it is never live)."""
+    """The slots the candidate path samples in a row of `capacity` slots, one in each run of `stride` (`_jittered`)
+    -> int64 [ceil(capacity / stride)] (the last may lie past the capacity: never live, never read)."""
     j = torch.arange(-(-capacity // stride), device=device)
     hashed = (j * -1640531535) & 0xFFFFFFFF  # the kernels' int32 product, as 32 unsigned bits
     return j * stride + ((hashed >> 16) & (stride - 1))
