@@ -25,6 +25,17 @@ def dyadic(g: torch.Generator, *shape, scale=8) -> torch.Tensor:
     return (torch.randint(-scale, scale + 1, shape, generator=g) / scale).to(DEVICE)
 
 
+def assert_same_probe(probe: torch.Tensor, other: torch.Tensor, q: torch.Tensor, basis: torch.Tensor, m: int):
+    """Two quantised probes [R, G, b] of q against basis: equal, except one level where the unquantised value lies on
+    a rounding boundary (a float dot product summed in another order may land on either side of it)."""
+    B, Hkv, _, D = basis.shape
+    exact = q.double().view(B, Hkv, -1, D) @ basis.double().transpose(-1, -2)
+    level = (exact / exact.abs().amax(dim=(-2, -1), keepdim=True) * ((1 << m) - 1)).flatten(0, 1)
+    differ = probe != other
+    assert int((probe - other).abs().max()) <= 1
+    assert bool(((level[differ] - level[differ].floor() - 0.5).abs() < 1e-4).all())
+
+
 @pytest.mark.parametrize("G,D,bits,m,per", [(1, 64, 64, 7, None), (4, 128, 64, 7, 8), (7, 64, 100, 3, 2),
                                             (3, 16, 7, 5, None), (6, 128, 256, 7, 3), (5, 32, 64, 12, 1)])
 def test_probe_tables_equal_reference(G, D, bits, m, per):
@@ -33,14 +44,7 @@ def test_probe_tables_equal_reference(G, D, bits, m, per):
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     probe, tables = probe_tables(q, basis, m, per)  # per: code bytes a program (a last program may have fewer)
-    ref_probe, _ = probe_tables_ref(q, basis, m)
-    # the probe: equal, except one level where the unquantised value lies on a rounding boundary (a float dot
-    # product summed in another order may land on either side of it)
-    exact = q.double().view(B, Hkv, G, D) @ basis.double().transpose(-1, -2)
-    level = (exact / exact.abs().amax(dim=(-2, -1), keepdim=True) * ((1 << m) - 1)).flatten(0, 1)
-    differ = probe != ref_probe
-    assert int((probe - ref_probe).abs().max()) <= 1
-    assert bool(((level[differ] - level[differ].floor() - 0.5).abs() < 1e-4).all())
+    assert_same_probe(probe, probe_tables_ref(q, basis, m)[0], q, basis, m)
     assert torch.equal(tables, byte_tables(probe, m))  # the tables: exactly those of the kernel's probe
     assert tables.shape[-2:] == (-(-bits // 8), 256)
 
@@ -87,18 +91,25 @@ def random_codes(g: torch.Generator, B: int, Hkv: int, S: int, bits: int) -> tor
     return codes.to(DEVICE)
 
 
-@pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 300), (7, 128, 7, 129), (2, 40, 4, 70),
-                                        (3, 64, 12, 50), (6, 256, 7, 90)])
-def test_score_keys_equal_popcount_reference(G, bits, m, S):
-    g = torch.Generator().manual_seed(S * 7 + G)
+def scoring_case(seed: int, G: int, bits: int, m: int, S: int):
+    """A scorer test's inputs: 3 rows of 2 KV heads (G query heads each, head_dim 16) of S slots, rows at three
+    lengths -> (B, Hkv, codes, q, basis, positions, samples: a sample copy buffer poisoned with -5)."""
+    g = torch.Generator().manual_seed(seed)
     B, Hkv, D = 3, 2, 16
     codes = random_codes(g, B, Hkv, S, bits)
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
-    probe, tables = probe_tables_ref(q, basis, m)
     samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=key_dtype(key_range(bits, m)[1]),
                          device=DEVICE)
+    return B, Hkv, codes, q, basis, positions, samples
+
+
+@pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 300), (7, 128, 7, 129), (2, 40, 4, 70),
+                                        (3, 64, 12, 50), (6, 256, 7, 90)])
+def test_score_keys_equal_popcount_reference(G, bits, m, S):
+    B, Hkv, codes, q, basis, positions, samples = scoring_case(S * 7 + G, G, bits, m, S)
+    probe, tables = probe_tables_ref(q, basis, m)
     keys = score_keys(codes, tables, positions, m, bits, G, samples=samples)
     ref = score_keys_ref(codes, probe, positions, m, bits)
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
@@ -121,14 +132,7 @@ def test_probe_packed_equals_reference(G, D, bits, m):
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     probe, packed, sums = probe_packed(q, basis, m)
-    table_probe, _ = probe_tables(q, basis, m)
-    # the same quantised probe as the table scorer's, but where a float dot product summed in another order lands
-    # on the other side of a rounding boundary
-    exact = q.double().view(B, Hkv, G, D) @ basis.double().transpose(-1, -2)
-    level = (exact / exact.abs().amax(dim=(-2, -1), keepdim=True) * ((1 << m) - 1)).flatten(0, 1)
-    differ = probe != table_probe
-    assert int((probe - table_probe).abs().max()) <= 1
-    assert bool(((level[differ] - level[differ].floor() - 0.5).abs() < 1e-4).all())
+    assert_same_probe(probe, probe_tables(q, basis, m)[0], q, basis, m)  # the table scorer's probe
     ref_packed, ref_sums = packed_probe(probe)  # packed: exactly the kernel's own probe, packed
     assert torch.equal(packed, ref_packed) and torch.equal(sums, ref_sums)
     assert packed.shape == (B * Hkv, G, 2 * -(-bits // 64), 8)
@@ -164,15 +168,8 @@ def test_packed_probe_dotted_with_the_byte_masks_gives_the_probe_dot_the_bits():
 @pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 150), (7, 128, 7, 40), (2, 40, 4, 70),
                                         (3, 64, 1, 50), (2, 256, 7, 45), (3, 131, 6, 33)])
 def test_score_keys_dp4a_equal_popcount_reference(G, bits, m, S):
-    g = torch.Generator().manual_seed(S * 11 + G)
-    B, Hkv, D = 3, 2, 16
-    codes = random_codes(g, B, Hkv, S, bits)
-    q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
-    basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
-    positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
+    B, Hkv, codes, q, basis, positions, samples = scoring_case(S * 11 + G, G, bits, m, S)
     probe, packed, sums = probe_packed(q, basis, m)
-    samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=key_dtype(key_range(bits, m)[1]),
-                         device=DEVICE)
     keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=64, samples=samples)
     ref = score_keys_ref(codes, probe, positions, m, bits)
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]

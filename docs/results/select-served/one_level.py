@@ -5,36 +5,18 @@ decode steps, qwen2.5-coder-0.5b on CPU, the held-out long-code prompt of CHARS 
 
     python docs/results/select-served/one_level.py [CHARS [STEPS]]
 """
-import os, sys
-os.environ.setdefault("TRITON_INTERPRET", "1")
-import numpy as np, torch, triton
-from sparsespec.attention import make_policy, parse_spec
-from sparsespec.generate import Engine
-from sparsespec.runner import Runner
-from sparsespec.spec.prompts import make_prompts
-from sparsespec.kernels.select import candidate_width, select_topk_ref
+import sys
+
+import numpy as np
+import triton
+
+from real_keys import select_calls
+from sparsespec.kernels.select import candidate_width
 
 chars = int(sys.argv[1]) if len(sys.argv) > 1 else 24000
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-torch.set_grad_enabled(False)
-engine = Engine.from_name("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
-ids = engine.encode(make_prompts(1, "heldout", ("long-code",), 0, chars)[0].text, chat=True)
-name, opts = parse_spec("binarypc:budget=0.02,sinks=4,window=64")
-policy = make_policy(name, opts)
-runner = Runner(engine.model, 1, len(ids) + steps + 1, policy, fixed=True)
-calls = []
-keys_of = policy.fixed_keys
-def kept(layer, q, cache):
-    sk = keys_of(layer, q, cache)
-    plan = policy.fixed
-    ff = plan.positions + 1 if sk.forced_from is None else sk.forced_from
-    calls.append((sk.keys.clone(), plan.positions.clone(), plan.tokens.clone(), ff.clone(), plan.buffers(layer)[0].shape[1], sk.key_bits, sk.extra, sk.extra_n))
-    return sk
-policy.fixed_keys = kept
-token = engine.model.logits(runner.prefill([ids])).argmax(-1)
-for _ in range(steps):
-    token = runner.decode(token).argmax(-1)
-print(f"long-code prompt of {len(ids)} tokens, {steps} steps, {sum(c[0].shape[0] for c in calls)} rows", flush=True)
+n_tokens, calls = select_calls(chars, steps)
+print(f"long-code prompt of {n_tokens} tokens, {steps} steps, {sum(c[1].shape[0] for c in calls)} rows", flush=True)
 
 def crossing(hist, k):
     suffix = hist.sum() - np.cumsum(hist) + hist
@@ -45,7 +27,7 @@ def crossing(hist, k):
 res = {}
 for STRIDE, MARGIN in ((16, 16), (32, 16), (32, 32), (64, 32)):
     stats = {"one": [0, 0, [], 0, 0, 0], "two": [0, 0, [], 0, 0, 0]}  # rows, served, ratios, short, over, served C4
-    for keys, positions, tokens, ff, K, bits, extra, extra_n in calls:
+    for _, keys, positions, tokens, ff, K, bits, extra, extra_n in calls:
         R, S = keys.shape
         hkv = R // positions.shape[0]
         low = bits - 8

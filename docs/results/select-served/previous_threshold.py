@@ -10,46 +10,17 @@ no sample passes, serve its rows?)
 
     python docs/results/select-served/previous_threshold.py [CHARS [STEPS]]
 """
-import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
 
-from sparsespec.attention import make_policy, parse_spec  # noqa: E402
-from sparsespec.generate import Engine  # noqa: E402
-from sparsespec.kernels.select import candidate_width, sampled_slots  # noqa: E402
-from sparsespec.runner import Runner  # noqa: E402
-from sparsespec.spec.prompts import make_prompts  # noqa: E402
+from real_keys import select_calls
+from sparsespec.kernels.select import candidate_width, sampled_slots
 
 chars = int(sys.argv[1]) if len(sys.argv) > 1 else 24000
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
-torch.set_grad_enabled(False)
-engine = Engine.from_name("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
-ids = engine.encode(make_prompts(1, "heldout", ("long-code",), 0, chars)[0].text, chat=True)
-name, opts = parse_spec("binarypc:budget=0.02,sinks=4,window=64")
-policy = make_policy(name, opts)
-runner = Runner(engine.model, 1, len(ids) + steps + 1, policy, fixed=True)
-calls = []
-keys_of = policy.fixed_keys
-
-
-def kept(layer, q, cache):
-    sk = keys_of(layer, q, cache)
-    plan = policy.fixed
-    ff = plan.positions + 1 if sk.forced_from is None else sk.forced_from
-    calls.append((layer, sk.keys.clone(), plan.positions.clone(), plan.tokens.clone(), ff.clone(),
-                  plan.buffers(layer)[0].shape[1], sk.key_bits,
-                  None if sk.extra is None else sk.extra.clone(), None if sk.extra_n is None else sk.extra_n.clone()))
-    return sk
-
-
-policy.fixed_keys = kept
-token = engine.model.logits(runner.prefill([ids])).argmax(-1)
-for _ in range(steps):
-    token = runner.decode(token).argmax(-1)
-print(f"long-code prompt of {len(ids)} tokens, {steps} steps, {len(calls)} selects", flush=True)
+n_tokens, calls = select_calls(chars, steps)
+print(f"long-code prompt of {n_tokens} tokens, {steps} steps, {len(calls)} selects", flush=True)
 
 
 def ranked(call):
