@@ -3,7 +3,7 @@ shared-memory lookups a key) and the dp4a scorer (`probe_packed` + `score_keys_d
 head, in registers), each stage replayed as a CUDA graph, the dp4a scorer over several tilings, with the bytes floor
 (the codes read and the keys written, at the measured copy bandwidth). Checks first that both give the same keys.
 
-    python3 bench/scorers.py --shapes 1x131072,4x131072,16x32768,16x131072 [--tilings 1024x4,512x4,2048x8]
+    python3 bench/scorers.py --shapes 1x131072,4x131072,16x32768,16x131072 [--tilings 1024x4,512x4,2048x8] [--copy no]
         [--out DIR]
 
 Codes: random 64-bit words (the scorers' time does not depend on their values), 8 KV heads, 4 query heads a KV head,
@@ -32,6 +32,9 @@ def main():
     ap.add_argument("--tilings", default="1024x4,512x4,2048x8,1024x8,256x4",
                     help="the dp4a scorer's slots and warps a program, BLOCKxWARPS comma-separated (the first is "
                          "`score_keys_dp4a`'s default)")
+    ap.add_argument("--copy", choices=("auto", "no"), default="auto",
+                    help="auto: copy the sampled slots' keys where the select samples them (as the policy does); no: "
+                         "never (what the copy costs the scorers)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     Hkv, G, D, bits, m = 8, 4, 128, 64, 7
@@ -55,7 +58,8 @@ def main():
         # the sampled slots' keys copied beside them where the select samples them, as the policy's step does
         width = int(S * 0.02) + 68  # a 2% plan's width: the budget, 4 sinks and a 64-slot window beside it
         samples = (torch.empty(B * Hkv, -(-S // SAMPLE_STRIDE), dtype=keys.dtype, device="cuda")
-                   if takes_candidates(B * Hkv, S, width, key_range(bits, m)[1]) else None)
+                   if args.copy == "auto" and takes_candidates(B * Hkv, S, width, key_range(bits, m)[1])
+                   else None)
         times = {"table probe": time_ms(graphed(lambda: probe_tables(q, basis, m))),
                  "table score": time_ms(graphed(lambda: score_keys(codes, tables, positions, m, bits, G, out=out,
                                                                    samples=samples))),
@@ -85,7 +89,7 @@ def main():
     print("(us; each stage a CUDA graph replayed; floor: the codes read and the keys written at the copy bandwidth)")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "scorers.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+        (args.out / f"scorers{'' if args.copy == 'auto' else '_no_copy'}.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                            "bandwidth": bandwidth, "rows": rows}, indent=1))
 
 

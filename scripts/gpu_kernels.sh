@@ -119,9 +119,9 @@ step ncu-dp4a sh -c "timeout 300 ncu --clock-control none --kernel-name \
   --metrics dram__bytes_read.sum,dram__bytes_write.sum python3 bench/profile_layer.py \
   --policy binarypc:scorer=dp4a --shapes 16x131072 --steps 3 --bare > $root/ncu_dp4a.txt 2>&1"
 step attention-binarypc python3 -m sparsespec bench attention --attention binarypc:budget=0.02 \
-  binarypc:budget=0.02,scorer=dp4a --contexts 32768,131072 --batches 1,4,16 --out $root/attention-binarypc
+  binarypc:budget=0.02,scorer=tables --contexts 32768,131072 --batches 1,4,16 --out $root/attention-binarypc
 step decode-binarypc python3 -m sparsespec bench decode --attention binarypc:budget=0.02 \
-  binarypc:budget=0.02,scorer=dp4a --shapes ${DECODE_SHAPES:-1x131072} --out $root/decode-binarypc
+  binarypc:budget=0.02,scorer=tables --shapes ${DECODE_SHAPES:-1x131072} --out $root/decode-binarypc
 tail -60 $root/log
 [ -n "$OUT" ] || exit 0
 cd $root && tar czf $OUT/kernels.tar.gz log *.json verify*/*.json cascade/*.json cycle*/tree_cycle.json select/*.json \

@@ -372,8 +372,9 @@ def test_the_samples_copy_gives_the_same_selection_and_rows_served(stride):
     n_s = len(slots)
     listed = torch.stack([torch.cat([slots[[5 + r, n_s // 2, n_s - 2]], slots[[7, n_s // 3]] + 1]) for r in range(R)])
     extra, extra_n = listed.int().to(DEVICE), torch.tensor([5, 4], dtype=torch.int32, device=DEVICE)
-    copy = torch.where(slots < S, keys[:, slots.clamp_max(S - 1).to(DEVICE)], 0)  # [R, NS]
-    past = slots.to(DEVICE) > positions.repeat_interleave(Hkv)[:, None]
+    at = slots.to(DEVICE)
+    copy = torch.where(at < S, keys[:, at.clamp_max(S - 1)], 0)  # [R, NS]
+    past = at > positions.repeat_interleave(Hkv)[:, None]
     copy = torch.where(past, torch.randint(1, 30000, copy.shape, generator=g).to(DEVICE, torch.int16), copy)
     runs = {}
     for name, samples in (("row", None), ("copy", copy)):

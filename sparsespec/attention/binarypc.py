@@ -35,9 +35,9 @@ class BinaryPCOptions(BudgetOptions):
                                          "false: they are all attended)")
     basis: str = option("", "a calibrated basis file (`sparsespec calibrate binarypc`); empty: fit on each prompt")
     fit_tokens: int = option(8192, "fit the basis on at most this many keys per head, evenly spaced (0: every key)")
-    scorer: str = option("tables", "the GPU step's scorer: `tables` (byte tables in shared memory) or `dp4a` (byte "
-                                   "dot products in registers; probe_bits <= 7); the same keys but where a probe "
-                                   "level lies on a rounding boundary")
+    scorer: str = option("auto", "the GPU step's scorer: `dp4a` (byte dot products in registers; probe_bits <= 7), "
+                                  "`tables` (byte tables in shared memory) or `auto` (dp4a where the probe fits, "
+                                  "else tables); the same keys but where a probe level lies on a rounding boundary")
 
     def __post_init__(self):
         super().__post_init__()
@@ -51,8 +51,8 @@ class BinaryPCOptions(BudgetOptions):
             raise SparseSpecError(f"probe_bits must be in [1, 30], got {self.probe_bits}")
         if self.fit_tokens < 0:
             raise SparseSpecError(f"fit_tokens must be >= 0, got {self.fit_tokens}")
-        if self.scorer not in ("tables", "dp4a"):
-            raise SparseSpecError(f"scorer must be tables or dp4a, got {self.scorer!r}")
+        if self.scorer not in ("auto", "dp4a", "tables"):
+            raise SparseSpecError(f"scorer must be auto, dp4a or tables, got {self.scorer!r}")
         if self.scorer == "dp4a" and self.probe_bits > 7:
             raise SparseSpecError(f"scorer dp4a multiplies signed bytes: probe_bits must be <= 7, got "
                                   f"{self.probe_bits}")
@@ -350,7 +350,8 @@ class BinaryPC(SelectionPolicy):
             if takes_candidates(B * Hkv, S, plan.buffers(layer)[0].shape[1], key_bits):
                 samples = torch.empty(B * Hkv, -(-S // SAMPLE_STRIDE), dtype=kernels.key_dtype(key_bits),
                                       device=q.device)
-        if fast and opts.scorer == "dp4a":  # the probe packed as bytes, four code bits a dp4a
+        dp4a = opts.scorer == "dp4a" or (opts.scorer == "auto" and opts.probe_bits <= 7)
+        if fast and dp4a:  # the probe packed as bytes, four code bits a dp4a
             _, packed, sums = kernels.probe_packed(q.view(B, Hq, D), state.basis, opts.probe_bits)
             keys = kernels.score_keys_dp4a(state.codes, packed, sums, plan.positions, opts.probe_bits, opts.bits,
                                            samples=samples)

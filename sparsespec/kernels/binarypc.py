@@ -309,14 +309,17 @@ def _probe_packed_kernel(q_ptr, basis_ptr, probe_ptr, packed_ptr, sums_ptr, G: t
     for w in tl.static_range(W):  # the scale: max |probe| over the group and every bit
         basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[None, :] * D + d[:, None],
                         mask=(w * 64 + i < BITS)[None, :], other=0.0)  # [D, 64]
-        scale = tl.maximum(scale, tl.max(tl.max(tl.abs(tl.dot(q, basis, input_precision="ieee")), 1), 0))
+        proj = tl.dot(q, basis, input_precision="ieee")  # [GP, 64]
+        scale = tl.maximum(scale, tl.max(tl.max(tl.abs(proj), 1), 0))
     scale = tl.maximum(scale, 1e-30)
     total = tl.zeros([GP], dtype=tl.int32)
     for w in tl.static_range(W):
         bit = w * 64 + i
         live = bit < BITS
-        basis = tl.load(basis_ptr + (r * BITS + bit)[None, :] * D + d[:, None], mask=live[None, :], other=0.0)
-        level = tl.math.div_rn(tl.dot(q, basis, input_precision="ieee"), scale) * top  # [GP, 64]
+        if W > 1:  # (one word: its projections are still at hand)
+            basis = tl.load(basis_ptr + (r * BITS + bit)[None, :] * D + d[:, None], mask=live[None, :], other=0.0)
+            proj = tl.dot(q, basis, input_precision="ieee")
+        level = tl.math.div_rn(proj, scale) * top  # [GP, 64]
         p = tl.where(live[None, :], _round_half_even(level).to(tl.int32), 0)
         tl.store(probe_ptr + (r * G + g)[:, None] * BITS + bit[None, :], p, mask=(g < G)[:, None] & live[None, :])
         total += tl.sum(p, 1)
