@@ -3,8 +3,8 @@ shared-memory lookups a key) and the dp4a scorer (`probe_packed` + `score_keys_d
 head, in registers), each stage replayed as a CUDA graph, the dp4a scorer over several tilings, with the bytes floor
 (the codes read and the keys written, at the measured copy bandwidth). Checks first that both give the same keys.
 
-    python3 bench/scorers.py --shapes 1x131072,4x131072,16x32768,16x131072 [--tilings 1024x4,512x4,2048x8] [--copy no]
-        [--out DIR]
+    python3 bench/scorers.py --shapes 1x131072,4x131072,16x32768,16x131072 [--tilings 1024x4,512x4,2048x8]
+        [--copy no] [--out DIR]
 
 Codes: random 64-bit words (the scorers' time does not depend on their values), 8 KV heads, 4 query heads a KV head,
 head_dim 128, 7-bit probes: Llama-3.1-8B's heads, as `sparsespec bench attention` times them; where the select
@@ -89,8 +89,9 @@ def main():
     print("(us; each stage a CUDA graph replayed; floor: the codes read and the keys written at the copy bandwidth)")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"scorers{'' if args.copy == 'auto' else '_no_copy'}.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                                           "bandwidth": bandwidth, "rows": rows}, indent=1))
+        name = "scorers.json" if args.copy == "auto" else "scorers_no_copy.json"
+        (args.out / name).write_text(json.dumps({"device": torch.cuda.get_device_name(), "bandwidth": bandwidth,
+                                                 "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
