@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from sparsespec.kernels.binarypc import (byte_tables, key_range, probe_packed, probe_tables, score_keys,
+from sparsespec.kernels.binarypc import (byte_tables, key_range, probe_packed, probe_tables, sample_copy, score_keys,
                                          score_keys_dp4a)
-from sparsespec.kernels.select import SAMPLE_STRIDE, takes_candidates
+from sparsespec.kernels.select import takes_candidates
 from sparsespec.sparse_bench import copy_bandwidth, graphed, time_ms
 
 
@@ -57,9 +57,9 @@ def main():
         out = torch.empty_like(keys)
         # the sampled slots' keys copied beside them where the select samples them, as the policy's step does
         width = int(S * 0.02) + 68  # a 2% plan's width: the budget, 4 sinks and a 64-slot window beside it
-        samples = (torch.empty(B * Hkv, -(-S // SAMPLE_STRIDE), dtype=keys.dtype, device="cuda")
-                   if args.copy == "auto" and takes_candidates(B * Hkv, S, width, key_range(bits, m)[1])
-                   else None)
+        key_bits = key_range(bits, m)[1]
+        samples = (sample_copy(B * Hkv, S, key_bits, "cuda")
+                   if args.copy == "auto" and takes_candidates(B * Hkv, S, width, key_bits) else None)
         times = {"table probe": time_ms(graphed(lambda: probe_tables(q, basis, m))),
                  "table score": time_ms(graphed(lambda: score_keys(codes, tables, positions, m, bits, G, out=out,
                                                                    samples=samples))),

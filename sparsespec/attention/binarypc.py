@@ -344,12 +344,11 @@ class BinaryPC(SelectionPolicy):
         key_bits = kernels.key_range(opts.bits, opts.probe_bits)[1]
         samples = None
         if fast:  # the sampled slots' keys written beside the keys when the select samples them
-            from ..kernels.select import SAMPLE_STRIDE, takes_candidates
+            from ..kernels.select import takes_candidates
 
             S = state.codes.shape[2]  # (the width the step's select takes by default: `fixed_selection`)
             if takes_candidates(B * Hkv, S, plan.buffers(layer)[0].shape[1], key_bits):
-                samples = torch.empty(B * Hkv, -(-S // SAMPLE_STRIDE), dtype=kernels.key_dtype(key_bits),
-                                      device=q.device)
+                samples = kernels.sample_copy(B * Hkv, S, key_bits, q.device)
         dp4a = opts.scorer == "dp4a" or (opts.scorer == "auto" and opts.probe_bits <= 7)
         if fast and dp4a:  # the probe packed as bytes, four code bits a dp4a
             _, packed, sums = kernels.probe_packed(q.view(B, Hq, D), state.basis, opts.probe_bits)

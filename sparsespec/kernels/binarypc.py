@@ -246,12 +246,18 @@ def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tenso
     return out
 
 
+def sample_copy(rows: int, capacity: int, key_bits: int, device: torch.device | str) -> torch.Tensor:
+    """A buffer for the scorers' copy of the sampled slots' keys (`samples=`): [rows, ceil(capacity /
+    SAMPLE_STRIDE)] of the keys' dtype, uninitialised (the scorers write its live entries)."""
+    return torch.empty(rows, triton.cdiv(capacity, SAMPLE_STRIDE), dtype=key_dtype(key_bits), device=device)
+
+
 def _keys_out(out: torch.Tensor | None, samples: torch.Tensor | None, rows: int, S: int, key_bits: int, device):
-    """A scorer's keys buffer (`out`, or a new one), its `samples` checked against it."""
+    """A scorer's keys buffer (`out`, or a new one), its `samples` checked against it (`sample_copy`'s shape)."""
     if out is None:
         out = torch.empty(rows, S, dtype=key_dtype(key_bits), device=device)
     assert samples is None or (samples.shape == (rows, triton.cdiv(S, SAMPLE_STRIDE)) and samples.dtype == out.dtype
-                               and samples.is_contiguous()), f"samples: [B*Hkv, ceil(S / {SAMPLE_STRIDE})], keys' dtype"
+                               and samples.is_contiguous()), "samples: a `sample_copy` of the keys' rows and capacity"
     return out
 
 
