@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--shapes", default="1x131072,4x131072,16x32768,16x131072")
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--scan", default="4x2048",
-                    help="the candidate path's counting/compaction tilings to time, WAVESxBLOCK comma-separated")
+                    help="the candidate path's compaction tilings to time, WAVESxBLOCK comma-separated")
     ap.add_argument("--samples", default="",
                     help="more settings of the candidate path to time beside the default's 16/16/2 (with the first "
                          "scan tiling): sample stride / margin [/ room, in selection widths], comma-separated")

@@ -21,10 +21,11 @@ row has its count) and writes the selection compacted in slot order. Every pass 
 a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then the write.
 
 The candidate path (keys of up to 16 bits, large selects: `takes_candidates`): histograms of one slot in 16 give a
-threshold a little below the row's budget; a counting pass checks that the keys at or above it hold the row's
-selection and fit a candidate buffer, a compaction writes them in slot order, and the radix select above runs over
-the candidates alone (its selection mapped back to slots) — two scanning passes over the row instead of two
-histogram passes and the write. Rows whose candidates fall short or overflow take the radix path in the same
+threshold a little below the row's budget; one compaction pass over the row stages the slots of the keys at or
+above it, each program its own run's in slot order, with their counts; a placing pass checks that they hold the
+row's selection and fit a candidate buffer and puts them together there, in slot order with their keys; and the
+radix select above runs over the candidates alone (its selection mapped back to slots) — one scanning pass over the
+row instead of two histogram passes and the write. Rows whose candidates fall short or overflow take the radix path in the same
 launches: the selection is the same on both paths.
 
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
@@ -59,18 +60,24 @@ def _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr
 
 
 @triton.jit
-def _keys_block(row_ptr, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """The ranked keys of slots [start, start + BLOCK) of a row of S slots. The load is masked by the row's end,
-    not by the query's position (`_ranked_keys` zeroes the slots past it): a mask constant over aligned runs (S a
-    multiple of 16, as Triton's specialisation sees it) lets each thread load its keys in one vector access, not
-    one 16-bit load a key."""
-    s = start + tl.arange(0, BLOCK)
+def _ranked_at(row_ptr, s, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The ranked keys of slots s (any shape) of the block [start, start + BLOCK) of a row of S slots. The load is
+    masked by the row's end, not by the query's position (`_ranked_keys` zeroes the slots past it): a mask constant
+    over aligned runs (S a multiple of 16, as Triton's specialisation sees it) lets each thread load its keys in one
+    vector access, not one 16-bit load a key."""
     key = _stored_keys(tl.load(row_ptr + s, mask=s < S, other=0), KEY_BITS)
     if (start < SINKS) | (start + BLOCK > pos - WINDOW + 1) | (start + BLOCK > forced_from):
         # forced or future slots in the block; the others (most blocks of a long row) take the stored keys as they
         # are, a third of the operations a key: the passes over the row are bound by them as much as by memory
         key = _ranked_keys(s, key, pos, forced_from, SINKS, WINDOW, KEY_BITS)
-    return s, key
+    return key
+
+
+@triton.jit
+def _keys_block(row_ptr, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """(slots [start, start + BLOCK) of a row of S slots, their ranked keys: `_ranked_at`)."""
+    s = start + tl.arange(0, BLOCK)
+    return s, _ranked_at(row_ptr, s, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS, BLOCK)
 
 
 @triton.jit
@@ -308,52 +315,70 @@ def _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW
 
 
 @triton.jit
-def _count_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, lo_ptr, counts_ptr, S, K, SINKS,
-                  WINDOW, MARGIN, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
-                  STRIDE: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
-    """The candidate threshold from the sample (program 0 keeps it in lo_ptr[r]); this program's keys at or above
-    it, forced keys and live keys -> counts_ptr[r, p, :3]."""
+def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, counts_ptr, stage_ptr, S, K,
+                    SINKS, WINDOW, MARGIN, BPP, CAP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
+                    STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """The candidate threshold from the sample; this program's candidates (ranked keys at or above it): their slots
+    compacted in slot order into its own stage (stage_ptr [R, P, CAP] int32: at most CAP kept), and its counts of
+    candidates, forced keys and live keys -> counts_ptr[r, p, :3] (`_place_kernel` puts the stages together).
+
+    A block is read as rows of 8 slots (one thread's vector load), each row's candidates folded into the bits of one
+    word (a reduction within the thread) and counted; the rows' places follow from the counts (a scan over BLOCK / 8
+    rows), and the candidates leave their rows lowest bit first, as many rounds as the fullest row of the block
+    holds (two or three at a 2% budget): no scan and no scattered store over every slot."""
     r = tl.program_id(0)
     p = tl.program_id(1)
+    P = tl.num_programs(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW, STRIDE)
-    if p == 0:
-        tl.store(lo_ptr + r, lo)
     KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
-    above = tl.zeros([BLOCK], tl.int32)  # per lane: one reduction after the run, not three a block
-    n_forced = tl.zeros([BLOCK], tl.int32)
-    live = tl.zeros([BLOCK], tl.int32)
+    ROWS: tl.constexpr = BLOCK // 8
+    row = tl.arange(0, ROWS)
+    lane = tl.arange(0, 8)[None, :]
+    stage = stage_ptr + (r * P + p).to(tl.int64) * CAP
+    out = 0
+    n_forced = tl.zeros([ROWS], tl.int32)  # per row of 8: one reduction over the rows after the run
+    live = tl.zeros([ROWS], tl.int32)
     first = p * BPP * BLOCK
     for i in range(tl.minimum(BPP, tl.maximum(pos - first, -1) // BLOCK + 1)):  # the run's blocks up to the query
-        s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, first + i * BLOCK, S, pos, forced_from, SINKS, WINDOW,
-                             KEY_BITS, BLOCK)
-        above += (key >= lo).to(tl.int32)
-        n_forced += (key == KEY_MASK).to(tl.int32)
-        live += (key > 0).to(tl.int32)
+        start = first + i * BLOCK
+        key = _ranked_at(keys_ptr + r.to(tl.int64) * S, start + row[:, None] * 8 + lane, start, S, pos,
+                         forced_from, SINKS, WINDOW, KEY_BITS, BLOCK)  # [ROWS, 8]
+        take = key >= lo
+        n = tl.sum(take.to(tl.int32), 1)  # [ROWS]
+        word = tl.sum(tl.where(take, 1 << lane, 0), 1)  # [ROWS]: disjoint bits, their sum is their OR
+        dst = out + tl.cumsum(n, 0) - n  # [ROWS]: where each word's first candidate goes
+        for _ in range(tl.max(n, 0)):
+            low = word & -word  # the lowest bit left
+            bit = (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # its index: a power of two's exponent
+            tl.store(stage + dst, start + row * 8 + bit, mask=(word != 0) & (dst < CAP))
+            dst += 1
+            word = word & (word - 1)
+        out += tl.sum(n, 0)
+        n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 1)
+        live += tl.sum((key > 0).to(tl.int32), 1)
     own = counts_ptr + (r * P + p) * 3
-    tl.store(own, tl.sum(above, 0))
+    tl.store(own, out)
     tl.store(own + 1, tl.sum(n_forced, 0))
     tl.store(own + 2, tl.sum(live, 0))
 
 
 @triton.jit
-def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr, counts_ptr, cand_ptr, slots_ptr,
-                    info_ptr, attended_ptr, shist_ptr, R, S, C, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
-                    KEY_BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
-                    ATTENDED: tl.constexpr):
-    """The row's candidates (ranked keys at or above the threshold, with their slots) compacted in slot order into
-    cand_ptr / slots_ptr [R, C], if they hold its whole selection: at least as many as it wants and at most C.
-    Program 0 writes the row's info for the candidate select (info_ptr [4, R]: last candidate, wanted, first
-    forced slot = none, ok) — a row that is not ok has no candidates there and takes the radix path — and zeroes
-    the row's sample histograms (read by the count pass alone) for the next select."""
+def _place_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, stage_ptr, counts_ptr, cand_ptr, slots_ptr,
+                  info_ptr, attended_ptr, shist_ptr, R, S, C, K, CAP, SINKS, WINDOW, HKV: tl.constexpr,
+                  KEY_BITS: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr):
+    """The row's candidates, program p's staged slots at the place the earlier programs' counts give them, with
+    their ranked keys, into cand_ptr / slots_ptr [R, C] (in slot order), if they hold the row's whole selection: at
+    least as many as it wants and at most C. Program 0 writes the row's info for the candidate select (info_ptr
+    [4, R]: last candidate, wanted, first forced slot = none, ok) — a row that is not ok has no candidates there and
+    takes the radix path — and zeroes the row's sample histograms (read by the compaction alone) for the next
+    select."""
     r = tl.program_id(0)
     p = tl.program_id(1)
+    P = tl.num_programs(1)
     b = r // HKV
-    pos = tl.load(positions_ptr + b).to(tl.int32)
-    forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
-    lo = tl.load(lo_ptr + r)
     prog = tl.arange(0, PP)
     own = counts_ptr + (r * P + prog) * 3
     above = tl.load(own, mask=prog < P, other=0)
@@ -362,19 +387,20 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, lo_ptr
     live = tl.sum(tl.load(own + 2, mask=prog < P, other=0), 0)
     want = tl.minimum(tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), live), K)
     ok = (total >= want) & (total <= C)
-    if ok:
+    if ok:  # (the row has at most C candidates: each stage holds all of its program's)
+        pos = tl.load(positions_ptr + b).to(tl.int32)
+        forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
         out = tl.sum(tl.where(prog < p, above, 0), 0)
-        for i in range(BPP):
-            start = (p * BPP + i) * BLOCK
-            if start <= pos:
-                s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, S, pos, forced_from, SINKS, WINDOW,
-                                     KEY_BITS, BLOCK)
-                take = key >= lo
-                run = tl.cumsum(take.to(tl.int32), 0)
-                dst = r.to(tl.int64) * C + out + run - 1
-                tl.store(cand_ptr + dst, key.to(cand_ptr.dtype.element_ty), mask=take)
-                tl.store(slots_ptr + dst, s, mask=take)
-                out += tl.sum(take.to(tl.int32), 0)
+        n = tl.sum(tl.where(prog == p, above, 0), 0)
+        stage = stage_ptr + (r * P + p).to(tl.int64) * CAP
+        for j0 in range(0, n, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            s = tl.load(stage + j, mask=j < n, other=0)
+            key = _ranked_keys(s, _stored_keys(tl.load(keys_ptr + r.to(tl.int64) * S + s, mask=j < n, other=0),
+                                               KEY_BITS), pos, forced_from, SINKS, WINDOW, KEY_BITS)
+            dst = r.to(tl.int64) * C + out + j
+            tl.store(cand_ptr + dst, key.to(cand_ptr.dtype.element_ty), mask=j < n)
+            tl.store(slots_ptr + dst, s, mask=j < n)
     if p == 0:
         tl.store(shist_ptr + r * 512 + tl.arange(0, 512), tl.zeros([512], tl.int32))
         tl.store(info_ptr + r, tl.where(ok, total - 1, -1))
@@ -486,12 +512,12 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     graph.
 
     `sampled` (keys of up to 16 bits; None: `takes_candidates`): the candidate path. A threshold estimated from
-    one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one counting pass
-    and one compaction, no histogram over the whole row — and the radix select runs over the candidates alone
-    (room for `candidate_width(k, S, room)` of them a row), whose selection maps back to slots. A row whose
+    one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one compaction
+    pass and a placing pass over the candidates, no histogram over the whole row — and the radix select runs over
+    the candidates alone (room for `candidate_width(k, S, room)` of them a row), whose selection maps back to slots. A row whose
     candidates do not hold its whole selection (too few above the threshold, or more than fit) takes the radix path
-    over all its keys in the same launches; the selection is the same either way. Its counting and compaction
-    passes take `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to
+    over all its keys in the same launches; the selection is the same either way. Its compaction pass takes
+    `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to
     1 for the rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never
     shows it, the time does. `samples` [R, ceil(S / stride)], keys' dtype, if given: the keys of the sampled slots
     (`sampled_slots(S, stride)`), as a scorer wrote them beside the keys (`score_keys(samples=)`): the sample passes
@@ -540,22 +566,23 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                                 sample_hist, S, n_s, k, sinks, window, margin, spp, HKV=hkv, KEY_BITS=key_bits,
                                 LOW=low, STRIDE=stride, LEVEL=level, BLOCK=sblock, SAMPLES=samples is not None,
                                 num_warps=4)
-    blk = min(scan_block, triton.next_power_of_2(S))
+    blk = min(scan_block, max(32, triton.next_power_of_2(S)))
     nb = triton.cdiv(S, blk)
     P = programs_per_row(R, nb, keys.device, scan_waves)
     bpp = triton.cdiv(nb, P)
-    lo = torch.empty(R, dtype=torch.int32, device=keys.device)
+    cap = min(C, bpp * blk)  # a program's stage: more than C candidates leave the row to the radix path anyway
     counts = torch.empty(R, P, 3, dtype=torch.int32, device=keys.device)
-    _count_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, lo, counts, S, k, sinks, window, margin,
-                          bpp, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, P=P, BLOCK=blk,
-                          num_warps=num_warps)
+    stage = torch.empty(R, P, cap, dtype=torch.int32, device=keys.device)
+    _compact_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, counts, stage, S, k, sinks, window,
+                            margin, bpp, cap, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, BLOCK=blk,
+                            num_warps=num_warps)
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
     info = torch.empty(4, R, dtype=torch.int32, device=keys.device)  # last candidate, wanted, none forced, ok
-    _compact_kernel[(R, P)](keys, positions, tokens, forced_from, lo, counts, cand, slots, info,
-                            count if attended is None else attended, sample_hist, R, S, C, k, sinks, window, bpp,
-                            HKV=hkv, KEY_BITS=key_bits, P=P, PP=triton.next_power_of_2(P), BLOCK=blk,
-                            ATTENDED=attended is not None, num_warps=num_warps)
+    _place_kernel[(R, P)](keys, positions, tokens, forced_from, stage, counts, cand, slots, info,
+                          count if attended is None else attended, sample_hist, R, S, C, k, cap, sinks, window,
+                          HKV=hkv, KEY_BITS=key_bits, PP=triton.next_power_of_2(P), BLOCK=1024,
+                          ATTENDED=attended is not None, num_warps=4)
     if served is not None:
         served.copy_(info[3])
     # the candidates: each row its own "batch row", nothing forced by position (forced keys are maximal already)
