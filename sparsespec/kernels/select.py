@@ -25,8 +25,8 @@ threshold a little below the row's budget; one compaction pass over the row stag
 above it, each program its own run's in slot order, with their counts; a placing pass checks that they hold the
 row's selection and fit a candidate buffer and puts them together there, in slot order with their keys; and the
 radix select above runs over the candidates alone (its selection mapped back to slots) — one scanning pass over the
-row instead of two histogram passes and the write. Rows whose candidates fall short or overflow take the radix path in the same
-launches: the selection is the same on both paths.
+row instead of two histogram passes and the write. Rows whose candidates fall short or overflow take the radix path
+in the same launches: the selection is the same on both paths.
 
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
 of each row zeroes them again, so a plan keeps one scratch for every layer and step (no memset launch a select).
@@ -514,9 +514,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     `sampled` (keys of up to 16 bits; None: `takes_candidates`): the candidate path. A threshold estimated from
     one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one compaction
     pass and a placing pass over the candidates, no histogram over the whole row — and the radix select runs over
-    the candidates alone (room for `candidate_width(k, S, room)` of them a row), whose selection maps back to slots. A row whose
-    candidates do not hold its whole selection (too few above the threshold, or more than fit) takes the radix path
-    over all its keys in the same launches; the selection is the same either way. Its compaction pass takes
+    the candidates alone (room for `candidate_width(k, S, room)` of them a row), whose selection maps back to slots.
+    A row whose candidates do not hold its whole selection (too few above the threshold, or more than fit) takes the
+    radix path over all its keys in the same launches; the selection is the same either way. Its compaction pass takes
     `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to
     1 for the rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never
     shows it, the time does. `samples` [R, ceil(S / stride)], keys' dtype, if given: the keys of the sampled slots
