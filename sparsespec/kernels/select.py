@@ -23,10 +23,10 @@ a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then
 The candidate path (keys of up to 16 bits, large selects: `takes_candidates`): histograms of one slot in 16 give a
 threshold a little below the row's budget; one compaction pass over the row stages the slots of the keys at or
 above it, each program its own run's in slot order, with their counts; a placing pass checks that they hold the
-row's selection and fit a candidate buffer and puts them together there, in slot order with their keys; and the
-radix select above runs over the candidates alone (its selection mapped back to slots) — one scanning pass over the
-row instead of two histogram passes and the write. Rows whose candidates fall short or overflow take the radix path
-in the same launches: the selection is the same on both paths.
+row's selection and fit a candidate buffer and puts them together there, in slot order with their keys; and one
+program a row selects among them as the radix select does (its digits' histograms, then the write in slot order) —
+one scanning pass over the row instead of two histogram passes and the write. Rows whose candidates fall short or
+overflow take the radix path in the same launches: the selection is the same on both paths.
 
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
 of each row zeroes them again, so a plan keeps one scratch for every layer and step (no memset launch a select).
@@ -372,8 +372,8 @@ def _place_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, stage_pt
     """The row's candidates, program p's staged slots at the place the earlier programs' counts give them, with
     their ranked keys, into cand_ptr / slots_ptr [R, C] (in slot order), if they hold the row's whole selection: at
     least as many as it wants and at most C. Program 0 writes the row's info for the candidate select (info_ptr
-    [4, R]: last candidate, wanted, first forced slot = none, ok) — a row that is not ok has no candidates there and
-    takes the radix path — and zeroes the row's sample histograms (read by the compaction alone) for the next
+    [3, R]: wanted, candidates, ok) — a row that is not ok has no candidates there and takes the radix path — and
+    zeroes the row's sample histograms (read by the compaction alone) for the next
     select."""
     r = tl.program_id(0)
     p = tl.program_id(1)
@@ -403,24 +403,74 @@ def _place_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, stage_pt
             tl.store(slots_ptr + dst, s, mask=j < n)
     if p == 0:
         tl.store(shist_ptr + r * 512 + tl.arange(0, 512), tl.zeros([512], tl.int32))
-        tl.store(info_ptr + r, tl.where(ok, total - 1, -1))
-        tl.store(info_ptr + R + r, tl.where(ok, want, 0))
-        tl.store(info_ptr + 2 * R + r, tl.where(ok, total, 0))
-        tl.store(info_ptr + 3 * R + r, ok.to(tl.int32))
+        tl.store(info_ptr + r, want)
+        tl.store(info_ptr + R + r, total)
+        tl.store(info_ptr + 2 * R + r, ok.to(tl.int32))
         if ATTENDED:
             if ok:
                 tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
 
 
 @triton.jit
-def _map_kernel(idx_ptr, count_ptr, slots_ptr, ok_ptr, K, C, BLOCK: tl.constexpr):
-    """A candidate row's selection (candidate positions) -> its slots."""
+def _candidate_keys(row_ptr, j, n, C, KEY_BITS: tl.constexpr):
+    """Keys j of a candidate row of C, of which n are live (0 past them): the load masked by the row's end, so that
+    each thread loads its keys in one vector access."""
+    return tl.where(j < n, _stored_keys(tl.load(row_ptr + j, mask=j < C, other=0), KEY_BITS), 0)
+
+
+@triton.jit
+def _candidates_kernel(cand_ptr, slots_ptr, info_ptr, idx_ptr, count_ptr, R, C, K, KEY_BITS: tl.constexpr,
+                       LAST: tl.constexpr, BLOCK: tl.constexpr):
+    """A served row's selection from its candidates (cand_ptr / slots_ptr [R, C], in slot order; info_ptr [3, R]:
+    wanted, candidates, ok), one program a row: the threshold key from the histograms of its digits (keys of up to
+    16 bits: the top 8 bits, then the LAST bits below them), then every candidate above it and the first ones equal
+    to it, in slot order, their slots into idx_ptr [R, K], and count_ptr[r] = wanted. Rows not served are left to
+    the radix path. (The radix passes over the candidates instead: three launches and a map back to slots.)"""
     r = tl.program_id(0)
-    if tl.load(ok_ptr + r) != 0:
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        live = j < tl.load(count_ptr + r)
-        at = tl.load(idx_ptr + r.to(tl.int64) * K + j, mask=live, other=0)
-        tl.store(idx_ptr + r.to(tl.int64) * K + j, tl.load(slots_ptr + r.to(tl.int64) * C + at, mask=live), mask=live)
+    if tl.load(info_ptr + 2 * R + r) == 0:
+        return
+    want = tl.load(info_ptr + r)
+    n = tl.load(info_ptr + R + r)
+    row = r.to(tl.int64) * C
+    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    LOW: tl.constexpr = LAST if DIGITS == 2 else 0  # the bits below the top digit
+    bins = tl.arange(0, 256)
+    hist = tl.zeros([256], tl.int32)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        key = _candidate_keys(cand_ptr + row, j, n, C, KEY_BITS)
+        hist += tl.histogram(tl.where(j < n, key >> LOW, 0), 256) - tl.where(bins == 0, tl.sum((j >= n).to(
+            tl.int32), 0), 0)
+    threshold, k = _crossing(hist, tl.maximum(want, 1))
+    threshold = threshold.to(tl.int32)
+    if DIGITS == 2:
+        hist = tl.zeros([256], tl.int32)
+        for j0 in range(0, n, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            key = _candidate_keys(cand_ptr + row, j, n, C, KEY_BITS)
+            match = (j < n) & ((key >> LOW) == threshold)
+            hist += tl.histogram(tl.where(match, key & ((1 << LOW) - 1), 0), 256) - tl.where(
+                bins == 0, tl.sum((~match).to(tl.int32), 0), 0)
+        low, k = _crossing(hist, k)
+        threshold = (threshold << LOW) + low.to(tl.int32)
+    out = 0  # slots written
+    ties = 0  # keys equal to the threshold seen
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        key = _candidate_keys(cand_ptr + row, j, n, C, KEY_BITS)
+        above = (j < n) & (key > threshold)
+        eq = (j < n) & (key == threshold)
+        run = tl.cumsum(above.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # inclusive: above | equal << 16
+        eq_upto = run >> 16
+        room = tl.maximum(k - ties, 0)  # keys equal to the threshold the row still takes
+        take = above | (eq & (eq_upto <= room))
+        dst = out + (run & 0xFFFF) + tl.minimum(eq_upto, room) - 1
+        slot = tl.load(slots_ptr + row + j, mask=take, other=0)
+        tl.store(idx_ptr + r.to(tl.int64) * K + dst, slot, mask=take & (dst < want))
+        total = tl.max(run, 0)
+        out += (total & 0xFFFF) + tl.minimum(total >> 16, room)
+        ties += total >> 16
+    tl.store(count_ptr + r, want)
 
 
 def key_digits(key_bits: int) -> tuple[int, int]:
@@ -513,8 +563,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
 
     `sampled` (keys of up to 16 bits; None: `takes_candidates`): the candidate path. A threshold estimated from
     one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one compaction
-    pass and a placing pass over the candidates, no histogram over the whole row — and the radix select runs over
-    the candidates alone (room for `candidate_width(k, S, room)` of them a row), whose selection maps back to slots.
+    pass and a placing pass over the candidates, no histogram over the whole row — and one program a row selects
+    among the candidates alone (room for `candidate_width(k, S, room)` of them a row).
     A row whose candidates do not hold its whole selection (too few above the threshold, or more than fit) takes the
     radix path over all its keys in the same launches; the selection is the same either way. Its compaction pass takes
     `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to
@@ -578,19 +628,17 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                             num_warps=num_warps)
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
-    info = torch.empty(4, R, dtype=torch.int32, device=keys.device)  # last candidate, wanted, none forced, ok
+    info = torch.empty(3, R, dtype=torch.int32, device=keys.device)  # wanted, candidates, ok
     _place_kernel[(R, P)](keys, positions, tokens, forced_from, stage, counts, cand, slots, info,
                           count if attended is None else attended, sample_hist, R, S, C, k, cap, sinks, window,
                           HKV=hkv, KEY_BITS=key_bits, PP=triton.next_power_of_2(P), BLOCK=1024,
                           ATTENDED=attended is not None, num_warps=4)
     if served is not None:
-        served.copy_(info[3])
-    # the candidates: each row its own "batch row", nothing forced by position (forced keys are maximal already)
-    _radix(cand, info[0], info[1], info[2], k, key_bits, 0, 0, idx, count, None, hist, stats, done, **tuning)
-    mblock = min(1024, triton.next_power_of_2(k))
-    _map_kernel[(R, triton.cdiv(k, mblock))](idx, count, slots, info[3], k, C, BLOCK=mblock, num_warps=4)
+        served.copy_(info[2])
+    _candidates_kernel[(R,)](cand, slots, info, idx, count, R, C, k, KEY_BITS=key_bits, LAST=last,
+                             BLOCK=min(block, triton.next_power_of_2(C)), num_warps=num_warps)
     _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
-           skip=info[3], **tuning)
+           skip=info[2], **tuning)
     return idx, count
 
 
