@@ -174,8 +174,9 @@ def select_table() -> None:
 
     keys = dict(HKV=8, KEY_BITS=14, BLOCK=2048)
     runs = [("compact", select._compact_kernel, dict(keys, LOW=6, STRIDE=16)),
-            ("place", select._place_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=1024, ATTENDED=True)),
-            ("candidates", select._candidates_kernel, dict(KEY_BITS=14, LAST=6, BLOCK=2048)),
+            ("place", select._place_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=1024)),
+            ("candidates", select._candidates_kernel, dict(HKV=8, KEY_BITS=14, LOW=6, STRIDE=16, PP=8, BLOCK=2048,
+                                                           ATTENDED=True)),
             ("histogram, top digit", select._histogram_kernel, dict(keys, LAST=6, D=0, P=5, SKIP=False)),
             ("histogram, last digit", select._histogram_kernel, dict(keys, LAST=6, D=1, P=5, SKIP=False)),
             ("write", select._write_kernel, dict(keys, LAST=6, P=5, PP=8, ATTENDED=True, SKIP=False))]

@@ -353,6 +353,29 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
     assert not served.any()  # the radix path serves no row by candidates
 
 
+def test_candidate_select_where_the_threshold_lies_far_above_the_sample_estimate():
+    """The candidates' own select finds its threshold in a histogram of the 255 key values above the sample's
+    estimate, or by the keys' digits where the wanted keys all lie further up: rows of keys packed close (1 to 3000:
+    the threshold 18 and 78 above the estimate) and spread wide (distinct, 10 and 40 apart: 720 and 320 above it),
+    each served and equal to the reference."""
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, S, k = 2, 2, 1500, 256
+    R = B * Hkv
+    keys = torch.randint(1, 3000, (R, S), generator=g)
+    keys[1] = torch.randperm(S, generator=g) * 10 + 1
+    keys[2] = torch.randperm(S, generator=g) * 40 % 16000 + 1
+    keys = keys.to(torch.int16).to(DEVICE)
+    positions = torch.tensor([S - 1, S - 100], dtype=torch.int32, device=DEVICE)
+    tokens = torch.tensor([200, 150], dtype=torch.int32, device=DEVICE)
+    ref_idx, ref_count = select_topk_ref(keys, positions, tokens, positions + 1, k, 14, sinks=1, window=2)
+    served = torch.zeros(R, dtype=torch.int32, device=DEVICE)
+    idx, count = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, stride=4,
+                             margin=0, sinks=1, window=2, served=served)
+    assert served.tolist() == [1] * R and torch.equal(count, ref_count)
+    for r in range(R):
+        assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
+
+
 @pytest.mark.parametrize("stride", [16, 32])
 def test_the_samples_copy_gives_the_same_selection_and_rows_served(stride):
     """`select_topk(samples=)`: the sample passes read the sampled slots' keys from their copy — the same selection

@@ -319,8 +319,8 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_
                     SINKS, WINDOW, MARGIN, BPP, CAP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
                     STRIDE: tl.constexpr, BLOCK: tl.constexpr):
     """The candidate threshold from the sample; this program's candidates (ranked keys at or above it): their slots
-    compacted in slot order into its own stage (stage_ptr [R, P, CAP] int32: at most CAP kept), and its counts of
-    candidates, forced keys and live keys -> counts_ptr[r, p, :3] (`_place_kernel` puts the stages together).
+    compacted in slot order into its own stage (stage_ptr [R, P, CAP] int32: at most CAP kept) and their count
+    into counts_ptr[r, p] (`_place_kernel` puts the stages together).
 
     A block is read as rows of 8 slots (one thread's vector load), each row's candidates folded into the bits of one
     word (a reduction within the thread) and counted; the rows' places follow from the counts (a scan over BLOCK / 8
@@ -333,14 +333,11 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW, STRIDE)
-    KEY_MASK: tl.constexpr = (1 << KEY_BITS) - 1
     ROWS: tl.constexpr = BLOCK // 8
     row = tl.arange(0, ROWS)
     lane = tl.arange(0, 8)[None, :]
     stage = stage_ptr + (r * P + p).to(tl.int64) * CAP
     out = 0
-    n_forced = tl.zeros([ROWS], tl.int32)  # per row of 8: one reduction over the rows after the run
-    live = tl.zeros([ROWS], tl.int32)
     first = p * BPP * BLOCK
     for i in range(tl.minimum(BPP, tl.maximum(pos - first, -1) // BLOCK + 1)):  # the run's blocks up to the query
         start = first + i * BLOCK
@@ -357,37 +354,24 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_
             dst += 1
             word = word & (word - 1)
         out += tl.sum(n, 0)
-        n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 1)
-        live += tl.sum((key > 0).to(tl.int32), 1)
-    own = counts_ptr + (r * P + p) * 3
-    tl.store(own, out)
-    tl.store(own + 1, tl.sum(n_forced, 0))
-    tl.store(own + 2, tl.sum(live, 0))
+    tl.store(counts_ptr + r * P + p, out)
 
 
 @triton.jit
-def _place_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, stage_ptr, counts_ptr, cand_ptr, slots_ptr,
-                  info_ptr, attended_ptr, shist_ptr, R, S, C, K, CAP, SINKS, WINDOW, HKV: tl.constexpr,
-                  KEY_BITS: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr):
-    """The row's candidates, program p's staged slots at the place the earlier programs' counts give them, with
-    their ranked keys, into cand_ptr / slots_ptr [R, C] (in slot order), if they hold the row's whole selection: at
-    least as many as it wants and at most C. Program 0 writes the row's info for the candidate select (info_ptr
-    [3, R]: wanted, candidates, ok) — a row that is not ok has no candidates there and takes the radix path — and
-    zeroes the row's sample histograms (read by the compaction alone) for the next
-    select."""
+def _place_kernel(keys_ptr, positions_ptr, forced_from_ptr, stage_ptr, counts_ptr, forced_ptr, cand_ptr, slots_ptr,
+                  S, C, CAP, SINKS, WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr, PP: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Program p's staged slots, with their ranked keys, at the place the earlier programs' counts give them in
+    cand_ptr / slots_ptr [R, C] (the row's candidates in slot order), if the row's candidates fit there (at most
+    C); its forced keys among them (all forced keys are candidates) counted into forced_ptr[r, p]."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     P = tl.num_programs(1)
     b = r // HKV
     prog = tl.arange(0, PP)
-    own = counts_ptr + (r * P + prog) * 3
-    above = tl.load(own, mask=prog < P, other=0)
-    total = tl.sum(above, 0)
-    n_forced = tl.sum(tl.load(own + 1, mask=prog < P, other=0), 0)
-    live = tl.sum(tl.load(own + 2, mask=prog < P, other=0), 0)
-    want = tl.minimum(tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), live), K)
-    ok = (total >= want) & (total <= C)
-    if ok:  # (the row has at most C candidates: each stage holds all of its program's)
+    above = tl.load(counts_ptr + r * P + prog, mask=prog < P, other=0)
+    n_forced = 0
+    if tl.sum(above, 0) <= C:  # (then each stage holds all of its program's candidates)
         pos = tl.load(positions_ptr + b).to(tl.int32)
         forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
         out = tl.sum(tl.where(prog < p, above, 0), 0)
@@ -401,14 +385,8 @@ def _place_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, stage_pt
             dst = r.to(tl.int64) * C + out + j
             tl.store(cand_ptr + dst, key.to(cand_ptr.dtype.element_ty), mask=j < n)
             tl.store(slots_ptr + dst, s, mask=j < n)
-    if p == 0:
-        tl.store(shist_ptr + r * 512 + tl.arange(0, 512), tl.zeros([512], tl.int32))
-        tl.store(info_ptr + r, want)
-        tl.store(info_ptr + R + r, total)
-        tl.store(info_ptr + 2 * R + r, ok.to(tl.int32))
-        if ATTENDED:
-            if ok:
-                tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
+            n_forced += tl.sum(((j < n) & (key == (1 << KEY_BITS) - 1)).to(tl.int32), 0)
+    tl.store(forced_ptr + r * P + p, n_forced)
 
 
 @triton.jit
@@ -419,58 +397,81 @@ def _candidate_keys(row_ptr, j, n, C, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _candidates_kernel(cand_ptr, slots_ptr, info_ptr, idx_ptr, count_ptr, R, C, K, KEY_BITS: tl.constexpr,
-                       LAST: tl.constexpr, BLOCK: tl.constexpr):
-    """A served row's selection from its candidates (cand_ptr / slots_ptr [R, C], in slot order; info_ptr [3, R]:
-    wanted, candidates, ok), one program a row: the threshold key from the histograms of its digits (keys of up to
-    16 bits: the top 8 bits, then the LAST bits below them), then every candidate above it and the first ones equal
-    to it, in slot order, their slots into idx_ptr [R, K], and count_ptr[r] = wanted. Rows not served are left to
-    the radix path. (The radix passes over the candidates instead: three launches and a map back to slots.)"""
-    r = tl.program_id(0)
-    if tl.load(info_ptr + 2 * R + r) == 0:
-        return
-    want = tl.load(info_ptr + r)
-    n = tl.load(info_ptr + R + r)
-    row = r.to(tl.int64) * C
-    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
-    LOW: tl.constexpr = LAST if DIGITS == 2 else 0  # the bits below the top digit
+def _add_histogram(hist, value, match):
+    """hist [256] plus the histogram of the values [BLOCK] where match holds."""
     bins = tl.arange(0, 256)
-    hist = tl.zeros([256], tl.int32)
-    for j0 in range(0, n, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        key = _candidate_keys(cand_ptr + row, j, n, C, KEY_BITS)
-        hist += tl.histogram(tl.where(j < n, key >> LOW, 0), 256) - tl.where(bins == 0, tl.sum((j >= n).to(
-            tl.int32), 0), 0)
-    threshold, k = _crossing(hist, tl.maximum(want, 1))
-    threshold = threshold.to(tl.int32)
-    if DIGITS == 2:
+    return hist + tl.histogram(tl.where(match, value, 0), 256) - tl.where(bins == 0, tl.sum((~match).to(tl.int32), 0),
+                                                                          0)
+
+
+@triton.jit
+def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_ptr, tokens_ptr, shist_ptr, ok_ptr,
+                       idx_ptr, count_ptr, attended_ptr, P, C, K, MARGIN, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
+                       LOW: tl.constexpr, STRIDE: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
+                       ATTENDED: tl.constexpr):
+    """One program a row: whether its candidates (cand_ptr / slots_ptr [R, C] in slot order; the programs' counts
+    and forced counts [R, P]) hold its whole selection — at most C of them, and at least as many as it wants or
+    every live key (a threshold of 1) — into ok_ptr[r] (a row that is not ok takes the radix path); the row's
+    sample histograms zeroed for the next select; and for an ok row its selection: the threshold key from a
+    histogram of the candidates' keys over the 255 values above the sample's estimate (or, where the wanted keys all
+    lie further up, of the keys' digits: the top 8 bits, then the LOW bits below them), then every candidate above
+    the threshold and the first ones equal to it, in slot order, their slots into idx_ptr [R, K], and count_ptr[r] =
+    wanted."""
+    r = tl.program_id(0)
+    b = r // HKV
+    prog = tl.arange(0, PP)
+    total = tl.sum(tl.load(counts_ptr + r * P + prog, mask=prog < P, other=0), 0)
+    n_forced = tl.sum(tl.load(forced_ptr + r * P + prog, mask=prog < P, other=0), 0)
+    lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW, STRIDE)
+    tl.debug_barrier()  # (every thread has read the histograms)
+    tl.store(shist_ptr + r * 512 + tl.arange(0, 512), tl.zeros([512], tl.int32))
+    wanted = tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), K)
+    ok = (total <= C) & ((total >= wanted) | (lo == 1))  # (a threshold of 1: the candidates are every live key)
+    tl.store(ok_ptr + r, ok.to(tl.int32))
+    if ok:
+        want = tl.minimum(wanted, total)
+        if ATTENDED:
+            tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
+        row = cand_ptr + r.to(tl.int64) * C
         hist = tl.zeros([256], tl.int32)
-        for j0 in range(0, n, BLOCK):
+        for j0 in range(0, total, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
-            key = _candidate_keys(cand_ptr + row, j, n, C, KEY_BITS)
-            match = (j < n) & ((key >> LOW) == threshold)
-            hist += tl.histogram(tl.where(match, key & ((1 << LOW) - 1), 0), 256) - tl.where(
-                bins == 0, tl.sum((~match).to(tl.int32), 0), 0)
-        low, k = _crossing(hist, k)
-        threshold = (threshold << LOW) + low.to(tl.int32)
-    out = 0  # slots written
-    ties = 0  # keys equal to the threshold seen
-    for j0 in range(0, n, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        key = _candidate_keys(cand_ptr + row, j, n, C, KEY_BITS)
-        above = (j < n) & (key > threshold)
-        eq = (j < n) & (key == threshold)
-        run = tl.cumsum(above.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # inclusive: above | equal << 16
-        eq_upto = run >> 16
-        room = tl.maximum(k - ties, 0)  # keys equal to the threshold the row still takes
-        take = above | (eq & (eq_upto <= room))
-        dst = out + (run & 0xFFFF) + tl.minimum(eq_upto, room) - 1
-        slot = tl.load(slots_ptr + row + j, mask=take, other=0)
-        tl.store(idx_ptr + r.to(tl.int64) * K + dst, slot, mask=take & (dst < want))
-        total = tl.max(run, 0)
-        out += (total & 0xFFFF) + tl.minimum(total >> 16, room)
-        ties += total >> 16
-    tl.store(count_ptr + r, want)
+            hist = _add_histogram(hist, tl.minimum(_candidate_keys(row, j, total, C, KEY_BITS) - lo, 255), j < total)
+        t, k = _crossing(hist, tl.maximum(want, 1))
+        threshold = lo + t.to(tl.int32)
+        if t == 255:  # the threshold lies 255 or more above the estimate: by the keys' digits
+            hist = tl.zeros([256], tl.int32)
+            for j0 in range(0, total, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                hist = _add_histogram(hist, _candidate_keys(row, j, total, C, KEY_BITS) >> LOW, j < total)
+            t, k = _crossing(hist, tl.maximum(want, 1))
+            threshold = t.to(tl.int32)
+            if LOW > 0:
+                hist = tl.zeros([256], tl.int32)
+                for j0 in range(0, total, BLOCK):
+                    j = j0 + tl.arange(0, BLOCK)
+                    key = _candidate_keys(row, j, total, C, KEY_BITS)
+                    hist = _add_histogram(hist, key & ((1 << LOW) - 1), (j < total) & ((key >> LOW) == threshold))
+                t, k = _crossing(hist, k)
+                threshold = (threshold << LOW) + t.to(tl.int32)
+        out = 0  # slots written
+        ties = 0  # keys equal to the threshold seen
+        for j0 in range(0, total, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            key = _candidate_keys(row, j, total, C, KEY_BITS)
+            above = (j < total) & (key > threshold)
+            eq = (j < total) & (key == threshold)
+            run = tl.cumsum(above.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # inclusive: above | equal << 16
+            eq_upto = run >> 16
+            room = tl.maximum(k - ties, 0)  # keys equal to the threshold the row still takes
+            take = above | (eq & (eq_upto <= room))
+            dst = out + (run & 0xFFFF) + tl.minimum(eq_upto, room) - 1
+            slot = tl.load(slots_ptr + r.to(tl.int64) * C + j, mask=take, other=0)
+            tl.store(idx_ptr + r.to(tl.int64) * K + dst, slot, mask=take & (dst < want))
+            total_run = tl.max(run, 0)
+            out += (total_run & 0xFFFF) + tl.minimum(total_run >> 16, room)
+            ties += total_run >> 16
+        tl.store(count_ptr + r, want)
 
 
 def key_digits(key_bits: int) -> tuple[int, int]:
@@ -621,24 +622,26 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     P = programs_per_row(R, nb, keys.device, scan_waves)
     bpp = triton.cdiv(nb, P)
     cap = min(C, bpp * blk)  # a program's stage: more than C candidates leave the row to the radix path anyway
-    counts = torch.empty(R, P, 3, dtype=torch.int32, device=keys.device)
+    counts = torch.empty(R, P, dtype=torch.int32, device=keys.device)  # each program's candidates
+    n_forced = torch.empty(R, P, dtype=torch.int32, device=keys.device)  # and forced keys among them
     stage = torch.empty(R, P, cap, dtype=torch.int32, device=keys.device)
     _compact_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, counts, stage, S, k, sinks, window,
                             margin, bpp, cap, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, BLOCK=blk,
                             num_warps=num_warps)
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
-    info = torch.empty(3, R, dtype=torch.int32, device=keys.device)  # wanted, candidates, ok
-    _place_kernel[(R, P)](keys, positions, tokens, forced_from, stage, counts, cand, slots, info,
-                          count if attended is None else attended, sample_hist, R, S, C, k, cap, sinks, window,
-                          HKV=hkv, KEY_BITS=key_bits, PP=triton.next_power_of_2(P), BLOCK=1024,
-                          ATTENDED=attended is not None, num_warps=4)
+    _place_kernel[(R, P)](keys, positions, forced_from, stage, counts, n_forced, cand, slots, S, C, cap, sinks, window,
+                          HKV=hkv, KEY_BITS=key_bits, PP=triton.next_power_of_2(P), BLOCK=1024, num_warps=4)
+    ok = torch.empty(R, dtype=torch.int32, device=keys.device)
+    _candidates_kernel[(R,)](cand, slots, counts, n_forced, positions, tokens, sample_hist, ok, idx, count,
+                             count if attended is None else attended, P, C, k, margin, HKV=hkv, KEY_BITS=key_bits,
+                             LOW=low, STRIDE=stride, PP=triton.next_power_of_2(P),
+                             BLOCK=min(block, triton.next_power_of_2(C)), ATTENDED=attended is not None,
+                             num_warps=num_warps)
     if served is not None:
-        served.copy_(info[2])
-    _candidates_kernel[(R,)](cand, slots, info, idx, count, R, C, k, KEY_BITS=key_bits, LAST=last,
-                             BLOCK=min(block, triton.next_power_of_2(C)), num_warps=num_warps)
+        served.copy_(ok)
     _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
-           skip=info[2], **tuning)
+           skip=ok, **tuning)
     return idx, count
 
 
