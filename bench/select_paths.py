@@ -3,10 +3,11 @@ select) and whole (a CUDA graph replayed), checked to select the same slots as e
 candidates served (the others fell back to the radix passes: the same selection, more time).
 
     python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024]
-        [--samples 32/16,64/32/4] [--flat-rows 0,1,8] [--out DIR]
+        [--pick 1024,4096] [--samples 32/16,64/32/4] [--flat-rows 0,1,8] [--out DIR]
 
 Paths: radix; candidates (each scan tiling); candidates reading the sampled slots' keys from their copy
-(`select_topk(samples=)`, what BinaryPC's scorers write beside the keys); candidates at each --samples setting.
+(`select_topk(samples=)`, what BinaryPC's scorers write beside the keys); the same with each --pick block of the
+candidates' program; candidates at each --samples setting.
 
 Keys: 64-bit codes of random correlated keys (8 KV heads, head_dim 128) against a fresh basis, scored by the table
 kernel for 4 query heads a KV head with 7-bit probes (Llama-3.1-8B's heads); budget 2%, 4 sinks, window 64.
@@ -63,6 +64,9 @@ def main():
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--scan", default="4x2048",
                     help="the candidate path's compaction tilings to time, WAVESxBLOCK comma-separated")
+    ap.add_argument("--pick", default="",
+                    help="more block sizes of the candidates' program to time beside the default's 2048 (a warp per "
+                         "256 candidates; with the first scan tiling), comma-separated")
     ap.add_argument("--samples", default="",
                     help="more settings of the candidate path to time beside the default's 16/16/2 (with the first "
                          "scan tiling): sample stride / margin [/ room, in selection widths], comma-separated")
@@ -91,6 +95,8 @@ def main():
         # the sampled slots' keys read from the copy a scorer writes beside the keys (as the policy's step does)
         copy = sampled_keys_ref(keys).contiguous()
         paths.append(("candidates, sample copy", dict(paths[1][1], samples=copy)))
+        for pick in filter(None, args.pick.split(",")):
+            paths.append((f"candidates, pick {pick}", dict(paths[1][1], samples=copy, pick_block=int(pick))))
         for setting in filter(None, args.samples.split(",")):
             stride, margin, room = (list(map(int, setting.split("/"))) + [CANDIDATE_ROOM])[:3]
             paths.append((f"candidates {stride}/{margin}/{room}", dict(paths[1][1], stride=stride, margin=margin,

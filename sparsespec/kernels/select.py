@@ -554,7 +554,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, block: int = 2048,
                 waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
                 margin: int = 16, room: int = CANDIDATE_ROOM, scan_waves: int = 4, scan_block: int = 2048,
-                served: torch.Tensor | None = None, samples: torch.Tensor | None = None):
+                pick_block: int = 2048, served: torch.Tensor | None = None, samples: torch.Tensor | None = None):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
@@ -568,7 +568,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     among the candidates alone (room for `candidate_width(k, S, room)` of them a row).
     A row whose candidates do not hold its whole selection (too few above the threshold, or more than fit) takes the
     radix path over all its keys in the same launches; the selection is the same either way. Its compaction pass takes
-    `scan_block` slots a step and `scan_waves` programs per SM. `served` int32 [R], if given, is set to
+    `scan_block` slots a step and `scan_waves` programs per SM, the candidates' program `pick_block` candidates a
+    step with a warp per 256 of them. `served` int32 [R], if given, is set to
     1 for the rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never
     shows it, the time does. `samples` [R, ceil(S / stride)], keys' dtype, if given: the keys of the sampled slots
     (`sampled_slots(S, stride)`), as a scorer wrote them beside the keys (`score_keys(samples=)`): the sample passes
@@ -636,8 +637,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     _candidates_kernel[(R,)](cand, slots, counts, n_forced, positions, tokens, sample_hist, ok, idx, count,
                              count if attended is None else attended, P, C, k, margin, HKV=hkv, KEY_BITS=key_bits,
                              LOW=low, STRIDE=stride, PP=triton.next_power_of_2(P),
-                             BLOCK=min(block, triton.next_power_of_2(C)), ATTENDED=attended is not None,
-                             num_warps=num_warps)
+                             BLOCK=min(pick_block, triton.next_power_of_2(C)), ATTENDED=attended is not None,
+                             num_warps=max(1, min(16, min(pick_block, triton.next_power_of_2(C)) // 256)))
     if served is not None:
         served.copy_(ok)
     _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
