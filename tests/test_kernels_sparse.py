@@ -235,7 +235,7 @@ def _check_selection(keys, positions, tokens, forced_from, k, key_bits, blocks=(
     paths = [dict(sampled=False)] + ([dict(sampled=True, stride=4, margin=0)] if candidates and key_bits <= 16
                                      else [])
     for block in blocks:  # 2048: one block a row; 32: many blocks shared by several programs a row (the candidate
-        for path in paths:  # path's counting and compaction passes too: runs of 32-slot blocks)
+        for path in paths:  # path's compaction too: runs of 32-slot blocks)
             idx = torch.full_like(ref_idx, -7)
             count = torch.full_like(ref_count, -7)
             attended = torch.full((len(positions),), 0.5, device=DEVICE)
@@ -374,6 +374,9 @@ def test_candidate_select_where_the_threshold_lies_far_above_the_sample_estimate
     assert served.tolist() == [1] * R and torch.equal(count, ref_count)
     for r in range(R):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
+    for bad in (dict(pick_block=1 << 15), dict(block=3000), dict(scan_block=4)):  # (counts packed 15 bits a half)
+        with pytest.raises(ValueError, match="powers of two"):
+            select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, **bad)
 
 
 @pytest.mark.parametrize("stride", [16, 32])

@@ -22,14 +22,16 @@ a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then
 
 The candidate path (keys of up to 16 bits, large selects: `takes_candidates`): histograms of one slot in 16 give a
 threshold a little below the row's budget; one compaction pass over the row stages the slots of the keys at or
-above it, each program its own run's in slot order, with their counts; a placing pass checks that they hold the
-row's selection and fit a candidate buffer and puts them together there, in slot order with their keys; and one
-program a row selects among them as the radix select does (its digits' histograms, then the write in slot order) —
-one scanning pass over the row instead of two histogram passes and the write. Rows whose candidates fall short or
+above it, each program its own run's in slot order, with their counts; a placing pass puts them together in a
+candidate buffer, in slot order with their keys, where they fit; and one program a row checks that they hold the
+row's selection and selects among them (its threshold from a histogram of the keys just above the sample's
+estimate, or of their digits, then the write in slot order) — one scanning pass over the row instead of two
+histogram passes and the write. Rows whose candidates fall short or
 overflow take the radix path in the same launches: the selection is the same on both paths.
 
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
-of each row zeroes them again, so a plan keeps one scratch for every layer and step (no memset launch a select).
+of each row zeroes them again (the candidate path's sample histograms: the candidates' program), so a plan keeps
+one scratch for every layer and step (no memset launch a select).
 (Running the first radix pass inside BinaryPC's scorer instead, over the keys it has just computed, was measured on
 the H200 and was slower: 59 against 53 us a layer at 128k x 1, 468 against 447 at 128k x 16.)
 """
@@ -191,7 +193,7 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
     while the row still wants them. Where they start, from the earlier programs' last-digit suffix sums: their keys
     above the threshold, and their keys equal to it as far as the row takes those. One scan a block: the running
     counts of keys above the threshold and of keys equal to it, packed as the low and high 16 bits of one int32
-    (BLOCK < 2^16)."""
+    (BLOCK <= 2^14: `select_topk` checks it)."""
     r = tl.program_id(0)
     p = tl.program_id(1)
     if SKIP:
@@ -548,6 +550,10 @@ def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx
                           ATTENDED=attended is not None, SKIP=skip is not None, num_warps=num_warps)
 
 
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                 k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -598,6 +604,11 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     tuning = dict(block=block, waves=waves, num_warps=num_warps)
     if sampled is None:
         sampled = takes_candidates(R, S, k, key_bits, room)
+    if not (_pow2(block) and block <= 1 << 14 and _pow2(pick_block) and pick_block <= 1 << 14 and _pow2(scan_block)
+            and scan_block >= 8):
+        # (the writes pack two running counts of a block into one int32: 15 bits each; the compaction reads rows of 8)
+        raise ValueError(f"block and pick_block take powers of two up to 16384 and scan_block one of at least 8, got "
+                         f"{block}, {pick_block} and {scan_block}")
     if not sampled:
         _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats,
                done, **tuning)
