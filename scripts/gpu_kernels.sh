@@ -106,7 +106,8 @@ step select python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16
 step select-fallback python3 bench/select_paths.py --shapes 4x131072,16x32768,16x131072 --flat-rows 0,1,8 \
   --samples 32/16,32/16/4,64/32/4 --out $root/select-fallback
 step ncu-layer sh -c "timeout 300 ncu --clock-control none --kernel-name \
-  regex:'_probe_kernel|_score_kernel|_sample_kernel|_compact_kernel|_place_kernel|_histogram_kernel|_write_kernel' \
+  regex:'_probe_kernel|_score_kernel|_sample_kernel|_compact_kernel|_place_kernel|_candidates_kernel|\
+_histogram_kernel|_write_kernel' \
   --launch-skip 30 --launch-count 12 --section SpeedOfLight --section WarpStateStats --section Occupancy --metrics \
   l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,\
 smsp__sass_inst_executed_op_shared_ld.sum,dram__bytes_read.sum,dram__bytes_write.sum \

@@ -10,8 +10,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots, encode_slots_ref,  # noqa: E402
-                                         key_dtype, key_range, packed_probe, probe_bytes, probe_packed, probe_tables,
-                                         probe_tables_ref, sampled_keys_ref, score_keys, score_keys_dp4a,
+                                         key_range, packed_probe, probe_bytes, probe_packed, probe_tables,
+                                         probe_tables_ref, sample_copy, sampled_keys_ref, score_keys, score_keys_dp4a,
                                          score_keys_ref)
 from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, topk_keys_ref  # noqa: E402
 from sparsespec.kernels.select import (SAMPLE_STRIDE, expand_pages, expand_pages_ref, ordered_keys,  # noqa: E402
@@ -100,8 +100,7 @@ def scoring_case(seed: int, G: int, bits: int, m: int, S: int):
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE)
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     positions = torch.tensor([S - 1, S // 2, 0], dtype=torch.int32, device=DEVICE)
-    samples = torch.full((B * Hkv, -(-S // SAMPLE_STRIDE)), -5, dtype=key_dtype(key_range(bits, m)[1]),
-                         device=DEVICE)
+    samples = sample_copy(B * Hkv, S, key_range(bits, m)[1], DEVICE).fill_(-5)
     return B, Hkv, codes, q, basis, positions, samples
 
 

@@ -615,7 +615,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         if served is not None:
             served.zero_()
         return idx, count
-    if key_bits > 16 or stride < 1 or stride & (stride - 1) or room < 2:
+    if key_bits > 16 or not _pow2(stride) or room < 2:
         raise ValueError(f"the candidate path takes keys of up to 16 bits, a power-of-two stride and room for at "
                          f"least twice the width, got {key_bits} bits, stride {stride}, room {room}")
     C = candidate_width(k, S, room)
