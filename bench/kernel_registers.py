@@ -52,6 +52,7 @@ def ptxas() -> str:
 
 
 def compile_one(kernel, consts: dict, warps: int, stages: int, width: int = 1) -> dict:
+    consts = {"PDL": True} | consts  # (chained kernels wait on their predecessor first on the device: kernels/launch.py)
     names = kernel.arg_names
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(names):
@@ -71,6 +72,7 @@ def compile_one(kernel, consts: dict, warps: int, stages: int, width: int = 1) -
 def compile_select(kernel, consts: dict, warps: int, sass: bool = False) -> dict:
     """A kernel of the select (`kernels/select.py`) for BinaryPC's 14-bit int16 keys: pointers 16-aligned, the sizes
     that real shapes make multiples of 16 (S, R, C, NS) marked so, as Triton specialises them on the device."""
+    consts = {"PDL": True} | consts
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
@@ -198,7 +200,8 @@ def scorer_table() -> None:
     lay = binarypc.TableLayout.of(4, 64, 7)
     table = dict(HKV=8, G=4, W=1, WP=1, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
                  BIAS=lay.bias)
-    packed = dict(HKV=8, G=4, W=1, ASM=True, STRIDE=16)
+    packed = dict(HKV=8, G=4, W=1, ASM=True, STRIDE=16, EXTRA=True, EBLOCK=256)
+    table |= dict(EXTRA=True, EBLOCK=256)  # (the safeguard's forced list written with the keys, as the policy does)
     runs = [("table", binarypc._score_kernel, dict(table, BLOCK=1024, STRIDE=16, SAMPLES=copy), 4) for copy in (0, 1)]
     runs += [("dp4a", binarypc._score_dp4a_kernel, dict(packed, BLOCK=block, SAMPLES=copy), warps)
              for block, warps in ((1024, 4), (512, 4), (2048, 8)) for copy in (0, 1)]
@@ -214,6 +217,19 @@ def scorer_table() -> None:
         print(f"| {name} | {consts['BLOCK']} | {warps} | {'yes' if consts['SAMPLES'] else 'no'} | {r['registers']} "
               f"| {r['shared_bytes']} "
               f"| {sum(ops.values()) / per:.0f} | {lds / per:.1f} | {dp4a / per:.0f} | {bars} |")
+    # the probes: one program a (row, KV head), so at batch 1 a launch takes one program's latency
+    SELECT_POINTERS.update(q_ptr="*bf16", basis_ptr="*fp32")
+    probes = [("packed", binarypc._probe_packed_kernel, dict(G=4, GP=4, D=128, BITS=64, W=1, M=7), w)
+              for w in (4, 8, 16)]
+    probes.append(("tables, a byte a program", binarypc._probe_kernel, dict(
+        G=4, D=128, BITS=64, W=1, M=7, NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
+        BIAS=lay.bias, BYTES=1), 4))
+    print("\n| probe | warps | registers | SASS a thread | shuffles | barriers |\n|---|---:|---:|---:|---:|---:|")
+    for name, kernel, consts, warps in probes:
+        r = compile_select(kernel, consts, warps, sass=True)
+        ops = r["sass"]
+        print(f"| {name} | {warps} | {r['registers']} | {sum(ops.values())} | {ops.get('SHFL.BFLY', 0)} "
+              f"| {sum(n for op, n in ops.items() if op.startswith('BAR'))} |")
 
 
 if __name__ == "__main__":

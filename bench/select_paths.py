@@ -3,11 +3,11 @@ select) and whole (a CUDA graph replayed), checked to select the same slots as e
 candidates served (the others fell back to the radix passes: the same selection, more time).
 
     python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024]
-        [--pick 1024,4096] [--samples 32/16,64/32/4] [--flat-rows 0,1,8] [--out DIR]
+        [--pick 1024,4096] [--radix 1024x4x4,4096x2x8] [--samples 32/16,64/32/4] [--flat-rows 0,1,8] [--out DIR]
 
-Paths: radix; candidates (each scan tiling); candidates reading the sampled slots' keys from their copy
-(`select_topk(samples=)`, what BinaryPC's scorers write beside the keys); the same with each --pick block of the
-candidates' program; candidates at each --samples setting.
+Paths: radix (and each --radix tiling); candidates (each scan tiling); candidates reading the sampled slots' keys
+from their copy (`select_topk(samples=)`, what BinaryPC's scorers write beside the keys); the same with each --pick
+block of the candidates' program; candidates at each --samples setting.
 
 Keys: 64-bit codes of random correlated keys (8 KV heads, head_dim 128) against a fresh basis, scored by the table
 kernel for 4 query heads a KV head with 7-bit probes (Llama-3.1-8B's heads); budget 2%, 4 sinks, window 64.
@@ -73,6 +73,9 @@ def main():
     ap.add_argument("--flat-rows", default="0",
                     help="how many rows get one key in every slot (the candidates overflow: those rows fall back to "
                          "the radix passes), comma-separated counts, each timed: what a fallback costs")
+    ap.add_argument("--radix", default="",
+                    help="more tilings of the radix path to time beside the default's 2048x4x8: slots a step x "
+                         "programs per SM x warps a program, comma-separated")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
@@ -88,18 +91,22 @@ def main():
         row = {"batch": B, "context": S, "flat_rows": flat,
                "auto": "candidates" if takes_candidates(keys.shape[0], S, width, key_bits) else "radix"}
         paths = [("radix", dict(sampled=False))]
+        for tiling in filter(None, args.radix.split(",")):
+            blk, w, warps = map(int, tiling.split("x"))
+            paths.append((f"radix {tiling}", dict(sampled=False, block=blk, waves=w, num_warps=warps)))
         for i, tiling in enumerate(args.scan.split(",")):
             w, blk = map(int, tiling.split("x"))
             paths.append(("candidates" + (f" {tiling}" if i else ""), dict(sampled=True, scan_waves=w,
                                                                             scan_block=blk)))
         # the sampled slots' keys read from the copy a scorer writes beside the keys (as the policy's step does)
         copy = sampled_keys_ref(keys).contiguous()
-        paths.append(("candidates, sample copy", dict(paths[1][1], samples=copy)))
+        first = next(kw for name, kw in paths if name == "candidates")
+        paths.append(("candidates, sample copy", dict(first, samples=copy)))
         for pick in filter(None, args.pick.split(",")):
-            paths.append((f"candidates, pick {pick}", dict(paths[1][1], samples=copy, pick_block=int(pick))))
+            paths.append((f"candidates, pick {pick}", dict(first, samples=copy, pick_block=int(pick))))
         for setting in filter(None, args.samples.split(",")):
             stride, margin, room = (list(map(int, setting.split("/"))) + [CANDIDATE_ROOM])[:3]
-            paths.append((f"candidates {stride}/{margin}/{room}", dict(paths[1][1], stride=stride, margin=margin,
+            paths.append((f"candidates {stride}/{margin}/{room}", dict(first, stride=stride, margin=margin,
                                                                        room=room)))
         for name, kw in paths:
             out = (torch.empty(keys.shape[0], width, dtype=torch.int32, device="cuda"),

@@ -159,13 +159,14 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], m
                 policy.plan_fixed(cache, [context] * batch)
                 policy.begin_step(positions)
                 ms = time_ms(graphed(lambda: policy.decode(0, q, cache, positions)))
+                kernels = kernel_times(lambda: policy.decode(0, q, cache, positions))  # device time of each kernel
                 policy.reset_attended()  # one more step, counted: keys attended per KV head
                 policy.decode(0, q, cache, positions)
                 policy.stepped(1)
                 attended = policy.mean_attended
                 floor = policy_bytes(policy, batch, context, cfg, attended) / bw * 1e3
                 entry = {"ms": ms, "speedup": row["sdpa_ms"] / ms, "floor_ms": floor, "attended": attended,
-                         "build_s": build_s}
+                         "build_s": build_s, "kernels_us": kernels}
                 if name == "binarypc":
                     entry["stages_ms"] = binarypc_stages(policy, q, cache)
                 row[spec] = entry
@@ -183,6 +184,13 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], m
         cells = [f"{r[s]['ms']:.3f} ({r[s]['speedup']:.1f}x; {r[s]['floor_ms']:.3f})" for s in specs]
         lines.append(f"| {r['context']} | {r['batch']} | {r['sdpa_ms']:.3f} ({r['sdpa_floor_ms']:.3f}) | "
                      + " | ".join(cells) + " |")
+    lines += ["", "Kernels of each layer (us of device time per replay, launches; the rest of a cell's time is the "
+              "gaps between them):", ""]
+    for r in rows:
+        for spec in specs:
+            lines.append(f"- {r['context']} x {r['batch']}, {spec}: " + ", ".join(
+                f"{name.split('(')[0][:40]} {us:.1f}" + (f" x{n}" if n > 1 else "")
+                for name, us, n in r[spec]["kernels_us"]))
     for spec in [s for s in specs if s.startswith("binarypc")]:
         lines += ["", f"{spec} by stage (ms, each replayed alone): probe + score | select (radix path / candidate "
                   "path; same selection) | attend", ""]

@@ -340,7 +340,8 @@ def test_block_attention_in_a_sliding_window_equals_the_reference(window, tiles)
     causal = (torch.tensor([S - T, 0, 70])[:, None] + torch.arange(T)).to(DEVICE)  # [B, T]
     for positions in (causal, causal[:, -1:].expand(B, T).contiguous()):
         ref = block_attention_ref(q, k, v, positions, window=window)
-        for splits, chunk in ((None, 0), (1, 0), (4, 0), (None, 128 if tiles and tiles.keys == 128 else 64)):
+        fixed = (None, 128 if tiles and tiles.keys == 128 else 64)  # (other tiles: the default and fixed chunks)
+        for splits, chunk in ((None, 0), (1, 0), (4, 0), fixed) if tiles is None else ((None, 0), fixed):
             out = block_attention(q, k, v, positions, splits=splits, chunk=chunk, tiles=tiles, window=window)
             assert torch.allclose(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]), (splits, chunk)
         below = torch.arange(S, device=DEVICE) <= positions.min(1).values[:, None] - window  # [B, S]

@@ -178,6 +178,37 @@ def test_score_keys_dp4a_equal_popcount_reference(G, bits, m, S):
     assert torch.equal(keys[live], score_keys(codes, byte_tables(probe, m), positions, m, bits, G)[live])
 
 
+@pytest.mark.parametrize("scorer", ["tables", "dp4a"])
+def test_scorers_write_the_forced_list_as_the_select_would(scorer):
+    """`extra=`: each row's listed slots (up to its count, up to the query) at the maximal key, in the sample copy
+    too, the rest of the keys as without a list — what `select_topk(extra=)` writes before it selects."""
+    G, bits, m, S, E = 4, 64, 7, 150, 20
+    B, Hkv, codes, q, basis, positions, samples = scoring_case(S + E, G, bits, m, S)
+    g = torch.Generator().manual_seed(E)
+    listed = torch.randint(0, S, (B * Hkv, E), generator=g, dtype=torch.int32).to(DEVICE)  # (repeats too)
+    counts = torch.tensor([E, 7, 0], dtype=torch.int32, device=DEVICE)
+    probe, packed, sums = probe_packed(q, basis, m)
+
+    def score(**kw):
+        if scorer == "dp4a":
+            return score_keys_dp4a(codes, packed, sums, positions, m, bits, block=64, **kw)
+        return score_keys(codes, byte_tables(probe, m), positions, m, bits, G, block=64, **kw)
+
+    plain_samples = samples.clone()
+    want = score(samples=plain_samples)
+    for r in range(B * Hkv):
+        b = r // Hkv
+        for slot in listed[r, :int(counts[b])].tolist():
+            if slot <= int(positions[b]):
+                want[r, slot] = -1  # all bits set: the maximal key
+                if slot in sampled_slots(S, SAMPLE_STRIDE).tolist():
+                    plain_samples[r, slot // SAMPLE_STRIDE] = -1
+    keys = score(samples=samples, extra=(listed, counts))
+    live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
+    assert torch.equal(keys[live], want[live]) and int((keys[live] == -1).sum()) > 5
+    assert torch.equal(samples, plain_samples)
+
+
 @cuda_only
 @pytest.mark.parametrize("B,S,block,warps", [(4, 131072, 1024, 4), (16, 32771, 512, 4), (3, 100003, 2048, 8)])
 def test_score_keys_dp4a_at_full_size_equal_the_table_scorer(B, S, block, warps):

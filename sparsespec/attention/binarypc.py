@@ -350,21 +350,24 @@ class BinaryPC(SelectionPolicy):
             if takes_candidates(B * Hkv, S, plan.buffers(layer)[0].shape[1], key_bits):
                 samples = kernels.sample_copy(B * Hkv, S, key_bits, q.device)
         dp4a = opts.scorer == "dp4a" or (opts.scorer == "auto" and opts.probe_bits <= 7)
+        safe = opts.safeguard > 0
+        # the safeguard's forced list: written by the scorer kernels with the keys (no launch of its own), by the
+        # select on CPU
+        extra = (state.safe.flatten(0, 1), plan.listed) if safe else None
         if fast and dp4a:  # the probe packed as bytes, four code bits a dp4a
             _, packed, sums = kernels.probe_packed(q.view(B, Hq, D), state.basis, opts.probe_bits)
             keys = kernels.score_keys_dp4a(state.codes, packed, sums, plan.positions, opts.probe_bits, opts.bits,
-                                           samples=samples)
+                                           samples=samples, extra=extra)
         elif fast:  # byte tables of the quantised probe, then one table read per code byte
             _, tables = kernels.probe_tables(q.view(B, Hq, D), state.basis, opts.probe_bits)
             keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv,
-                                      samples=samples)
+                                      samples=samples, extra=extra)
         else:
             probe = q.view(B, Hkv, Hq // Hkv, D).float() @ state.basis.transpose(-1, -2)  # [B, Hkv, G, b]
             keys = kernels.score_keys_ref(state.codes, quantize_probe(probe, opts.probe_bits).flatten(0, 1),
                                           plan.positions, opts.probe_bits, opts.bits)
-        safe = opts.safeguard > 0
-        return SelectKeys(keys, key_bits, state.encoded_dev, state.safe.flatten(0, 1) if safe else None,
-                          plan.listed if safe else None, samples)
+            return SelectKeys(keys, key_bits, state.encoded_dev, *(extra or (None, None)), samples)
+        return SelectKeys(keys, key_bits, state.encoded_dev, samples=samples)
 
     def listed_forced(self, tokens):
         # the safeguard: the worst-described keys, a share of the budget (once per step, for every layer)

@@ -1,8 +1,9 @@
 """Triton kernels of the graph-captured decode and verify steps (dense and sparse), each beside the torch reference
 it is tested against.
 
+    launch.py    programmatic dependent launch for the kernels of a step's chain (sm_90+)
     binarypc.py  probe (quantised; tabulated per code byte, or packed as bytes), table or dp4a scoring with the
-                 group max fused in, residual encoding
+                 group max (and a policy's forced list) fused in, residual encoding
     scores.py    oracle top-k (q·k group max) and Quest (page bounds) scorers writing the select's keys
     kmeans.py    the k-means assignment step (nearest centroid, argmax epilogue) of Double-P's build
     clusters.py  Double-P's cluster scoring (q·centroid and the spread term, a KV head's query group in one pass)

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import chained, wait_inputs
+
 LOG2E = 1.4426950408889634
 # a split streams at least this many BLOCK_N index blocks. One: at short contexts a step's attention is bound by
 # latency, not bytes (H200, 1.5B shape, 2k slots: the compiled decode step 1.868 -> 1.790 ms against 2; 0.5B
@@ -92,7 +94,8 @@ def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chu
                     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                     stride_ib, stride_ih, stride_cb, stride_ch,
                     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                    BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // HKV).to(tl.int64)
@@ -129,7 +132,8 @@ def _partial_kernel(q, k, v, idx, count, m_part, l_part, acc_part, qk_scale, chu
 
 
 @triton.jit
-def _merge_kernel(m_part, l_part, acc_part, out, splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(m_part, l_part, acc_part, out, splits, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * Hq + query head
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
@@ -213,10 +217,12 @@ def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
         idx.stride(0), idx.stride(1), count.stride(0), count.stride(1),
         HKV=Hkv, G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         # the interpreter (CPU tensors) multiplies bf16 as raw integers in tl.dot: do its dots in fp32
-        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=3)
+        DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=4, num_stages=3,
+        **chained(q.device))
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     _merge_kernel[(B * Hq,)](m_part, l_part, acc_part, out, parts, D=D,
-                             BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(parts)), num_warps=4)
+                             BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(parts)), num_warps=4,
+                             **chained(q.device))
     return out
 
 
@@ -286,7 +292,8 @@ def _block_partial_kernel(q, k, v, positions, tree, m_part, l_part, acc_part, qk
                           stride_vs, stride_pb, stride_tb,
                           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, TREE: tl.constexpr,
-                          WINDOW: tl.constexpr):
+                          WINDOW: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     split = tl.program_id(2)
     b, h, offs_r, live, t, q_tile, pos = _row_tile(q, positions, stride_qb, stride_qh, stride_qt, stride_pb,
                                                    HKV, G, T, D, BLOCK_R, DOT)  # pos: row r sees slots <= pos
@@ -446,11 +453,12 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         v.stride(2), positions.stride(0), tree_arg.stride(0),
         HKV=Hkv, G=G, T=T, D=D, BLOCK_R=tiles.rows, BLOCK_N=tiles.keys,
         DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=tiles.warps,
-        num_stages=tiles.stages, TREE=tree is not None, WINDOW=window > 0)
+        num_stages=tiles.stages, TREE=tree is not None, WINDOW=window > 0, **chained(q.device))
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     # (fixed chunks: a fixed merge tile too, so that a cache with more, empty, splits merges alike)
     block_s = MERGE_BLOCK_S if fixed else min(MERGE_BLOCK_S, triton.next_power_of_2(splits))
-    _merge_kernel[(B * Hq * T,)](m_part, l_part, acc_part, out, splits, D=D, BLOCK_S=block_s, num_warps=4)
+    _merge_kernel[(B * Hq * T,)](m_part, l_part, acc_part, out, splits, D=D, BLOCK_S=block_s, num_warps=4,
+                                 **chained(q.device))
     return out
 
 
@@ -479,7 +487,8 @@ def _sparse_block_kernel(q, k, v, idx, count, after, positions, m_part, l_part, 
                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
                          stride_vs, stride_ib, stride_ih, stride_cb, stride_ch, stride_pb,
                          HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     split = tl.program_id(2)
     b, h, offs_r, live, t, q_tile, pos = _row_tile(q, positions, stride_qb, stride_qh, stride_qt, stride_pb,
                                                    HKV, G, T, D, BLOCK_R, DOT)  # pos: row r sees tail slots <= pos
@@ -549,10 +558,11 @@ def sparse_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
         v.stride(2), idx.stride(0), idx.stride(1), count.stride(0), count.stride(1), positions.stride(0),
         HKV=Hkv, G=G, T=T, D=D, BLOCK_R=tiles.rows, BLOCK_N=tiles.keys,
         DOT=tl.float32 if q.device.type == "cpu" else _TL_DTYPES[q.dtype], num_warps=tiles.warps,
-        num_stages=tiles.stages)
+        num_stages=tiles.stages, **chained(q.device))
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     _merge_kernel[(B * Hq * T,)](m_part, l_part, acc_part, out, splits, D=D,
-                                 BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(splits)), num_warps=4)
+                                 BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(splits)), num_warps=4,
+                                 **chained(q.device))
     return out
 
 

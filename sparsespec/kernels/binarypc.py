@@ -35,8 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import chained, wait_inputs
+
 from ..attention.binarypc import encode, pack_bits, packed_scores, quantize_probe
-from .select import SAMPLE_STRIDE, _jittered, sampled_slots
+from .select import SAMPLE_STRIDE, _force_listed, _jittered, sampled_slots
 
 
 def key_range(bits: int, magnitude_bits: int) -> tuple[int, int]:
@@ -101,7 +103,8 @@ def _round_half_even(x):
 @triton.jit
 def _probe_kernel(q_ptr, basis_ptr, probe_ptr, tables_ptr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                   W: tl.constexpr, M: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
-                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BYTES: tl.constexpr):
+                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BYTES: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     r = tl.program_id(0)  # (row, KV head); its query heads are r * G .. r * G + G - 1
     i = tl.arange(0, 64)
     d = tl.arange(0, D)
@@ -161,7 +164,8 @@ def probe_tables(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int, byte
     tables = torch.empty(R, lay.tables, lay.nb, 256, dtype=torch.int64, device=q.device)
     _probe_kernel[(R, triton.cdiv(lay.nb, per))](
         q.contiguous(), basis.contiguous(), probe, tables, G=G, D=D, BITS=bits, W=W, M=magnitude_bits, NB=lay.nb,
-        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BYTES=per, num_warps=4)
+        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BYTES=per, num_warps=4,
+        **chained(q.device))
     return probe, tables
 
 
@@ -177,11 +181,14 @@ def probe_tables_ref(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
 # ---------------------------------------------------------------------------------------------- scoring
 
 @triton.jit
-def _store_keys(keys_ptr, samples_ptr, r, start, key, pos, S, NS, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
-                SAMPLES: tl.constexpr):
+def _store_keys(keys_ptr, samples_ptr, extra_ptr, extra_n_ptr, r, start, key, pos, S, NS, E, HKV: tl.constexpr,
+                BLOCK: tl.constexpr, STRIDE: tl.constexpr, SAMPLES: tl.constexpr, EXTRA: tl.constexpr,
+                EBLOCK: tl.constexpr):
     """A block's keys (slots start .. start + BLOCK - 1, start a multiple of BLOCK) into the row up to the query's
     position, and with SAMPLES the sampled slots' among them (`select.sampled_slots`: one in each run of STRIDE)
-    into their contiguous copy samples_ptr [R, NS], for the select's sample passes."""
+    into their contiguous copy samples_ptr [R, NS], for the select's sample passes. With EXTRA, then the slots of
+    the row's forced list (extra_ptr [R, E], its first extra_n_ptr[b]) in the block at the maximal key, as
+    `select_topk(extra=)` would write them (no launch of its own for the select)."""
     s = start + tl.arange(0, BLOCK)
     key = key.to(keys_ptr.dtype.element_ty)
     tl.store(keys_ptr + r.to(tl.int64) * S + s, key, mask=s <= pos)
@@ -192,13 +199,19 @@ def _store_keys(keys_ptr, samples_ptr, r, start, key, pos, S, NS, BLOCK: tl.cons
         picked = tl.sum(tl.where(tl.arange(0, STRIDE)[None, :] == at[:, None], runs, 0), 1)
         tl.store(samples_ptr + r.to(tl.int64) * NS + j, picked.to(samples_ptr.dtype.element_ty),
                  mask=j * STRIDE + at <= pos)
+    if EXTRA:
+        tl.debug_barrier()  # (the block's own keys stored first, by all its threads: the listed ones then overwrite)
+        _force_listed(keys_ptr, samples_ptr, extra_ptr, r, tl.load(extra_n_ptr + r // HKV), pos, start,
+                      start + BLOCK, S, NS, E, EBLOCK, STRIDE, SAMPLES)
 
 
 @triton.jit
-def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, samples_ptr, S, NS, OFFSET, HKV: tl.constexpr,
-                  G: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr,
-                  LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                  STRIDE: tl.constexpr, SAMPLES: tl.constexpr):
+def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, samples_ptr, extra_ptr, extra_n_ptr, S, NS, E,
+                  OFFSET, HKV: tl.constexpr, G: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, NB: tl.constexpr,
+                  LANES: tl.constexpr, LANE_BITS: tl.constexpr, T: tl.constexpr, BIAS: tl.constexpr,
+                  BLOCK: tl.constexpr, STRIDE: tl.constexpr, SAMPLES: tl.constexpr, EXTRA: tl.constexpr,
+                  EBLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     pos = tl.load(positions_ptr + r // HKV)
@@ -222,27 +235,31 @@ def _score_kernel(codes_ptr, tables_ptr, positions_ptr, keys_ptr, samples_ptr, S
         for lane in tl.static_range(LANES):
             if tb * LANES + lane < G:
                 best = tl.maximum(best, (acc >> (lane * LANE_BITS)) & LANE_MASK)
-    _store_keys(keys_ptr, samples_ptr, r, tl.program_id(1) * BLOCK, best - NB * BIAS + OFFSET, pos, S, NS, BLOCK,
-                STRIDE, SAMPLES)
+    _store_keys(keys_ptr, samples_ptr, extra_ptr, extra_n_ptr, r, tl.program_id(1) * BLOCK, best - NB * BIAS + OFFSET,
+                pos, S, NS, E, HKV, BLOCK, STRIDE, SAMPLES, EXTRA, EBLOCK)
 
 
 def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, magnitude_bits: int, bits: int,
                group: int, out: torch.Tensor | None = None, block: int = 1024, num_warps: int = 4,
-               samples: torch.Tensor | None = None) -> torch.Tensor:
+               samples: torch.Tensor | None = None,
+               extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, tables from `probe_tables` (`group` query heads per KV head), positions [B]
     -> keys [B*Hkv, S] (int16 or int32 by `key_range`; slots past a row's position are not written). `samples`
     [B*Hkv, ceil(S / SAMPLE_STRIDE)] of the keys' dtype, if given: the keys of `select.sampled_slots` written there
-    too (for `select_topk(samples=)`). Tuning: `block` slots and `num_warps` a program."""
+    too (for `select_topk(samples=)`). `extra` (slots [B*Hkv, E] int32, counts [B] int32), if given: each row's
+    first counts[b] listed slots written as maximal keys (in the copy too), the forced list of `select_topk(extra=)`
+    (which then needs none). Tuning: `block` slots and `num_warps` a program."""
     B, Hkv, S, W = codes.shape
     lay = TableLayout.of(group, bits, magnitude_bits)
     offset, key_bits = key_range(bits, magnitude_bits)
     out = _keys_out(out, samples, B * Hkv, S, key_bits, codes.device)
     block = _block(block, S, samples)
     _score_kernel[(B * Hkv, triton.cdiv(S, block))](
-        codes, tables, positions, out, out if samples is None else samples, S, triton.cdiv(S, SAMPLE_STRIDE), offset,
-        HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits,
-        T=lay.tables, BIAS=lay.bias, BLOCK=block, STRIDE=SAMPLE_STRIDE, SAMPLES=samples is not None,
-        num_warps=num_warps)
+        codes, tables, positions, out, out if samples is None else samples, *_extra_args(extra, out), S,
+        triton.cdiv(S, SAMPLE_STRIDE), _extra_width(extra), offset, HKV=Hkv, G=group, W=W,
+        WP=triton.next_power_of_2(W), NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
+        BIAS=lay.bias, BLOCK=block, STRIDE=SAMPLE_STRIDE, SAMPLES=samples is not None, EXTRA=extra is not None,
+        EBLOCK=_extra_block(extra), num_warps=num_warps, **chained(codes.device))
     return out
 
 
@@ -266,6 +283,24 @@ def _block(block: int, S: int, samples: torch.Tensor | None) -> int:
     stride where it copies the sampled slots."""
     block = min(block, triton.next_power_of_2(S))
     return block if samples is None else max(block, SAMPLE_STRIDE)
+
+
+def _extra_args(extra: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor):
+    """A scorer's forced list (slots [R, E] int32, counts [B] int32) checked -> its two pointers (the keys' when
+    none: never read)."""
+    if extra is None:
+        return out, out
+    slots, counts = extra
+    assert slots.dtype == counts.dtype == torch.int32 and slots.shape[0] == out.shape[0] and slots.is_contiguous()
+    return slots, counts
+
+
+def _extra_width(extra) -> int:
+    return 0 if extra is None else extra[0].shape[1]
+
+
+def _extra_block(extra) -> int:
+    return min(256, triton.next_power_of_2(max(_extra_width(extra), 1)))
 
 
 def sampled_keys_ref(keys: torch.Tensor) -> torch.Tensor:
@@ -303,19 +338,34 @@ def packed_probe(probe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def _projections(q_ptr, basis_ptr, r, w, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Projections [GP, 64] fp32 of the query heads r * G .. r * G + G - 1 (rows >= G: 0) on basis rows w * 64 ..
+    w * 64 + 63 of (row, KV head) r (0 past BITS): a head at a time, each a product with the [64, D] basis tile
+    summed over D. (No tl.dot: its 16-row minimum pads a group of 4 four times, and its fp32 path took 255
+    registers and 9-12 us a launch on the H100.)"""
+    i = tl.arange(0, 64)
+    d = tl.arange(0, D)
+    basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[:, None] * D + d[None, :],
+                    mask=(w * 64 + i < BITS)[:, None], other=0.0)  # [64, D]
+    heads = tl.arange(0, GP)
+    proj = tl.zeros([GP, 64], dtype=tl.float32)
+    for g in tl.static_range(G):
+        qg = tl.load(q_ptr + (r * G + g) * D + d).to(tl.float32)  # [D]
+        proj = tl.where(heads[:, None] == g, tl.sum(basis * qg[None, :], 1)[None, :], proj)
+    return proj
+
+
+@triton.jit
 def _probe_packed_kernel(q_ptr, basis_ptr, probe_ptr, packed_ptr, sums_ptr, G: tl.constexpr, GP: tl.constexpr,
-                         D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, M: tl.constexpr):
+                         D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     r = tl.program_id(0)  # (row, KV head); its query heads are r * G .. r * G + G - 1
     g = tl.arange(0, GP)
     i = tl.arange(0, 64)
-    d = tl.arange(0, D)
     top = (1 << M) - 1
-    q = tl.load(q_ptr + (r * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
     scale = 0.0
     for w in tl.static_range(W):  # the scale: max |probe| over the group and every bit
-        basis = tl.load(basis_ptr + (r * BITS + w * 64 + i)[None, :] * D + d[:, None],
-                        mask=(w * 64 + i < BITS)[None, :], other=0.0)  # [D, 64]
-        proj = tl.dot(q, basis, input_precision="ieee")  # [GP, 64]
+        proj = _projections(q_ptr, basis_ptr, r, w, G, GP, D, BITS)  # [GP, 64]
         scale = tl.maximum(scale, tl.max(tl.max(tl.abs(proj), 1), 0))
     scale = tl.maximum(scale, 1e-30)
     total = tl.zeros([GP], dtype=tl.int32)
@@ -323,8 +373,7 @@ def _probe_packed_kernel(q_ptr, basis_ptr, probe_ptr, packed_ptr, sums_ptr, G: t
         bit = w * 64 + i
         live = bit < BITS
         if W > 1:  # (one word: its projections are still at hand)
-            basis = tl.load(basis_ptr + (r * BITS + bit)[None, :] * D + d[:, None], mask=live[None, :], other=0.0)
-            proj = tl.dot(q, basis, input_precision="ieee")
+            proj = _projections(q_ptr, basis_ptr, r, w, G, GP, D, BITS)
         level = tl.math.div_rn(proj, scale) * top  # [GP, 64]
         p = tl.where(live[None, :], _round_half_even(level).to(tl.int32), 0)
         tl.store(probe_ptr + (r * G + g)[:, None] * BITS + bit[None, :], p, mask=(g < G)[:, None] & live[None, :])
@@ -344,7 +393,10 @@ def probe_packed(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
     """q [B, Hq, D] (any float dtype), basis [B, Hkv, b, D] fp32, at most 7 magnitude bits -> (probe [B*Hkv, G, b]
     int32, packed [B*Hkv, G, H, 8] int32, sums [B*Hkv, G] int32): the probe of `probe_tables` (but where a level
     lies on a rounding boundary: the projections are summed in another order), packed for `score_keys_dp4a` as
-    `packed_probe` packs it. One program a (row, KV head)."""
+    `packed_probe` packs it. One program a (row, KV head), of 16 warps: at batch 1 the eight programs of Llama-3.1-8B's
+    heads are the whole launch, so its time is one program's latency (a quarter of it at 4 warps: its sums over D
+    spread over more threads; sm_90 SASS, `bench/kernel_registers.py --scorers`: 576 instructions a thread at 16
+    warps, 1,472 at 4)."""
     B, Hq, D = q.shape
     _, Hkv, bits, _ = basis.shape
     assert magnitude_bits <= 7, "dp4a multiplies signed bytes: at most 7 magnitude bits"
@@ -353,8 +405,8 @@ def probe_packed(q: torch.Tensor, basis: torch.Tensor, magnitude_bits: int):
     packed = torch.empty(R, G, 2 * W, 8, dtype=torch.int32, device=q.device)
     sums = torch.empty(R, G, dtype=torch.int32, device=q.device)
     _probe_packed_kernel[(R,)](q.contiguous(), basis.contiguous(), probe, packed, sums, G=G,
-                               GP=max(16, triton.next_power_of_2(G)), D=D, BITS=bits, W=W, M=magnitude_bits,
-                               num_warps=4)
+                               GP=triton.next_power_of_2(G), D=D, BITS=bits, W=W, M=magnitude_bits,
+                               num_warps=16, **chained(q.device))
     return probe, packed, sums
 
 
@@ -373,9 +425,11 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr, samples_ptr, S, NS, OFFSET,
-                       HKV: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr,
-                       STRIDE: tl.constexpr, SAMPLES: tl.constexpr):
+def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr, samples_ptr, extra_ptr, extra_n_ptr,
+                       S, NS, E, OFFSET, HKV: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+                       ASM: tl.constexpr, STRIDE: tl.constexpr, SAMPLES: tl.constexpr, EXTRA: tl.constexpr,
+                       EBLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     pos = tl.load(positions_ptr + r // HKV)
@@ -392,16 +446,17 @@ def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr,
                 for k in tl.static_range(8):  # bits 8 y + k of the half, as bytes 0 or 1
                     acc = _dp4a((half >> k) & 0x01010101, tl.load(head + (2 * w + h) * 8 + k), acc, ASM)
         best = tl.maximum(best, 2 * acc - tl.load(sums_ptr + r * G + g))
-    _store_keys(keys_ptr, samples_ptr, r, tl.program_id(1) * BLOCK, best + OFFSET, pos, S, NS, BLOCK, STRIDE,
-                SAMPLES)
+    _store_keys(keys_ptr, samples_ptr, extra_ptr, extra_n_ptr, r, tl.program_id(1) * BLOCK, best + OFFSET, pos, S, NS,
+                E, HKV, BLOCK, STRIDE, SAMPLES, EXTRA, EBLOCK)
 
 
 def score_keys_dp4a(codes: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, positions: torch.Tensor,
                     magnitude_bits: int, bits: int, out: torch.Tensor | None = None, block: int = 1024,
-                    num_warps: int = 4, samples: torch.Tensor | None = None) -> torch.Tensor:
+                    num_warps: int = 4, samples: torch.Tensor | None = None,
+                    extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, packed / sums from `probe_packed`, positions [B] -> keys [B*Hkv, S], the same
-    keys as `score_keys` (slots past a row's position are not written; `samples` as there). Tuning: `block` slots
-    and `num_warps` a program."""
+    keys as `score_keys` (slots past a row's position are not written; `samples` and `extra` as there). Tuning:
+    `block` slots and `num_warps` a program."""
     from . import interpreting
 
     B, Hkv, S, W = codes.shape
@@ -410,9 +465,10 @@ def score_keys_dp4a(codes: torch.Tensor, packed: torch.Tensor, sums: torch.Tenso
     out = _keys_out(out, samples, B * Hkv, S, key_bits, codes.device)
     block = _block(block, S, samples)
     _score_dp4a_kernel[(B * Hkv, triton.cdiv(S, block))](
-        codes, packed, sums, positions, out, out if samples is None else samples, S, triton.cdiv(S, SAMPLE_STRIDE),
-        offset, HKV=Hkv, G=G, W=W, BLOCK=block, ASM=not interpreting(), STRIDE=SAMPLE_STRIDE,
-        SAMPLES=samples is not None, num_warps=num_warps)
+        codes, packed, sums, positions, out, out if samples is None else samples, *_extra_args(extra, out), S,
+        triton.cdiv(S, SAMPLE_STRIDE), _extra_width(extra), offset, HKV=Hkv, G=G, W=W, BLOCK=block,
+        ASM=not interpreting(), STRIDE=SAMPLE_STRIDE, SAMPLES=samples is not None, EXTRA=extra is not None,
+        EBLOCK=_extra_block(extra), num_warps=num_warps, **chained(codes.device))
     return out
 
 
@@ -420,7 +476,9 @@ def score_keys_dp4a(codes: torch.Tensor, packed: torch.Tensor, sums: torch.Tenso
 
 @triton.jit
 def _encode_kernel(k_ptr, basis_ptr, codes_ptr, error_ptr, start_ptr, end_ptr, S, MAX_SLOTS, HKV: tl.constexpr,
-                   D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr):
+                   D: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_inputs(PDL)
     r = tl.program_id(0)
     b = r // HKV
     nth = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -450,7 +508,7 @@ def encode_slots(k: torch.Tensor, basis: torch.Tensor, codes: torch.Tensor, erro
     block = min(64, triton.next_power_of_2(max(max_slots, 1)))
     _encode_kernel[(B * Hkv, triton.cdiv(max(max_slots, 1), block))](
         k, basis, codes, error, start, end, S, max_slots, HKV=Hkv, D=D, BITS=bits, W=W, WP=triton.next_power_of_2(W),
-        BLOCK=block, num_warps=4)
+        BLOCK=block, num_warps=4, **chained(k.device))
 
 
 def encode_slots_ref(k: torch.Tensor, basis: torch.Tensor, codes: torch.Tensor, error: torch.Tensor,

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import chained, wait_inputs
+
 from ..models.rope import apply_rope
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,7 +43,9 @@ def _rounded(x, dtype: tl.constexpr):
 @triton.jit
 def _rope_write_kernel(qkv, cos, sin, positions, q_out, k_cache, v_cache, T, S, stride_xb, stride_xt, stride_cb,
                        stride_ct, stride_pb, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
-                       stride_vb, stride_vh, stride_vs, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+                       stride_vb, stride_vh, stride_vs, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_inputs(PDL)
     token = tl.program_id(0)
     h = tl.program_id(1)  # [0, HQ): a query head; [HQ, HQ + HKV): a key head; then a value head
     b = (token // T).to(tl.int64)
@@ -90,7 +94,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
             qkv, cos, sin, positions, q, k_cache, v_cache, T, S, qkv.stride(0), qkv.stride(1), cos.stride(0),
             cos.stride(2), positions.stride(0), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            HQ=heads, HKV=Hkv, D=D, num_warps=1, enable_fp_fusion=False)
+            HQ=heads, HKV=Hkv, D=D, num_warps=1, enable_fp_fusion=False, **chained(qkv.device))
     return q
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import chained, wait_inputs
+
 from .attend import _TL_DTYPES
 from .select import ordered_keys
 
@@ -33,10 +35,11 @@ def _ordered(x):
 
 @triton.jit
 def _topk_kernel(q_ptr, k_ptr, positions_ptr, keys_ptr, S, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                 D: tl.constexpr, BLOCK: tl.constexpr, DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 D: tl.constexpr, BLOCK: tl.constexpr, DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """keys of slots [BLOCK) of row r: the group max of q·k. DOT: the group's products as one matrix product
     ([BLOCK, D] x [D, GP] in DOT_DTYPE, the G query heads padded to GP rows, fp32 accumulation), else per head
     in fp32."""
+    wait_inputs(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = s <= tl.load(positions_ptr + r // HKV)
@@ -69,7 +72,7 @@ def topk_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, out: to
     dot_dtype = tl.float32 if q.device.type == "cpu" else _TL_DTYPES[k.dtype]
     _topk_kernel[(B * Hkv, triton.cdiv(S, block))](q.contiguous(), k, positions, out, S, HKV=Hkv, G=G,
                                                   GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block, DOT=dot,
-                                                  DOT_DTYPE=dot_dtype, num_warps=num_warps)
+                                                  DOT_DTYPE=dot_dtype, num_warps=num_warps, **chained(q.device))
     return out
 
 
@@ -83,9 +86,11 @@ def topk_keys_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> 
 
 @triton.jit
 def _quest_kernel(q_ptr, k_ptr, kmin_ptr, kmax_ptr, positions_ptr, keys_ptr, S, NP, HKV: tl.constexpr,
-                  G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGEP: tl.constexpr, BP: tl.constexpr):
+                  G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PAGEP: tl.constexpr, BP: tl.constexpr,
+                  PDL: tl.constexpr):
     """Keys of pages [BP) of row r; the program holding the page of the last committed token (slot pos - 1)
     recomputes its extrema from the cache first (stored, and used for its key)."""
+    wait_inputs(PDL)
     r = tl.program_id(0)
     p0 = tl.program_id(1) * BP
     p = p0 + tl.arange(0, BP)  # pages
@@ -129,7 +134,7 @@ def quest_keys(q: torch.Tensor, k: torch.Tensor, kmin: torch.Tensor, kmax: torch
     bp = min(block, triton.next_power_of_2(NP))
     _quest_kernel[(B * Hkv, triton.cdiv(NP, bp))](q.contiguous(), k, kmin, kmax, positions, out, S, NP, HKV=Hkv,
                                                  G=Hq // Hkv, D=D, PAGE=page, PAGEP=triton.next_power_of_2(page),
-                                                 BP=bp, num_warps=num_warps)
+                                                 BP=bp, num_warps=num_warps, **chained(q.device))
     return out
 
 

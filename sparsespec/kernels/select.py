@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import chained, wait_inputs
+
 
 @triton.jit
 def _stored_keys(x, KEY_BITS: tl.constexpr):
@@ -94,24 +96,32 @@ def _crossing(hist, k):
 
 
 @triton.jit
-def _force_kernel(keys_ptr, samples_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, NS, E, HKV: tl.constexpr,
-                  EBLOCK: tl.constexpr, STRIDE: tl.constexpr, SAMPLES: tl.constexpr):
-    """The policy's forced list written into each row as maximal keys (all bits set); with SAMPLES, into the
-    sampled slots' copy too (samples_ptr [R, NS])."""
-    r = tl.program_id(0)
-    b = r // HKV
-    pos = tl.load(positions_ptr + b)
-    n_extra = tl.load(extra_n_ptr + b)
-    for j0 in range(0, E, EBLOCK):
+def _force_listed(keys_ptr, samples_ptr, extra_ptr, r, n_extra, pos, lo, hi, S, NS, E, EBLOCK: tl.constexpr,
+                  STRIDE: tl.constexpr, SAMPLES: tl.constexpr):
+    """The slots of row r's forced list (extra_ptr [R, E], its first n_extra) in [lo, hi) and up to pos written as
+    maximal keys (all bits set); with SAMPLES, into the sampled slots' copy too (samples_ptr [R, NS])."""
+    for j0 in range(0, n_extra, EBLOCK):
         j = j0 + tl.arange(0, EBLOCK)
         slot = tl.load(extra_ptr + r.to(tl.int64) * E + j, mask=j < n_extra, other=0)
-        listed = (j < n_extra) & (slot <= pos)
+        listed = (j < n_extra) & (slot <= pos) & (slot >= lo) & (slot < hi)
         tl.store(keys_ptr + r.to(tl.int64) * S + slot, tl.full([EBLOCK], -1, tl.int32).to(
             keys_ptr.dtype.element_ty), mask=listed)
         if SAMPLES:
             at = slot // STRIDE
             tl.store(samples_ptr + r.to(tl.int64) * NS + at, tl.full([EBLOCK], -1, tl.int32).to(
                 samples_ptr.dtype.element_ty), mask=listed & (slot == _jittered(at, STRIDE)))
+
+
+@triton.jit
+def _force_kernel(keys_ptr, samples_ptr, positions_ptr, extra_ptr, extra_n_ptr, S, NS, E, HKV: tl.constexpr,
+                  EBLOCK: tl.constexpr, STRIDE: tl.constexpr, SAMPLES: tl.constexpr, PDL: tl.constexpr):
+    """The policy's forced list written into each row (`_force_listed`; a scorer may write it itself instead:
+    BinaryPC's, `score_keys(extra=)`)."""
+    wait_inputs(PDL)
+    r = tl.program_id(0)
+    b = r // HKV
+    _force_listed(keys_ptr, samples_ptr, extra_ptr, r, tl.load(extra_n_ptr + b), tl.load(positions_ptr + b), 0, S,
+                  S, NS, E, EBLOCK, STRIDE, SAMPLES)
 
 
 @triton.jit
@@ -138,11 +148,12 @@ def _key_type(x, KEY_BITS: tl.constexpr):
 @triton.jit
 def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, skip_ptr,
                       S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
-                      D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, SKIP: tl.constexpr):
+                      D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr):
     """Digit D's histogram over this program's run of BPP blocks, among the keys matching the digits above, added
     atomically to the row's. The last digit's pass also keeps the program's own histogram and how many of its keys
     lie above the prefix (part_ptr [R, P, 2^LAST + 1]): the write pass takes its offsets from them. SKIP: rows
     whose skip_ptr[r] is set are left alone (selected by the candidate path)."""
+    wait_inputs(PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
     if SKIP:
@@ -188,12 +199,13 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
 def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, skip_ptr,
                   idx_ptr, count_ptr, attended_ptr, done_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
                   KEY_BITS: tl.constexpr, LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
-                  ATTENDED: tl.constexpr, SKIP: tl.constexpr):
+                  ATTENDED: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr):
     """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
     while the row still wants them. Where they start, from the earlier programs' last-digit suffix sums: their keys
     above the threshold, and their keys equal to it as far as the row takes those. One scan a block: the running
     counts of keys above the threshold and of keys equal to it, packed as the low and high 16 bits of one int32
     (BLOCK <= 2^14: `select_topk` checks it)."""
+    wait_inputs(PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
     if SKIP:
@@ -265,11 +277,13 @@ def _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE: tl.constexpr
 @triton.jit
 def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, S, NS, K, SINKS,
                    WINDOW, MARGIN, SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
-                   STRIDE: tl.constexpr, LEVEL: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
+                   STRIDE: tl.constexpr, LEVEL: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr,
+                   PDL: tl.constexpr):
     """The sample's histograms, one slot in STRIDE, this program's SPP samples (added atomically to shist_ptr
     [R, 2, 256]): LEVEL 0 of the keys' top digit; LEVEL 1 (keys of two digits) of the low digit among the keys
     whose top digit holds the sample's target rank. LOW: the bits below the top digit (0 for one digit). SAMPLES:
     the sampled slots' keys read from their copy (samples_ptr [R, NS], contiguous) instead of the row."""
+    wait_inputs(PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
     b = r // HKV
@@ -319,7 +333,7 @@ def _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW
 @triton.jit
 def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, counts_ptr, stage_ptr, S, K,
                     SINKS, WINDOW, MARGIN, BPP, CAP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
-                    STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+                    STRIDE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """The candidate threshold from the sample; this program's candidates (ranked keys at or above it): their slots
     compacted in slot order into its own stage (stage_ptr [R, P, CAP] int32: at most CAP kept) and their count
     into counts_ptr[r, p] (`_place_kernel` puts the stages together).
@@ -328,6 +342,7 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_
     word (a reduction within the thread) and counted; the rows' places follow from the counts (a scan over BLOCK / 8
     rows), and the candidates leave their rows lowest bit first, as many rounds as the fullest row of the block
     holds (two or three at a 2% budget): no scan and no scattered store over every slot."""
+    wait_inputs(PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
     P = tl.num_programs(1)
@@ -362,10 +377,11 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_
 @triton.jit
 def _place_kernel(keys_ptr, positions_ptr, forced_from_ptr, stage_ptr, counts_ptr, forced_ptr, cand_ptr, slots_ptr,
                   S, C, CAP, SINKS, WINDOW, HKV: tl.constexpr, KEY_BITS: tl.constexpr, PP: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program p's staged slots, with their ranked keys, at the place the earlier programs' counts give them in
     cand_ptr / slots_ptr [R, C] (the row's candidates in slot order), if the row's candidates fit there (at most
     C); its forced keys among them (all forced keys are candidates) counted into forced_ptr[r, p]."""
+    wait_inputs(PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
     P = tl.num_programs(1)
@@ -410,7 +426,7 @@ def _add_histogram(hist, value, match):
 def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_ptr, tokens_ptr, shist_ptr, ok_ptr,
                        idx_ptr, count_ptr, attended_ptr, P, C, K, MARGIN, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
                        LOW: tl.constexpr, STRIDE: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
-                       ATTENDED: tl.constexpr):
+                       ATTENDED: tl.constexpr, PDL: tl.constexpr):
     """One program a row: whether its candidates (cand_ptr / slots_ptr [R, C] in slot order; the programs' counts
     and forced counts [R, P]) hold its whole selection — at most C of them, and at least as many as it wants or
     every live key (a threshold of 1) — into ok_ptr[r] (a row that is not ok takes the radix path); the row's
@@ -419,6 +435,7 @@ def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_pt
     lie further up, of the keys' digits: the top 8 bits, then the LOW bits below them), then every candidate above
     the threshold and the first ones equal to it, in slot order, their slots into idx_ptr [R, K], and count_ptr[r] =
     wanted."""
+    wait_inputs(PDL)
     r = tl.program_id(0)
     b = r // HKV
     prog = tl.arange(0, PP)
@@ -544,10 +561,11 @@ def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx
     common = (keys, positions, tokens, forced_from, hist, stats, part, keys if skip is None else skip)
     for d in range(digits):
         _histogram_kernel[(R, P)](*common, S, k, sinks, window, bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, D=d,
-                                  P=P, BLOCK=block, SKIP=skip is not None, num_warps=num_warps)
+                                  P=P, BLOCK=block, SKIP=skip is not None, num_warps=num_warps, **chained(keys.device))
     _write_kernel[(R, P)](*common, idx, count, count if attended is None else attended, done, S, k, sinks, window,
                           bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P, PP=triton.next_power_of_2(P), BLOCK=block,
-                          ATTENDED=attended is not None, SKIP=skip is not None, num_warps=num_warps)
+                          ATTENDED=attended is not None, SKIP=skip is not None, num_warps=num_warps,
+                          **chained(keys.device))
 
 
 def _pow2(n: int) -> bool:
@@ -599,7 +617,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         E = extra.shape[1]
         _force_kernel[(R,)](keys, keys if samples is None else samples, positions, extra, extra_n, S, n_s, E,
                             HKV=hkv, EBLOCK=min(256, triton.next_power_of_2(E)), STRIDE=max(stride, 1),
-                            SAMPLES=samples is not None, num_warps=4)
+                            SAMPLES=samples is not None, num_warps=4, **chained(keys.device))
     window = max(window, 1)
     tuning = dict(block=block, waves=waves, num_warps=num_warps)
     if sampled is None:
@@ -628,7 +646,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         _sample_kernel[(R, ps)](keys, keys if samples is None else samples, positions, tokens, forced_from,
                                 sample_hist, S, n_s, k, sinks, window, margin, spp, HKV=hkv, KEY_BITS=key_bits,
                                 LOW=low, STRIDE=stride, LEVEL=level, BLOCK=sblock, SAMPLES=samples is not None,
-                                num_warps=4)
+                                num_warps=4, **chained(keys.device))
     blk = min(scan_block, max(32, triton.next_power_of_2(S)))
     nb = triton.cdiv(S, blk)
     P = programs_per_row(R, nb, keys.device, scan_waves)
@@ -639,17 +657,19 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     stage = torch.empty(R, P, cap, dtype=torch.int32, device=keys.device)
     _compact_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, counts, stage, S, k, sinks, window,
                             margin, bpp, cap, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, BLOCK=blk,
-                            num_warps=num_warps)
+                            num_warps=num_warps, **chained(keys.device))
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
     _place_kernel[(R, P)](keys, positions, forced_from, stage, counts, n_forced, cand, slots, S, C, cap, sinks, window,
-                          HKV=hkv, KEY_BITS=key_bits, PP=triton.next_power_of_2(P), BLOCK=1024, num_warps=4)
+                          HKV=hkv, KEY_BITS=key_bits, PP=triton.next_power_of_2(P), BLOCK=1024, num_warps=4,
+                          **chained(keys.device))
     ok = torch.empty(R, dtype=torch.int32, device=keys.device)
     _candidates_kernel[(R,)](cand, slots, counts, n_forced, positions, tokens, sample_hist, ok, idx, count,
                              count if attended is None else attended, P, C, k, margin, HKV=hkv, KEY_BITS=key_bits,
                              LOW=low, STRIDE=stride, PP=triton.next_power_of_2(P),
                              BLOCK=min(pick_block, triton.next_power_of_2(C)), ATTENDED=attended is not None,
-                             num_warps=max(1, min(16, min(pick_block, triton.next_power_of_2(C)) // 256)))
+                             num_warps=max(1, min(16, min(pick_block, triton.next_power_of_2(C)) // 256)),
+                             **chained(keys.device))
     if served is not None:
         served.copy_(ok)
     _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
@@ -702,7 +722,9 @@ def select_topk_ref(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.T
 
 @triton.jit
 def _expand_kernel(pages_ptr, page_count_ptr, positions_ptr, idx_ptr, count_ptr, attended_ptr, KP, W,
-                   HKV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr):
+                   HKV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_inputs(PDL)
     r = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     b = r // HKV
@@ -728,7 +750,8 @@ def expand_pages(pages: torch.Tensor, page_count: torch.Tensor, positions: torch
     block = min(block, triton.next_power_of_2(W))
     _expand_kernel[(R, triton.cdiv(W, block))](pages, page_count, positions, idx, count,
                                                count if attended is None else attended, KP, W, HKV=R // len(positions),
-                                               PAGE=page, BLOCK=block, ATTENDED=attended is not None, num_warps=4)
+                                               PAGE=page, BLOCK=block, ATTENDED=attended is not None, num_warps=4,
+                                               **chained(pages.device))
     return idx, count
 
 
