@@ -186,7 +186,7 @@ def test_scorers_write_the_forced_list_as_the_select_would(scorer):
     B, Hkv, codes, q, basis, positions, samples = scoring_case(S + E, G, bits, m, S)
     g = torch.Generator().manual_seed(E)
     listed = torch.randint(0, S, (B * Hkv, E), generator=g, dtype=torch.int32).to(DEVICE)  # (repeats too)
-    counts = torch.tensor([E, 7, 0], dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([E + 5, 7, 0], dtype=torch.int32, device=DEVICE)  # (more than the list: all of it)
     probe, packed, sums = probe_packed(q, basis, m)
 
     def score(**kw):

@@ -98,8 +98,9 @@ def _crossing(hist, k):
 @triton.jit
 def _force_listed(keys_ptr, samples_ptr, extra_ptr, r, n_extra, pos, lo, hi, S, NS, E, EBLOCK: tl.constexpr,
                   STRIDE: tl.constexpr, SAMPLES: tl.constexpr):
-    """The slots of row r's forced list (extra_ptr [R, E], its first n_extra) in [lo, hi) and up to pos written as
-    maximal keys (all bits set); with SAMPLES, into the sampled slots' copy too (samples_ptr [R, NS])."""
+    """The slots of row r's forced list (extra_ptr [R, E], its first n_extra, at most E) in [lo, hi) and up to pos
+    written as maximal keys (all bits set); with SAMPLES, into the sampled slots' copy too (samples_ptr [R, NS])."""
+    n_extra = tl.minimum(n_extra, E)
     for j0 in range(0, n_extra, EBLOCK):
         j = j0 + tl.arange(0, EBLOCK)
         slot = tl.load(extra_ptr + r.to(tl.int64) * E + j, mask=j < n_extra, other=0)
