@@ -189,7 +189,7 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], m
     for r in rows:
         for spec in specs:
             lines.append(f"- {r['context']} x {r['batch']}, {spec}: " + ", ".join(
-                f"{name.split('(')[0][:40]} {us:.1f}" + (f" x{n}" if n > 1 else "")
+                f"{name.split('(')[0][:40] or name} {us:.1f}" + (f" x{n}" if n > 1 else "")  # (templates cut)
                 for name, us, n in r[spec]["kernels_us"]))
     for spec in [s for s in specs if s.startswith("binarypc")]:
         lines += ["", f"{spec} by stage (ms, each replayed alone): probe + score | select (radix path / candidate "
