@@ -7,7 +7,8 @@ docs/results/sparse_gpu.md, forty-second session) compile to different code.
 
     python bench/kernel_registers.py [--groups 4,6] [--widths 1] [--keys 64,128] [--warps 4] [--stages 2,3]
     python bench/kernel_registers.py --select     (the select's passes over the keys: how wide their loads are)
-    python bench/kernel_registers.py --scorers    (BinaryPC's table and dp4a scorers: SASS instructions a key)
+    python bench/kernel_registers.py --scorers    (BinaryPC's table and dp4a scorers: SASS instructions a key;
+                                                  its probes: SASS instructions a thread)
 
 Kernels: `_block_partial_kernel` (dense decode steps and verify blocks: the rows of `block_tiles`' tile) and
 `_partial_kernel` (the sparse flash-decoding over selected slots; width 1 only), head_dim 128, bf16, 8 KV heads. The
@@ -52,7 +53,7 @@ def ptxas() -> str:
 
 
 def compile_one(kernel, consts: dict, warps: int, stages: int, width: int = 1) -> dict:
-    consts = {"PDL": True} | consts  # (chained kernels wait on their predecessor first on the device: kernels/launch.py)
+    consts = {"PDL": True} | consts  # (chained kernels wait on their predecessor first: kernels/launch.py)
     names = kernel.arg_names
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(names):

@@ -184,8 +184,8 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], m
         cells = [f"{r[s]['ms']:.3f} ({r[s]['speedup']:.1f}x; {r[s]['floor_ms']:.3f})" for s in specs]
         lines.append(f"| {r['context']} | {r['batch']} | {r['sdpa_ms']:.3f} ({r['sdpa_floor_ms']:.3f}) | "
                      + " | ".join(cells) + " |")
-    lines += ["", "Kernels of each layer (us of device time per replay, launches; the rest of a cell's time is the "
-              "gaps between them):", ""]
+    lines += ["", "Kernels of each layer (us of device time per decode, the layer run eagerly, and launches; the rest "
+              "of a cell's time is the gaps between them):", ""]
     for r in rows:
         for spec in specs:
             lines.append(f"- {r['context']} x {r['batch']}, {spec}: " + ", ".join(
@@ -214,10 +214,10 @@ def report(out: Path | None, name: str, bandwidth: float, rows: list[dict], line
 
 
 def binarypc_stages(policy, q: torch.Tensor, cache: KVCache) -> dict[str, float]:
-    """Scoring (the policy's scorer: the probe, the keys, and the copy of the sampled slots' keys where the select
-    samples), selection and attention of BinaryPC's fixed-width step, timed apart; the selection also on each of
-    its two paths (radix over every key, candidates from a threshold sampled from that copy), checked to select the
-    same slots."""
+    """Scoring (the policy's scorer: the probe, the keys with the safeguard's forced list, and the copy of the
+    sampled slots' keys where the select samples), selection and attention of BinaryPC's fixed-width step, timed
+    apart; the selection also on each of its two paths (radix over every key, candidates from a threshold sampled
+    from that copy), checked to select the same slots."""
     from .kernels.attend import sparse_decode_attention
     from .kernels.select import same_selection, select_topk
 

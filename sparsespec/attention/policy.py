@@ -36,8 +36,9 @@ def option(default: Any, help: str) -> Any:
 class SelectKeys:
     """A fixed-width step's selection keys of one layer, as `select_topk` takes them: keys [B * Hkv, S] int16/int32
     of `key_bits` bits; slots from forced_from [B] on forced (None: after the query); a forced list extra
-    [B * Hkv, E] of which extra_n [B] count; the sampled slots' keys beside them (`select_topk(samples=)`), if the
-    scorer wrote them."""
+    [B * Hkv, E] of which extra_n [B] count, for the select to write (None where there is none, or where the scorer
+    wrote it into the keys itself: BinaryPC's kernels); the sampled slots' keys beside them (`select_topk(samples=)`),
+    if the scorer wrote them."""
     keys: torch.Tensor
     key_bits: int
     forced_from: torch.Tensor | None = None

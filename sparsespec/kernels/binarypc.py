@@ -4,7 +4,8 @@ and the residual sign encoding of keys. Each has its torch reference (`*_ref`), 
     probe   q [B, Hq, D], basis [B, Hkv, b, D] fp32 -> probe [B*Hkv, G, b] int32 (p̃, the quantised probe) and
             tables [B*Hkv, T, NB, 256] int64 (NB = ceil(b / 8) code bytes; T tables of `lanes` query heads each)
     score   codes [B, Hkv, S, W] int64, tables, positions [B] -> keys [B*Hkv, S] int16/int32
-            key = max over the group of Σ_i p̃_i h_i, plus an offset that makes every key >= 1 (0 = never attend)
+            key = max over the group of Σ_i p̃_i h_i, plus an offset that makes every key >= 1 (0 = never attend);
+            optionally a forced list (extra=) written as maximal keys, the select's `extra` done in the same pass
     packed  q, basis -> probe [B*Hkv, G, b] int32, packed [B*Hkv, G, H, 8] int32 (H = 2 ceil(b / 64) code halves:
             the probe's signed bytes four to a word, `packed_probe`), sums [B*Hkv, G] int32 (Σ_i p̃_i)
     score   codes, packed, sums, positions -> keys as above, by dp4a (`score_keys_dp4a`)
@@ -38,7 +39,7 @@ import triton.language as tl
 from .launch import chained, wait_inputs
 
 from ..attention.binarypc import encode, pack_bits, packed_scores, quantize_probe
-from .select import SAMPLE_STRIDE, _force_listed, _jittered, sampled_slots
+from .select import SAMPLE_STRIDE, _force_listed, _jittered, forced_block, sampled_slots
 
 
 def key_range(bits: int, magnitude_bits: int) -> tuple[int, int]:
@@ -254,12 +255,13 @@ def score_keys(codes: torch.Tensor, tables: torch.Tensor, positions: torch.Tenso
     offset, key_bits = key_range(bits, magnitude_bits)
     out = _keys_out(out, samples, B * Hkv, S, key_bits, codes.device)
     block = _block(block, S, samples)
+    slots, counts, E, eblock = _forced_list(extra, out, B)
     _score_kernel[(B * Hkv, triton.cdiv(S, block))](
-        codes, tables, positions, out, out if samples is None else samples, *_extra_args(extra, out), S,
-        triton.cdiv(S, SAMPLE_STRIDE), _extra_width(extra), offset, HKV=Hkv, G=group, W=W,
-        WP=triton.next_power_of_2(W), NB=lay.nb, LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables,
-        BIAS=lay.bias, BLOCK=block, STRIDE=SAMPLE_STRIDE, SAMPLES=samples is not None, EXTRA=extra is not None,
-        EBLOCK=_extra_block(extra), num_warps=num_warps, **chained(codes.device))
+        codes, tables, positions, out, out if samples is None else samples, slots, counts, S,
+        triton.cdiv(S, SAMPLE_STRIDE), E, offset, HKV=Hkv, G=group, W=W, WP=triton.next_power_of_2(W), NB=lay.nb,
+        LANES=lay.lanes, LANE_BITS=lay.lane_bits, T=lay.tables, BIAS=lay.bias, BLOCK=block, STRIDE=SAMPLE_STRIDE,
+        SAMPLES=samples is not None, EXTRA=extra is not None, EBLOCK=eblock, num_warps=num_warps,
+        **chained(codes.device))
     return out
 
 
@@ -285,22 +287,15 @@ def _block(block: int, S: int, samples: torch.Tensor | None) -> int:
     return block if samples is None else max(block, SAMPLE_STRIDE)
 
 
-def _extra_args(extra: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor):
-    """A scorer's forced list (slots [R, E] int32, counts [B] int32) checked -> its two pointers (the keys' when
-    none: never read)."""
+def _forced_list(extra: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor, batch: int):
+    """A scorer's forced list (slots [R, E] int32, counts [B] int32), checked -> (slots, counts, E, the block its
+    loop takes); none: the keys' pointer twice (never read), width 0."""
     if extra is None:
-        return out, out
+        return out, out, 0, 1
     slots, counts = extra
-    assert slots.dtype == counts.dtype == torch.int32 and slots.shape[0] == out.shape[0] and slots.is_contiguous()
-    return slots, counts
-
-
-def _extra_width(extra) -> int:
-    return 0 if extra is None else extra[0].shape[1]
-
-
-def _extra_block(extra) -> int:
-    return min(256, triton.next_power_of_2(max(_extra_width(extra), 1)))
+    assert (slots.dtype == counts.dtype == torch.int32 and slots.shape[0] == out.shape[0] and slots.is_contiguous()
+            and counts.shape == (batch,)), "extra: slots [B*Hkv, E] int32 (contiguous), counts [B] int32"
+    return slots, counts, slots.shape[1], forced_block(slots.shape[1])
 
 
 def sampled_keys_ref(keys: torch.Tensor) -> torch.Tensor:
@@ -464,11 +459,12 @@ def score_keys_dp4a(codes: torch.Tensor, packed: torch.Tensor, sums: torch.Tenso
     offset, key_bits = key_range(bits, magnitude_bits)
     out = _keys_out(out, samples, B * Hkv, S, key_bits, codes.device)
     block = _block(block, S, samples)
+    slots, counts, E, eblock = _forced_list(extra, out, B)
     _score_dp4a_kernel[(B * Hkv, triton.cdiv(S, block))](
-        codes, packed, sums, positions, out, out if samples is None else samples, *_extra_args(extra, out), S,
-        triton.cdiv(S, SAMPLE_STRIDE), _extra_width(extra), offset, HKV=Hkv, G=G, W=W, BLOCK=block,
-        ASM=not interpreting(), STRIDE=SAMPLE_STRIDE, SAMPLES=samples is not None, EXTRA=extra is not None,
-        EBLOCK=_extra_block(extra), num_warps=num_warps, **chained(codes.device))
+        codes, packed, sums, positions, out, out if samples is None else samples, slots, counts, S,
+        triton.cdiv(S, SAMPLE_STRIDE), E, offset, HKV=Hkv, G=G, W=W, BLOCK=block, ASM=not interpreting(),
+        STRIDE=SAMPLE_STRIDE, SAMPLES=samples is not None, EXTRA=extra is not None, EBLOCK=eblock,
+        num_warps=num_warps, **chained(codes.device))
     return out
 
 

@@ -26,13 +26,15 @@ from . import interpreting
 
 
 def chained(device: torch.device | str) -> dict[str, bool]:
-    """The launch arguments of a chained kernel on `device`: {"PDL": on, "launch_pdl": on}, on for CUDA devices of
-    compute capability 9.0 and more (not in Triton's interpreter, which has no grid dependency control), unless
-    SPARSESPEC_NO_PDL=1."""
+    """The launch arguments of a chained kernel on `device`: {"PDL": True, "launch_pdl": True} on NVIDIA devices of
+    compute capability 9.0 and more with a Triton that has grid dependency control, else {"PDL": False} (no
+    `launch_pdl` keyword: backends without the option refuse it) — so also in Triton's interpreter, on ROCm, and
+    with SPARSESPEC_NO_PDL=1."""
     device = torch.device(device)
-    on = (device.type == "cuda" and not interpreting() and os.environ.get("SPARSESPEC_NO_PDL") != "1"
+    on = (device.type == "cuda" and torch.version.hip is None and not interpreting()
+          and os.environ.get("SPARSESPEC_NO_PDL") != "1" and hasattr(tl.extra.cuda, "gdc_wait")
           and torch.cuda.get_device_capability(device) >= (9, 0))
-    return {"PDL": on, "launch_pdl": on}
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @triton.jit

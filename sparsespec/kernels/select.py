@@ -569,6 +569,11 @@ def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx
                           **chained(keys.device))
 
 
+def forced_block(width: int) -> int:
+    """Slots of a forced list of `width` that `_force_listed` takes a step."""
+    return min(256, triton.next_power_of_2(max(width, 1)))
+
+
 def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
@@ -617,7 +622,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     if extra is not None and extra.shape[1] > 0:
         E = extra.shape[1]
         _force_kernel[(R,)](keys, keys if samples is None else samples, positions, extra, extra_n, S, n_s, E,
-                            HKV=hkv, EBLOCK=min(256, triton.next_power_of_2(E)), STRIDE=max(stride, 1),
+                            HKV=hkv, EBLOCK=forced_block(E), STRIDE=max(stride, 1),
                             SAMPLES=samples is not None, num_warps=4, **chained(keys.device))
     window = max(window, 1)
     tuning = dict(block=block, waves=waves, num_warps=num_warps)
