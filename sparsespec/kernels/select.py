@@ -8,8 +8,9 @@
 Per row r (batch row b = r // Hkv, decode query at positions[b]), only slots 0..positions[b] exist. Forced in (key
 set to the maximum): the first `sinks` slots, the recent `window` slots ending at the query (at least the query's
 own slot), slots >= forced_from[b], and the first extra_n[b] slots listed in extra[r] (a policy's own forced list,
-e.g. BinaryPC's safeguard). The row attends to count = min(max(tokens[b], forced), candidates, K) slots: the
-forced ones, then the highest keys, ties to the lower slot — the same set `select_top` picks.
+e.g. BinaryPC's safeguard on CPU; on CUDA its scorers write it with the keys, `score_keys(extra=)`). The row
+attends to count = min(max(tokens[b], forced), candidates, K) slots: the forced ones, then the highest keys, ties
+to the lower slot — the same set `select_top` picks.
 
 Radix select, every pass spread over (row, run of blocks) programs, a few per row so that the GPU is full at any
 batch: one pass per digit (8 bits; the last takes the rest, `key_digits`) adds the run's histogram of that digit
