@@ -269,8 +269,8 @@ def _check_selection(keys, positions, tokens, forced_from, k, key_bits, blocks=(
     # slot in 4, no margin: rows that keep too few candidates fall back, the others are served by theirs)
     paths = [dict(sampled=False)] + ([dict(sampled=True, stride=4, margin=0)] if candidates and key_bits <= 16
                                      else [])
-    for block in blocks:  # 2048: one block a row; 32: many blocks shared by several programs a row (the candidate
-        for path in paths:  # path's compaction too: runs of 32-slot blocks)
+    for block in blocks:  # 2048: one block a row; 64: many blocks shared by several programs a row (the candidate
+        for path in paths:  # path's compaction too: runs of 64-slot blocks)
             idx = torch.full_like(ref_idx, -7)
             count = torch.full_like(ref_count, -7)
             attended = torch.full((len(positions),), 0.5, device=DEVICE)
@@ -309,7 +309,7 @@ def test_select_topk_equals_reference(S, Hkv, key_bits, spread):
         tokens = torch.tensor(tokens, dtype=torch.int32, device=DEVICE)
         forced_from = positions + 1
         _check_selection(keys, positions, tokens, forced_from, k, key_bits, sinks=sinks, window=window,
-                         blocks=(2048, 32) if window == 3 else (2048,), candidates=window == 3)
+                         blocks=(2048, 64) if window == 3 else (2048,), candidates=window == 3)
     # slots from forced_from on (BinaryPC: not yet encoded) and a policy's forced list
     forced_from = torch.tensor([S - 3, S // 2 - 1, 0], dtype=torch.int32, device=DEVICE)
     extra = torch.randint(0, S, (B * Hkv, 6), generator=g).int().to(DEVICE)
@@ -352,7 +352,7 @@ def test_select_reusing_one_scratch_equals_reference(block):
             assert not bool(scratch.any())  # zero again for the next select
 
 
-@pytest.mark.parametrize("block", [32, 2048])
+@pytest.mark.parametrize("block", [64, 2048])
 def test_candidate_path_rows_that_fall_back_equal_reference(block):
     """Rows whose sampled threshold misses (the sampled slots hold the row's only high keys: too few candidates
     above it) or whose candidates overflow (a flat row: every key ties at the threshold) take the radix path in the
