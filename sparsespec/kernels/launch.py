@@ -16,6 +16,7 @@ when looking for a fault).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,11 +31,15 @@ def chained(device: torch.device | str) -> dict[str, bool]:
     compute capability 9.0 and more with a Triton that has grid dependency control, else {"PDL": False} (no
     `launch_pdl` keyword: backends without the option refuse it) — so also in Triton's interpreter, on ROCm, and
     with SPARSESPEC_NO_PDL=1."""
-    device = torch.device(device)
-    on = (device.type == "cuda" and torch.version.hip is None and not interpreting()
-          and os.environ.get("SPARSESPEC_NO_PDL") != "1" and hasattr(tl.extra.cuda, "gdc_wait")
-          and torch.cuda.get_device_capability(device) >= (9, 0))
+    on = os.environ.get("SPARSESPEC_NO_PDL") != "1" and not interpreting() and _has_pdl(torch.device(device))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    """Whether `device` and this Triton have grid dependency control (an NVIDIA GPU of sm_90 or later)."""
+    return (device.type == "cuda" and torch.version.hip is None and hasattr(tl.extra.cuda, "gdc_wait")
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 @triton.jit

@@ -560,14 +560,15 @@ def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx
     P = programs_per_row(R, nb, keys.device, waves)
     bpp = triton.cdiv(nb, P)
     part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
+    launch = chained(keys.device)
     common = (keys, positions, tokens, forced_from, hist, stats, part, keys if skip is None else skip)
     for d in range(digits):
         _histogram_kernel[(R, P)](*common, S, k, sinks, window, bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, D=d,
-                                  P=P, BLOCK=block, SKIP=skip is not None, num_warps=num_warps, **chained(keys.device))
+                                  P=P, BLOCK=block, SKIP=skip is not None, num_warps=num_warps, **launch)
     _write_kernel[(R, P)](*common, idx, count, count if attended is None else attended, done, S, k, sinks, window,
                           bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P, PP=triton.next_power_of_2(P), BLOCK=block,
                           ATTENDED=attended is not None, SKIP=skip is not None, num_warps=num_warps,
-                          **chained(keys.device))
+                          **launch)
 
 
 def forced_block(width: int) -> int:
@@ -619,12 +620,13 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
                                               torch.empty(R, dtype=torch.int32, device=keys.device))
     scratch_all = select_scratch(R, keys.device) if scratch is None else scratch
+    launch = chained(keys.device)
     hist, stats, done = _scratch_views(scratch_all, R, digits)
     if extra is not None and extra.shape[1] > 0:
         E = extra.shape[1]
         _force_kernel[(R,)](keys, keys if samples is None else samples, positions, extra, extra_n, S, n_s, E,
                             HKV=hkv, EBLOCK=forced_block(E), STRIDE=max(stride, 1),
-                            SAMPLES=samples is not None, num_warps=4, **chained(keys.device))
+                            SAMPLES=samples is not None, num_warps=4, **launch)
     window = max(window, 1)
     tuning = dict(block=block, waves=waves, num_warps=num_warps)
     if sampled is None:
@@ -653,7 +655,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         _sample_kernel[(R, ps)](keys, keys if samples is None else samples, positions, tokens, forced_from,
                                 sample_hist, S, n_s, k, sinks, window, margin, spp, HKV=hkv, KEY_BITS=key_bits,
                                 LOW=low, STRIDE=stride, LEVEL=level, BLOCK=sblock, SAMPLES=samples is not None,
-                                num_warps=4, **chained(keys.device))
+                                num_warps=4, **launch)
     blk = min(scan_block, max(32, triton.next_power_of_2(S)))
     nb = triton.cdiv(S, blk)
     P = programs_per_row(R, nb, keys.device, scan_waves)
@@ -664,19 +666,19 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     stage = torch.empty(R, P, cap, dtype=torch.int32, device=keys.device)
     _compact_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, counts, stage, S, k, sinks, window,
                             margin, bpp, cap, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, BLOCK=blk,
-                            num_warps=num_warps, **chained(keys.device))
+                            num_warps=num_warps, **launch)
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
     _place_kernel[(R, P)](keys, positions, forced_from, stage, counts, n_forced, cand, slots, S, C, cap, sinks, window,
                           HKV=hkv, KEY_BITS=key_bits, PP=triton.next_power_of_2(P), BLOCK=1024, num_warps=4,
-                          **chained(keys.device))
+                          **launch)
     ok = torch.empty(R, dtype=torch.int32, device=keys.device)
+    pick = min(pick_block, triton.next_power_of_2(C))  # the candidates' program's block: a warp per 256
     _candidates_kernel[(R,)](cand, slots, counts, n_forced, positions, tokens, sample_hist, ok, idx, count,
                              count if attended is None else attended, P, C, k, margin, HKV=hkv, KEY_BITS=key_bits,
                              LOW=low, STRIDE=stride, PP=triton.next_power_of_2(P),
-                             BLOCK=min(pick_block, triton.next_power_of_2(C)), ATTENDED=attended is not None,
-                             num_warps=max(1, min(16, min(pick_block, triton.next_power_of_2(C)) // 256)),
-                             **chained(keys.device))
+                             BLOCK=pick, ATTENDED=attended is not None, num_warps=max(1, min(16, pick // 256)),
+                             **launch)
     if served is not None:
         served.copy_(ok)
     _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
