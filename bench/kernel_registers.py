@@ -176,17 +176,18 @@ def select_table() -> None:
     from sparsespec.kernels import select
 
     keys = dict(HKV=8, KEY_BITS=14, BLOCK=2048)
-    runs = [("compact", select._compact_kernel, dict(keys, LOW=6, STRIDE=16)),
-            ("place", select._place_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=1024)),
-            ("candidates", select._candidates_kernel, dict(HKV=8, KEY_BITS=14, LOW=6, STRIDE=16, PP=8, BLOCK=2048,
-                                                           ATTENDED=True)),
-            ("histogram, top digit", select._histogram_kernel, dict(keys, LAST=6, D=0, P=5, SKIP=False)),
-            ("histogram, last digit", select._histogram_kernel, dict(keys, LAST=6, D=1, P=5, SKIP=False)),
-            ("write", select._write_kernel, dict(keys, LAST=6, P=5, PP=8, ATTENDED=True, SKIP=False))]
+    runs = [("sample", select._sample_kernel, dict(HKV=8, KEY_BITS=14, STRIDE=16, BLOCK=8192, RESIDENT=True,
+                                                    SAMPLES=True), 16),
+            ("compact", select._compact_kernel, keys, 8),
+            ("place", select._place_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=1024), 4),
+            ("candidates", select._candidates_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=2048, ATTENDED=True), 8),
+            ("histogram, top digit", select._histogram_kernel, dict(keys, LAST=6, D=0, P=5, SKIP=False), 8),
+            ("histogram, last digit", select._histogram_kernel, dict(keys, LAST=6, D=1, P=5, SKIP=False), 8),
+            ("write", select._write_kernel, dict(keys, LAST=6, P=5, PP=8, ATTENDED=True, SKIP=False), 8)]
     print("| kernel | PTX instructions | 16-bit scalar loads | vector loads | barriers | registers | shared bytes |\n"
           "|---|---:|---:|---:|---:|---:|---:|")
-    for name, kernel, consts in runs:
-        r = compile_select(kernel, consts, 8)
+    for name, kernel, consts, warps in runs:
+        r = compile_select(kernel, consts, warps)
         print(f"| {name} | {r['instructions']} | {r['scalar_16bit_loads']} | {r['vector_loads']} | {r['barriers']} "
               f"| {r['registers']} | {r['shared_bytes']} |")
 

@@ -21,18 +21,20 @@ the earlier programs' (their keys above the threshold, and their keys equal to i
 row has its count) and writes the selection compacted in slot order. Every pass reads the keys once (2 or 4 bytes
 a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then the write.
 
-The candidate path (keys of up to 16 bits, large selects: `takes_candidates`): histograms of one slot in 16 give a
-threshold a little below the row's budget; one compaction pass over the row stages the slots of the keys at or
-above it, each program its own run's in slot order, with their counts; a placing pass puts them together in a
-candidate buffer, in slot order with their keys, where they fit; and one program a row checks that they hold the
-row's selection and selects among them (its threshold from a histogram of the keys just above the sample's
-estimate, or of their digits, then the write in slot order) — one scanning pass over the row instead of two
-histogram passes and the write. Rows whose candidates fall short or
-overflow take the radix path in the same launches: the selection is the same on both paths.
+The candidate path (keys of up to 16 bits, large selects: `takes_candidates`): one program a row finds, from one
+slot in 16, a threshold a little below the row's budget; one compaction pass over the row stages the slots of the
+keys at or above it, each program its own run's in slot order, with their counts; a placing pass puts them together
+in a candidate buffer, in slot order with their keys, where they fit; and one program a row checks that they hold
+the row's selection and selects among them (its threshold by a rank search over the candidates' keys, then the
+write in slot order) — one scanning pass over the row instead of two histogram passes and the write. Rows whose
+candidates fall short or overflow take the radix path in the same launches: the selection is the same on both
+paths. Both one-program-a-row steps find their key by a rank search, two bits a round (`_rank_round`): a handful
+of compares a key and round, where `tl.histogram` of 256 bins costs ~100 instructions a key on Triton 3.6 (its
+ballot lowering, ~35 on 3.9's shared-memory atomics) and needs several programs a row and their atomics.
 
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
-of each row zeroes them again (the candidate path's sample histograms: the candidates' program), so a plan keeps
-one scratch for every layer and step (no memset launch a select).
+of each row zeroes them again (the candidate path's threshold: the candidates' program), so a plan keeps one
+scratch for every layer and step (no memset launch a select).
 (Running the first radix pass inside BinaryPC's scorer instead, over the keys it has just computed, was measured on
 the H200 and was slower: 59 against 53 us a layer at 128k x 1, 468 against 447 at 128k x 16.)
 """
@@ -277,66 +279,74 @@ def _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE: tl.constexpr
 
 
 @triton.jit
-def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, S, NS, K, SINKS,
-                   WINDOW, MARGIN, SPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
-                   STRIDE: tl.constexpr, LEVEL: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr,
-                   PDL: tl.constexpr):
-    """The sample's histograms, one slot in STRIDE, this program's SPP samples (added atomically to shist_ptr
-    [R, 2, 256]): LEVEL 0 of the keys' top digit; LEVEL 1 (keys of two digits) of the low digit among the keys
-    whose top digit holds the sample's target rank. LOW: the bits below the top digit (0 for one digit). SAMPLES:
+def _rank_round(key, v, shift):
+    """One round of a rank search over keys [N] (0 = not a key) -> [N] int64: each key's share of the counts of the
+    keys at or above v + (i + 1) << shift, i = 0, 1, 2, packed 21 bits a count (summed over at most 2^21 - 1 keys).
+    The search keeps v the largest key that at least `want` keys reach, to a step of 4 << shift (v + 4 << shift
+    is reached by fewer); `_rank_step` of the summed shares moves it up."""
+    one = tl.full([1], 1, tl.int64)
+    return (tl.where(key >= v + (1 << shift), one, 0) + tl.where(key >= v + (2 << shift), one << 21, 0)
+            + tl.where(key >= v + (3 << shift), one << 42, 0))
+
+
+@triton.jit
+def _rank_step(counts, want):
+    """How many of a round's three values (`_rank_round`; counts: the keys' shares summed) at least `want` keys
+    reach: the counts fall with the value, so this is also how many steps of 1 << shift the search moves up."""
+    MASK: tl.constexpr = (1 << 21) - 1
+    return ((counts & MASK) >= want).to(tl.int32) + (((counts >> 21) & MASK) >= want).to(tl.int32) + (
+        ((counts >> 42) & MASK) >= want).to(tl.int32)
+
+
+@triton.jit
+def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from_ptr, estimate_ptr, S, NS, K, SINKS,
+                   WINDOW, MARGIN, HKV: tl.constexpr, KEY_BITS: tl.constexpr, STRIDE: tl.constexpr,
+                   BLOCK: tl.constexpr, RESIDENT: tl.constexpr, SAMPLES: tl.constexpr, PDL: tl.constexpr):
+    """One program a row: the candidate threshold of row r into estimate_ptr[r] — the largest key that at least the
+    sample's target rank (`_sample_target`) of its keys reach, one slot in STRIDE sampled (`_jittered`), or 1
+    (every live key) where fewer sampled keys are live. A rank search two bits a round from the top
+    (`_rank_round`: ceil(KEY_BITS / 2) rounds, each counting the sampled keys at or above three values), over the
+    sample held in registers (RESIDENT: at most BLOCK sampled slots) or streamed BLOCK at a time each round. SAMPLES:
     the sampled slots' keys read from their copy (samples_ptr [R, NS], contiguous) instead of the row."""
     wait_inputs(PDL)
     r = tl.program_id(0)
-    p = tl.program_id(1)
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     row = keys_ptr + r.to(tl.int64) * S
     copy = samples_ptr + r.to(tl.int64) * NS
-    n, n_s, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
-    bins = tl.arange(0, 256)
-    hist = tl.zeros([256], dtype=tl.int32)
-    if LEVEL == 1:
-        top = tl.load(shist_ptr + r * 512 + bins)
-        if target > tl.sum(top, 0):
-            return  # every live key is a candidate: no second level
-        digit, _ = _crossing(top, target)
-    for j0 in range(p * SPP, tl.minimum((p + 1) * SPP, n_s), BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
+    _, n_s, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
+    ROUNDS: tl.constexpr = (KEY_BITS + 1) // 2
+    v = 0
+    if RESIDENT:
+        j = tl.arange(0, BLOCK)
         s = _jittered(j, STRIDE)
-        stored = tl.load(copy + j, mask=s <= pos, other=0) if SAMPLES else tl.load(row + s, mask=s <= pos, other=0)
+        # (the copy's entries past the row's position hold anything: `_ranked_keys` zeroes them, so its load is
+        # masked by the copy's end alone and vectorises)
+        stored = tl.load(copy + j, mask=j < NS, other=0) if SAMPLES else tl.load(row + s, mask=s <= pos, other=0)
         key = _ranked_keys(s, _stored_keys(stored, KEY_BITS), pos, forced_from, SINKS, WINDOW, KEY_BITS)
-        if LEVEL == 0:
-            match = key > 0
-            value = key >> LOW
-        else:
-            match = (key > 0) & ((key >> LOW) == digit)
-            value = key & ((1 << LOW) - 1)
-        hist += tl.histogram(tl.where(match, value, 0).to(tl.int32), 256) - tl.where(
-            bins == 0, tl.sum((~match).to(tl.int32), 0), 0)
-    tl.atomic_add(shist_ptr + r * 512 + LEVEL * 256 + bins, hist)
+        for d in tl.static_range(ROUNDS):
+            shift = 2 * (ROUNDS - 1 - d)
+            v += _rank_step(tl.sum(_rank_round(key, v, shift), 0), target) << shift
+    else:
+        for d in tl.static_range(ROUNDS):
+            shift = 2 * (ROUNDS - 1 - d)
+            shares = tl.zeros([BLOCK], tl.int64)
+            for j0 in range(0, n_s, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                s = _jittered(j, STRIDE)
+                stored = (tl.load(copy + j, mask=j < NS, other=0) if SAMPLES else
+                          tl.load(row + s, mask=s <= pos, other=0))
+                key = _ranked_keys(s, _stored_keys(stored, KEY_BITS), pos, forced_from, SINKS, WINDOW, KEY_BITS)
+                shares += _rank_round(key, v, shift)
+            v += _rank_step(tl.sum(shares, 0), target) << shift
+    tl.store(estimate_ptr + r, tl.maximum(v, 1))
 
 
 @triton.jit
-def _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW: tl.constexpr,
-                      STRIDE: tl.constexpr):
-    """The candidate threshold of row r (>= 1) from its sample's histograms: the key at the target rank of the
-    sample, or 1 (every live key) where the sample holds fewer keys."""
-    bins = tl.arange(0, 256)
-    top = tl.load(shist_ptr + r * 512 + bins)
-    _, _, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
-    digit, k = _crossing(top, target)
-    lo = digit.to(tl.int32) << LOW
-    if LOW > 0:
-        lo += _crossing(tl.load(shist_ptr + r * 512 + 256 + bins), k)[0].to(tl.int32)
-    return tl.where(target > tl.sum(top, 0), 1, tl.maximum(lo, 1))
-
-
-@triton.jit
-def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_ptr, counts_ptr, stage_ptr, S, K,
-                    SINKS, WINDOW, MARGIN, BPP, CAP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LOW: tl.constexpr,
-                    STRIDE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """The candidate threshold from the sample; this program's candidates (ranked keys at or above it): their slots
+def _compact_kernel(keys_ptr, positions_ptr, forced_from_ptr, estimate_ptr, counts_ptr, stage_ptr, S, SINKS, WINDOW,
+                    BPP, CAP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """This program's candidates (ranked keys at or above the row's candidate threshold, estimate_ptr[r]): their slots
     compacted in slot order into its own stage (stage_ptr [R, P, CAP] int32: at most CAP kept) and their count
     into counts_ptr[r, p] (`_place_kernel` puts the stages together).
 
@@ -351,7 +361,7 @@ def _compact_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, shist_
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
-    lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW, STRIDE)
+    lo = tl.load(estimate_ptr + r)
     ROWS: tl.constexpr = BLOCK // 8
     row = tl.arange(0, ROWS)
     lane = tl.arange(0, 8)[None, :]
@@ -417,35 +427,25 @@ def _candidate_keys(row_ptr, j, n, C, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _add_histogram(hist, value, match):
-    """hist [256] plus the histogram of the values [BLOCK] where match holds."""
-    bins = tl.arange(0, 256)
-    return hist + tl.histogram(tl.where(match, value, 0), 256) - tl.where(bins == 0, tl.sum((~match).to(tl.int32), 0),
-                                                                          0)
-
-
-@triton.jit
-def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_ptr, tokens_ptr, shist_ptr, ok_ptr,
-                       idx_ptr, count_ptr, attended_ptr, P, C, K, MARGIN, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
-                       LOW: tl.constexpr, STRIDE: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
-                       ATTENDED: tl.constexpr, PDL: tl.constexpr):
+def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_ptr, tokens_ptr, estimate_ptr, ok_ptr,
+                       idx_ptr, count_ptr, attended_ptr, P, C, K, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
+                       PP: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr, PDL: tl.constexpr):
     """One program a row: whether its candidates (cand_ptr / slots_ptr [R, C] in slot order; the programs' counts
     and forced counts [R, P]) hold its whole selection — at most C of them, and at least as many as it wants or
-    every live key (a threshold of 1) — into ok_ptr[r] (a row that is not ok takes the radix path); the row's
-    sample histograms zeroed for the next select; and for an ok row its selection: the threshold key from a
-    histogram of the candidates' keys over the 255 values above the sample's estimate (or, where the wanted keys all
-    lie further up, of the keys' digits: the top 8 bits, then the LOW bits below them), then every candidate above
-    the threshold and the first ones equal to it, in slot order, their slots into idx_ptr [R, K], and count_ptr[r] =
-    wanted."""
+    every live key (a candidate threshold of 1) — into ok_ptr[r] (a row that is not ok takes the radix path); the
+    row's candidate threshold estimate_ptr[r] zeroed for the next select; and for an ok row its selection: the
+    threshold key by a rank search over the candidates' keys from the candidate threshold up (`_rank_round`, BLOCK
+    candidates a step; at most 2^21 - 1 of them), then every candidate above it and the first ones equal to it, in slot order, their slots
+    into idx_ptr [R, K], and count_ptr[r] = wanted."""
     wait_inputs(PDL)
     r = tl.program_id(0)
     b = r // HKV
     prog = tl.arange(0, PP)
     total = tl.sum(tl.load(counts_ptr + r * P + prog, mask=prog < P, other=0), 0)
     n_forced = tl.sum(tl.load(forced_ptr + r * P + prog, mask=prog < P, other=0), 0)
-    lo = _sample_threshold(shist_ptr, positions_ptr, tokens_ptr, r, b, K, MARGIN, LOW, STRIDE)
-    tl.debug_barrier()  # (every thread has read the histograms)
-    tl.store(shist_ptr + r * 512 + tl.arange(0, 512), tl.zeros([512], tl.int32))
+    lo = tl.load(estimate_ptr + r)
+    tl.debug_barrier()  # (every thread has read it)
+    tl.store(estimate_ptr + r, 0)
     wanted = tl.minimum(tl.maximum(tl.load(tokens_ptr + b).to(tl.int32), n_forced), K)
     ok = (total <= C) & ((total >= wanted) | (lo == 1))  # (a threshold of 1: the candidates are every live key)
     tl.store(ok_ptr + r, ok.to(tl.int32))
@@ -454,27 +454,22 @@ def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_pt
         if ATTENDED:
             tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
         row = cand_ptr + r.to(tl.int64) * C
-        hist = tl.zeros([256], tl.int32)
-        for j0 in range(0, total, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            hist = _add_histogram(hist, tl.minimum(_candidate_keys(row, j, total, C, KEY_BITS) - lo, 255), j < total)
-        t, k = _crossing(hist, tl.maximum(want, 1))
-        threshold = lo + t.to(tl.int32)
-        if t == 255:  # the threshold lies 255 or more above the estimate: by the keys' digits
-            hist = tl.zeros([256], tl.int32)
+        # every candidate is at or above lo: the threshold lies in [lo, lo + 4^ROUNDS), the keys' whole range above
+        ROUNDS: tl.constexpr = (KEY_BITS + 1) // 2
+        wanted_1 = tl.maximum(want, 1)
+        threshold = lo
+        for d in tl.static_range(ROUNDS):
+            shift = 2 * (ROUNDS - 1 - d)
+            shares = tl.zeros([BLOCK], tl.int64)
             for j0 in range(0, total, BLOCK):
                 j = j0 + tl.arange(0, BLOCK)
-                hist = _add_histogram(hist, _candidate_keys(row, j, total, C, KEY_BITS) >> LOW, j < total)
-            t, k = _crossing(hist, tl.maximum(want, 1))
-            threshold = t.to(tl.int32)
-            if LOW > 0:
-                hist = tl.zeros([256], tl.int32)
-                for j0 in range(0, total, BLOCK):
-                    j = j0 + tl.arange(0, BLOCK)
-                    key = _candidate_keys(row, j, total, C, KEY_BITS)
-                    hist = _add_histogram(hist, key & ((1 << LOW) - 1), (j < total) & ((key >> LOW) == threshold))
-                t, k = _crossing(hist, k)
-                threshold = (threshold << LOW) + t.to(tl.int32)
+                shares += _rank_round(_candidate_keys(row, j, total, C, KEY_BITS), threshold, shift)
+            threshold += _rank_step(tl.sum(shares, 0), wanted_1) << shift
+        n_above = 0  # candidates above the threshold
+        for j0 in range(0, total, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            n_above += tl.sum((_candidate_keys(row, j, total, C, KEY_BITS) > threshold).to(tl.int32), 0)
+        k = wanted_1 - n_above  # keys equal to the threshold the row takes
         out = 0  # slots written
         ties = 0  # keys equal to the threshold seen
         for j0 in range(0, total, BLOCK):
@@ -516,8 +511,8 @@ def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -
 
 def select_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
     """The counting buffers of `select_topk` over `rows` rows, zeroed: int32 [rows * (4 * 256 + 2)] (the radix
-    histograms — keys of up to 16 bits leave half of them to the candidate path's sample histograms —, the forced
-    counts, the programs done). Every select leaves them zeroed again, so one scratch serves every layer and step
+    histograms — keys of up to 16 bits leave half of them, where the candidate path keeps its rows' thresholds —,
+    the forced counts, the programs done). Every select leaves them zeroed again, so one scratch serves every layer and step
     of a plan (no memset launch a select)."""
     return torch.zeros(rows * (4 * 256 + 2), dtype=torch.int32, device=device)
 
@@ -546,7 +541,7 @@ def candidate_width(k: int, capacity: int, room: int = CANDIDATE_ROOM) -> int:
 def takes_candidates(rows: int, capacity: int, k: int, key_bits: int, room: int = CANDIDATE_ROOM) -> bool:
     """Whether `select_topk(sampled=None)` takes the candidate path: keys of up to 16 bits, candidates at most a
     quarter of the row, and enough keys that its extra launches pay (measured: bench/select_paths.py)."""
-    return (key_bits <= 16 and 4 * candidate_width(k, capacity, room) <= capacity
+    return (key_bits <= 16 and 4 * candidate_width(k, capacity, room) <= capacity < 1 << 21
             and rows * capacity >= SAMPLED_MIN_KEYS)
 
 
@@ -586,7 +581,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 attended: torch.Tensor | None = None, scratch: torch.Tensor | None = None, block: int = 2048,
                 waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
                 margin: int = 16, room: int = CANDIDATE_ROOM, scan_waves: int = 4, scan_block: int = 2048,
-                pick_block: int = 2048, served: torch.Tensor | None = None, samples: torch.Tensor | None = None):
+                pick_block: int = 2048, served: torch.Tensor | None = None, samples: torch.Tensor | None = None,
+                sample_block: int = 8192):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
@@ -601,11 +597,12 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     A row whose candidates do not hold its whole selection (too few above the threshold, or more than fit) takes the
     radix path over all its keys in the same launches; the selection is the same either way. Its compaction pass takes
     `scan_block` slots a step and `scan_waves` programs per SM, the candidates' program `pick_block` candidates a
-    step with a warp per 256 of them. `served` int32 [R], if given, is set to
+    step with a warp per 256 of them, the sample's program (one a row) up to `sample_block` sampled slots at once
+    (a row's whole sample, held in registers, where it has no more). `served` int32 [R], if given, is set to
     1 for the rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never
     shows it, the time does. `samples` [R, ceil(S / stride)], keys' dtype, if given: the keys of the sampled slots
-    (`sampled_slots(S, stride)`), as a scorer wrote them beside the keys (`score_keys(samples=)`): the sample passes
-    read this contiguous copy instead of one key in every `stride` slots of each row (at stride 16, every 32-byte
+    (`sampled_slots(S, stride)`), as a scorer wrote them beside the keys (`score_keys(samples=)`): the sample's pass
+    reads this contiguous copy instead of one key in every `stride` slots of each row (at stride 16, every 32-byte
     sector of 2-byte keys); the forced list is written into both, so the selection and the rows served are the
     same."""
     R, S = keys.shape
@@ -632,30 +629,28 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     if sampled is None:
         sampled = takes_candidates(R, S, k, key_bits, room)
     if not (_pow2(block) and block <= 1 << 14 and _pow2(pick_block) and pick_block <= 1 << 14 and _pow2(scan_block)
-            and scan_block >= 8):
+            and scan_block >= 8 and _pow2(sample_block)):
         # (the writes pack two running counts of a block into one int32: 15 bits each; the compaction reads rows of 8)
-        raise ValueError(f"block and pick_block take powers of two up to 16384 and scan_block one of at least 8, got "
-                         f"{block}, {pick_block} and {scan_block}")
+        raise ValueError(f"block and pick_block take powers of two up to 16384, scan_block one of at least 8 and "
+                         f"sample_block any, got {block}, {pick_block}, {scan_block} and {sample_block}")
     if not sampled:
         _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats,
                done, **tuning)
         if served is not None:
             served.zero_()
         return idx, count
-    if key_bits > 16 or not _pow2(stride) or room < 2:
-        raise ValueError(f"the candidate path takes keys of up to 16 bits, a power-of-two stride and room for at "
-                         f"least twice the width, got {key_bits} bits, stride {stride}, room {room}")
+    if key_bits > 16 or not _pow2(stride) or room < 2 or S >= 1 << 21:
+        # (its rank searches count a row's keys in 21-bit fields)
+        raise ValueError(f"the candidate path takes keys of up to 16 bits, a power-of-two stride, room for at least "
+                         f"twice the width and rows of fewer than 2^21 slots, got {key_bits} bits, stride {stride}, "
+                         f"room {room}, {S} slots")
     C = candidate_width(k, S, room)
-    sample_hist = scratch_all[R * 2 * 256:R * 4 * 256]  # [R, 2, 256]: the radix digits of <= 16-bit keys leave it
-    sblock = 1024
-    low = last if digits == 2 else 0  # the bits below the top digit (keys of up to 16 bits: one or two digits)
-    ps = programs_per_row(R, triton.cdiv(n_s, sblock), keys.device, waves)
-    spp = triton.cdiv(triton.cdiv(n_s, sblock), ps) * sblock
-    for level in range(digits):
-        _sample_kernel[(R, ps)](keys, keys if samples is None else samples, positions, tokens, forced_from,
-                                sample_hist, S, n_s, k, sinks, window, margin, spp, HKV=hkv, KEY_BITS=key_bits,
-                                LOW=low, STRIDE=stride, LEVEL=level, BLOCK=sblock, SAMPLES=samples is not None,
-                                num_warps=4, **launch)
+    estimate = scratch_all[R * 2 * 256:R * 2 * 256 + R]  # [R]: the radix digits of <= 16-bit keys leave it
+    sblock = min(sample_block, triton.next_power_of_2(n_s))
+    _sample_kernel[(R,)](keys, keys if samples is None else samples, positions, tokens, forced_from, estimate, S, n_s,
+                         k, sinks, window, margin, HKV=hkv, KEY_BITS=key_bits, STRIDE=stride, BLOCK=sblock,
+                         RESIDENT=n_s <= sblock, SAMPLES=samples is not None, num_warps=max(4, min(16, sblock // 512)),
+                         **launch)
     blk = min(scan_block, max(32, triton.next_power_of_2(S)))
     nb = triton.cdiv(S, blk)
     P = programs_per_row(R, nb, keys.device, scan_waves)
@@ -664,8 +659,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     counts = torch.empty(R, P, dtype=torch.int32, device=keys.device)  # each program's candidates
     n_forced = torch.empty(R, P, dtype=torch.int32, device=keys.device)  # and forced keys among them
     stage = torch.empty(R, P, cap, dtype=torch.int32, device=keys.device)
-    _compact_kernel[(R, P)](keys, positions, tokens, forced_from, sample_hist, counts, stage, S, k, sinks, window,
-                            margin, bpp, cap, HKV=hkv, KEY_BITS=key_bits, LOW=low, STRIDE=stride, BLOCK=blk,
+    _compact_kernel[(R, P)](keys, positions, forced_from, estimate, counts, stage, S, sinks, window, bpp, cap,
+                            HKV=hkv, KEY_BITS=key_bits, BLOCK=blk,
                             num_warps=num_warps, **launch)
     cand = torch.empty(R, C, dtype=keys.dtype, device=keys.device)
     slots = torch.empty(R, C, dtype=torch.int32, device=keys.device)
@@ -674,11 +669,10 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                           **launch)
     ok = torch.empty(R, dtype=torch.int32, device=keys.device)
     pick = min(pick_block, triton.next_power_of_2(C))  # the candidates' program's block: a warp per 256
-    _candidates_kernel[(R,)](cand, slots, counts, n_forced, positions, tokens, sample_hist, ok, idx, count,
-                             count if attended is None else attended, P, C, k, margin, HKV=hkv, KEY_BITS=key_bits,
-                             LOW=low, STRIDE=stride, PP=triton.next_power_of_2(P),
-                             BLOCK=pick, ATTENDED=attended is not None, num_warps=max(1, min(16, pick // 256)),
-                             **launch)
+    _candidates_kernel[(R,)](cand, slots, counts, n_forced, positions, tokens, estimate, ok, idx, count,
+                             count if attended is None else attended, P, C, k, HKV=hkv, KEY_BITS=key_bits,
+                             PP=triton.next_power_of_2(P), BLOCK=pick, ATTENDED=attended is not None,
+                             num_warps=max(1, min(16, pick // 256)), **launch)
     if served is not None:
         served.copy_(ok)
     _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
