@@ -180,7 +180,8 @@ def select_table() -> None:
                                                     SAMPLES=True), 16),
             ("compact", select._compact_kernel, keys, 8),
             ("place", select._place_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=1024), 4),
-            ("candidates", select._candidates_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=2048, ATTENDED=True), 8),
+            ("candidates", select._candidates_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=2048, CBLOCK=8192,
+                                                           RESIDENT=True, ATTENDED=True), 8),
             ("histogram, top digit", select._histogram_kernel, dict(keys, LAST=6, D=0, P=5, SKIP=False), 8),
             ("histogram, last digit", select._histogram_kernel, dict(keys, LAST=6, D=1, P=5, SKIP=False), 8),
             ("write", select._write_kernel, dict(keys, LAST=6, P=5, PP=8, ATTENDED=True, SKIP=False), 8)]

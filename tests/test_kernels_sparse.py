@@ -378,11 +378,11 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
     assert torch.equal(count, ref_count)
     for r in range(R):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
-    # the sample's 94 slots streamed 32 at a time (rows of more than `sample_block` sampled slots): the same
-    # thresholds, so the same rows served and the same selection
+    # the sample's 94 slots and the candidates streamed 32 at a time (rows of more than `resident_keys` of them):
+    # the same thresholds, so the same rows served and the same selection
     streamed = torch.full((R,), -1, dtype=torch.int32, device=DEVICE)
     again = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, stride=stride,
-                        margin=0, block=block, scan_block=block, sinks=2, window=3, served=streamed, sample_block=32)
+                        margin=0, block=block, scan_block=block, sinks=2, window=3, served=streamed, resident_keys=32)
     assert torch.equal(streamed, served) and same_selection(again, (idx, count))
     # with room for 4 widths (2,048 candidates, not 1,024) the flat row's 1,500 ties fit: served, the same selection
     idx, count = select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=True, stride=stride,

@@ -28,8 +28,8 @@ in a candidate buffer, in slot order with their keys, where they fit; and one pr
 the row's selection and selects among them (its threshold by a rank search over the candidates' keys, then the
 write in slot order) — one scanning pass over the row instead of two histogram passes and the write. Rows whose
 candidates fall short or overflow take the radix path in the same launches: the selection is the same on both
-paths. Both one-program-a-row steps find their key by a rank search, two bits a round (`_rank_round`): a handful
-of compares a key and round, where `tl.histogram` of 256 bins costs ~100 instructions a key on Triton 3.6 (its
+paths. Both one-program-a-row steps find their key by a rank search, a bit a round (`_at_least`): a compare a key
+and round, where `tl.histogram` of 256 bins costs ~100 instructions a key on Triton 3.6 (its
 ballot lowering, ~35 on 3.9's shared-memory atomics) and needs several programs a row and their atomics.
 
 The counting buffers (`select_scratch`: histograms, forced counts) start at zero and the write pass's last program
@@ -279,23 +279,9 @@ def _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE: tl.constexpr
 
 
 @triton.jit
-def _rank_round(key, v, shift):
-    """One round of a rank search over keys [N] (0 = not a key) -> [N] int64: each key's share of the counts of the
-    keys at or above v + (i + 1) << shift, i = 0, 1, 2, packed 21 bits a count (summed over at most 2^21 - 1 keys).
-    The search keeps v the largest key that at least `want` keys reach, to a step of 4 << shift (v + 4 << shift
-    is reached by fewer); `_rank_step` of the summed shares moves it up."""
-    one = tl.full([1], 1, tl.int64)
-    return (tl.where(key >= v + (1 << shift), one, 0) + tl.where(key >= v + (2 << shift), one << 21, 0)
-            + tl.where(key >= v + (3 << shift), one << 42, 0))
-
-
-@triton.jit
-def _rank_step(counts, want):
-    """How many of a round's three values (`_rank_round`; counts: the keys' shares summed) at least `want` keys
-    reach: the counts fall with the value, so this is also how many steps of 1 << shift the search moves up."""
-    MASK: tl.constexpr = (1 << 21) - 1
-    return ((counts & MASK) >= want).to(tl.int32) + (((counts >> 21) & MASK) >= want).to(tl.int32) + (
-        ((counts >> 42) & MASK) >= want).to(tl.int32)
+def _at_least(key, value):
+    """[N] int32: 1 where key [N] (0 = not a key) is at or above value — the share of a rank search's count."""
+    return (key >= value).to(tl.int32)
 
 
 @triton.jit
@@ -304,10 +290,10 @@ def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from
                    BLOCK: tl.constexpr, RESIDENT: tl.constexpr, SAMPLES: tl.constexpr, PDL: tl.constexpr):
     """One program a row: the candidate threshold of row r into estimate_ptr[r] — the largest key that at least the
     sample's target rank (`_sample_target`) of its keys reach, one slot in STRIDE sampled (`_jittered`), or 1
-    (every live key) where fewer sampled keys are live. A rank search two bits a round from the top
-    (`_rank_round`: ceil(KEY_BITS / 2) rounds, each counting the sampled keys at or above three values), over the
-    sample held in registers (RESIDENT: at most BLOCK sampled slots) or streamed BLOCK at a time each round. SAMPLES:
-    the sampled slots' keys read from their copy (samples_ptr [R, NS], contiguous) instead of the row."""
+    (every live key) where fewer sampled keys are live. A rank search a bit at a time from the top (KEY_BITS
+    rounds, each counting the sampled keys at or above one value), over the sample held in registers (RESIDENT: at
+    most BLOCK sampled slots) or streamed BLOCK at a time each round. SAMPLES: the sampled slots' keys read from
+    their copy (samples_ptr [R, NS], contiguous) instead of the row."""
     wait_inputs(PDL)
     r = tl.program_id(0)
     b = r // HKV
@@ -316,8 +302,7 @@ def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from
     row = keys_ptr + r.to(tl.int64) * S
     copy = samples_ptr + r.to(tl.int64) * NS
     _, n_s, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
-    ROUNDS: tl.constexpr = (KEY_BITS + 1) // 2
-    v = 0
+    v = 0  # the search's key so far: its bits above the round's are final
     if RESIDENT:
         j = tl.arange(0, BLOCK)
         s = _jittered(j, STRIDE)
@@ -325,21 +310,21 @@ def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from
         # masked by the copy's end alone and vectorises)
         stored = tl.load(copy + j, mask=j < NS, other=0) if SAMPLES else tl.load(row + s, mask=s <= pos, other=0)
         key = _ranked_keys(s, _stored_keys(stored, KEY_BITS), pos, forced_from, SINKS, WINDOW, KEY_BITS)
-        for d in tl.static_range(ROUNDS):
-            shift = 2 * (ROUNDS - 1 - d)
-            v += _rank_step(tl.sum(_rank_round(key, v, shift), 0), target) << shift
+        for d in tl.static_range(KEY_BITS):
+            up = v + (1 << (KEY_BITS - 1 - d))
+            v = tl.where(tl.sum(_at_least(key, up), 0) >= target, up, v)
     else:
-        for d in tl.static_range(ROUNDS):
-            shift = 2 * (ROUNDS - 1 - d)
-            shares = tl.zeros([BLOCK], tl.int64)
+        for d in tl.static_range(KEY_BITS):
+            up = v + (1 << (KEY_BITS - 1 - d))
+            shares = tl.zeros([BLOCK], tl.int32)
             for j0 in range(0, n_s, BLOCK):
                 j = j0 + tl.arange(0, BLOCK)
                 s = _jittered(j, STRIDE)
                 stored = (tl.load(copy + j, mask=j < NS, other=0) if SAMPLES else
                           tl.load(row + s, mask=s <= pos, other=0))
-                key = _ranked_keys(s, _stored_keys(stored, KEY_BITS), pos, forced_from, SINKS, WINDOW, KEY_BITS)
-                shares += _rank_round(key, v, shift)
-            v += _rank_step(tl.sum(shares, 0), target) << shift
+                shares += _at_least(_ranked_keys(s, _stored_keys(stored, KEY_BITS), pos, forced_from, SINKS, WINDOW,
+                                                 KEY_BITS), up)
+            v = tl.where(tl.sum(shares, 0) >= target, up, v)
     tl.store(estimate_ptr + r, tl.maximum(v, 1))
 
 
@@ -429,14 +414,15 @@ def _candidate_keys(row_ptr, j, n, C, KEY_BITS: tl.constexpr):
 @triton.jit
 def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_ptr, tokens_ptr, estimate_ptr, ok_ptr,
                        idx_ptr, count_ptr, attended_ptr, P, C, K, HKV: tl.constexpr, KEY_BITS: tl.constexpr,
-                       PP: tl.constexpr, BLOCK: tl.constexpr, ATTENDED: tl.constexpr, PDL: tl.constexpr):
+                       PP: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                       ATTENDED: tl.constexpr, PDL: tl.constexpr):
     """One program a row: whether its candidates (cand_ptr / slots_ptr [R, C] in slot order; the programs' counts
     and forced counts [R, P]) hold its whole selection — at most C of them, and at least as many as it wants or
     every live key (a candidate threshold of 1) — into ok_ptr[r] (a row that is not ok takes the radix path); the
     row's candidate threshold estimate_ptr[r] zeroed for the next select; and for an ok row its selection: the
-    threshold key by a rank search over the candidates' keys from the candidate threshold up (`_rank_round`, BLOCK
-    candidates a step; at most 2^21 - 1 of them), then every candidate above it and the first ones equal to it, in slot order, their slots
-    into idx_ptr [R, K], and count_ptr[r] = wanted."""
+    threshold key by a rank search over the candidates' keys from the candidate threshold up (a bit a round; the
+    keys held in registers, CBLOCK of them, or streamed BLOCK at a time), then every candidate above it and the
+    first ones equal to it, in slot order, their slots into idx_ptr [R, K], and count_ptr[r] = wanted."""
     wait_inputs(PDL)
     r = tl.program_id(0)
     b = r // HKV
@@ -454,21 +440,27 @@ def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_pt
         if ATTENDED:
             tl.atomic_add(attended_ptr + b, want.to(tl.float32) / HKV)
         row = cand_ptr + r.to(tl.int64) * C
-        # every candidate is at or above lo: the threshold lies in [lo, lo + 4^ROUNDS), the keys' whole range above
-        ROUNDS: tl.constexpr = (KEY_BITS + 1) // 2
+        # every candidate is at or above lo: the threshold lies in [lo, lo + 2^KEY_BITS), searched a bit at a time
+        # from the top over the candidates' keys, held in registers where they fit (RESIDENT: C <= CBLOCK)
         wanted_1 = tl.maximum(want, 1)
         threshold = lo
-        for d in tl.static_range(ROUNDS):
-            shift = 2 * (ROUNDS - 1 - d)
-            shares = tl.zeros([BLOCK], tl.int64)
+        if RESIDENT:
+            held = _candidate_keys(row, tl.arange(0, CBLOCK), total, C, KEY_BITS)
+            for d in tl.static_range(KEY_BITS):
+                up = threshold + (1 << (KEY_BITS - 1 - d))
+                threshold = tl.where(tl.sum(_at_least(held, up), 0) >= wanted_1, up, threshold)
+            n_above = tl.sum(_at_least(held, threshold + 1), 0)
+        else:
+            for d in tl.static_range(KEY_BITS):
+                up = threshold + (1 << (KEY_BITS - 1 - d))
+                shares = tl.zeros([BLOCK], tl.int32)
+                for j0 in range(0, total, BLOCK):
+                    shares += _at_least(_candidate_keys(row, j0 + tl.arange(0, BLOCK), total, C, KEY_BITS), up)
+                threshold = tl.where(tl.sum(shares, 0) >= wanted_1, up, threshold)
+            shares = tl.zeros([BLOCK], tl.int32)
             for j0 in range(0, total, BLOCK):
-                j = j0 + tl.arange(0, BLOCK)
-                shares += _rank_round(_candidate_keys(row, j, total, C, KEY_BITS), threshold, shift)
-            threshold += _rank_step(tl.sum(shares, 0), wanted_1) << shift
-        n_above = 0  # candidates above the threshold
-        for j0 in range(0, total, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            n_above += tl.sum((_candidate_keys(row, j, total, C, KEY_BITS) > threshold).to(tl.int32), 0)
+                shares += _at_least(_candidate_keys(row, j0 + tl.arange(0, BLOCK), total, C, KEY_BITS), threshold + 1)
+            n_above = tl.sum(shares, 0)  # candidates above the threshold
         k = wanted_1 - n_above  # keys equal to the threshold the row takes
         out = 0  # slots written
         ties = 0  # keys equal to the threshold seen
@@ -512,8 +504,8 @@ def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int) -
 def select_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
     """The counting buffers of `select_topk` over `rows` rows, zeroed: int32 [rows * (4 * 256 + 2)] (the radix
     histograms — keys of up to 16 bits leave half of them, where the candidate path keeps its rows' thresholds —,
-    the forced counts, the programs done). Every select leaves them zeroed again, so one scratch serves every layer and step
-    of a plan (no memset launch a select)."""
+    the forced counts, the programs done). Every select leaves them zeroed again, so one scratch serves every layer
+    and step of a plan (no memset launch a select)."""
     return torch.zeros(rows * (4 * 256 + 2), dtype=torch.int32, device=device)
 
 
@@ -541,7 +533,7 @@ def candidate_width(k: int, capacity: int, room: int = CANDIDATE_ROOM) -> int:
 def takes_candidates(rows: int, capacity: int, k: int, key_bits: int, room: int = CANDIDATE_ROOM) -> bool:
     """Whether `select_topk(sampled=None)` takes the candidate path: keys of up to 16 bits, candidates at most a
     quarter of the row, and enough keys that its extra launches pay (measured: bench/select_paths.py)."""
-    return (key_bits <= 16 and 4 * candidate_width(k, capacity, room) <= capacity < 1 << 21
+    return (key_bits <= 16 and 4 * candidate_width(k, capacity, room) <= capacity
             and rows * capacity >= SAMPLED_MIN_KEYS)
 
 
@@ -582,7 +574,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
                 margin: int = 16, room: int = CANDIDATE_ROOM, scan_waves: int = 4, scan_block: int = 2048,
                 pick_block: int = 2048, served: torch.Tensor | None = None, samples: torch.Tensor | None = None,
-                sample_block: int = 8192):
+                resident_keys: int = 8192):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
@@ -597,8 +589,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     A row whose candidates do not hold its whole selection (too few above the threshold, or more than fit) takes the
     radix path over all its keys in the same launches; the selection is the same either way. Its compaction pass takes
     `scan_block` slots a step and `scan_waves` programs per SM, the candidates' program `pick_block` candidates a
-    step with a warp per 256 of them, the sample's program (one a row) up to `sample_block` sampled slots at once
-    (a row's whole sample, held in registers, where it has no more). `served` int32 [R], if given, is set to
+    step with a warp per 256 of them; the sample's and the candidates' programs (one a row each) hold a row's
+    sample or candidates in registers where they number at most `resident_keys` (else they stream them).
+    `served` int32 [R], if given, is set to
     1 for the rows the candidates served and 0 for the others (every row 0 on the radix path): the selection never
     shows it, the time does. `samples` [R, ceil(S / stride)], keys' dtype, if given: the keys of the sampled slots
     (`sampled_slots(S, stride)`), as a scorer wrote them beside the keys (`score_keys(samples=)`): the sample's pass
@@ -629,27 +622,25 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     if sampled is None:
         sampled = takes_candidates(R, S, k, key_bits, room)
     if not (_pow2(block) and block <= 1 << 14 and _pow2(pick_block) and pick_block <= 1 << 14 and _pow2(scan_block)
-            and scan_block >= 8 and _pow2(sample_block)):
+            and scan_block >= 8 and _pow2(resident_keys)):
         # (the writes pack two running counts of a block into one int32: 15 bits each; the compaction reads rows of 8)
         raise ValueError(f"block and pick_block take powers of two up to 16384, scan_block one of at least 8 and "
-                         f"sample_block any, got {block}, {pick_block}, {scan_block} and {sample_block}")
+                         f"resident_keys any, got {block}, {pick_block}, {scan_block} and {resident_keys}")
     if not sampled:
         _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats,
                done, **tuning)
         if served is not None:
             served.zero_()
         return idx, count
-    if key_bits > 16 or not _pow2(stride) or room < 2 or S >= 1 << 21:
-        # (its rank searches count a row's keys in 21-bit fields)
-        raise ValueError(f"the candidate path takes keys of up to 16 bits, a power-of-two stride, room for at least "
-                         f"twice the width and rows of fewer than 2^21 slots, got {key_bits} bits, stride {stride}, "
-                         f"room {room}, {S} slots")
+    if key_bits > 16 or not _pow2(stride) or room < 2:
+        raise ValueError(f"the candidate path takes keys of up to 16 bits, a power-of-two stride and room for at "
+                         f"least twice the width, got {key_bits} bits, stride {stride}, room {room}")
     C = candidate_width(k, S, room)
     estimate = scratch_all[R * 2 * 256:R * 2 * 256 + R]  # [R]: the radix digits of <= 16-bit keys leave it
-    sblock = min(sample_block, triton.next_power_of_2(n_s))
+    sblock = min(resident_keys, triton.next_power_of_2(n_s))
     _sample_kernel[(R,)](keys, keys if samples is None else samples, positions, tokens, forced_from, estimate, S, n_s,
                          k, sinks, window, margin, HKV=hkv, KEY_BITS=key_bits, STRIDE=stride, BLOCK=sblock,
-                         RESIDENT=n_s <= sblock, SAMPLES=samples is not None, num_warps=max(4, min(16, sblock // 512)),
+                         RESIDENT=n_s <= sblock, SAMPLES=samples is not None, num_warps=max(4, min(8, sblock // 512)),
                          **launch)
     blk = min(scan_block, max(32, triton.next_power_of_2(S)))
     nb = triton.cdiv(S, blk)
@@ -671,7 +662,9 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     pick = min(pick_block, triton.next_power_of_2(C))  # the candidates' program's block: a warp per 256
     _candidates_kernel[(R,)](cand, slots, counts, n_forced, positions, tokens, estimate, ok, idx, count,
                              count if attended is None else attended, P, C, k, HKV=hkv, KEY_BITS=key_bits,
-                             PP=triton.next_power_of_2(P), BLOCK=pick, ATTENDED=attended is not None,
+                             PP=triton.next_power_of_2(P), BLOCK=pick,
+                             CBLOCK=min(triton.next_power_of_2(C), resident_keys), RESIDENT=C <= resident_keys,
+                             ATTENDED=attended is not None,
                              num_warps=max(1, min(16, pick // 256)), **launch)
     if served is not None:
         served.copy_(ok)
