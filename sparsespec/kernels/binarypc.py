@@ -187,7 +187,7 @@ def _store_keys(keys_ptr, samples_ptr, extra_ptr, extra_n_ptr, r, start, key, po
                 EBLOCK: tl.constexpr):
     """A block's keys (slots start .. start + BLOCK - 1, start a multiple of BLOCK) into the row up to the query's
     position, and with SAMPLES the sampled slots' among them (`select.sampled_slots`: one in each run of STRIDE)
-    into their contiguous copy samples_ptr [R, NS], for the select's sample passes. With EXTRA, then the slots of
+    into their contiguous copy samples_ptr [R, NS], for the select's sample pass. With EXTRA, then the slots of
     the row's forced list (extra_ptr [R, E], its first extra_n_ptr[b]) in the block at the maximal key, as
     `select_topk(extra=)` would write them (no launch of its own for the select)."""
     s = start + tl.arange(0, BLOCK)
