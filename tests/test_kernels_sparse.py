@@ -395,10 +395,9 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
 
 
 def test_candidate_select_where_the_threshold_lies_far_above_the_sample_estimate():
-    """The candidates' own select finds its threshold in a histogram of the 255 key values above the sample's
-    estimate, or by the keys' digits where the wanted keys all lie further up: rows of keys packed close (1 to 3000:
-    the threshold 18 and 78 above the estimate) and spread wide (distinct, 10 and 40 apart: 720 and 320 above it),
-    each served and equal to the reference."""
+    """The candidates' own select finds its threshold by a rank search from the sample's estimate up, wherever it
+    lies: rows of keys packed close (1 to 3000: the threshold 18 and 78 above the estimate) and spread wide
+    (distinct, 10 and 40 apart: 720 and 320 above it), each served and equal to the reference."""
     g = torch.Generator().manual_seed(3)
     B, Hkv, S, k = 2, 2, 1500, 256
     R = B * Hkv
