@@ -206,8 +206,7 @@ def scorer_table() -> None:
     packed = dict(HKV=8, G=4, W=1, ASM=True, STRIDE=16, EXTRA=True, EBLOCK=256)
     table |= dict(EXTRA=True, EBLOCK=256)  # (the safeguard's forced list written with the keys, as the policy does)
     runs = [("table", binarypc._score_kernel, dict(table, BLOCK=1024, STRIDE=16, SAMPLES=copy), 4) for copy in (0, 1)]
-    runs += [(name, binarypc._score_dp4a_kernel, dict(packed, BLOCK=block, SAMPLES=copy, MMA=mma), warps)
-             for name, mma in (("dp4a", False), ("mma", True))
+    runs += [("dp4a", binarypc._score_dp4a_kernel, dict(packed, BLOCK=block, SAMPLES=copy), warps)
              for block, warps in ((1024, 4), (512, 4), (2048, 8)) for copy in (0, 1)]
     print("| scorer | slots | warps | sample copy | registers | shared bytes | SASS a key | shared loads a key "
           "| dp4a a key | barriers a program |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")

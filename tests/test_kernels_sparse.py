@@ -165,24 +165,17 @@ def test_packed_probe_dotted_with_the_byte_masks_gives_the_probe_dot_the_bits():
 
 
 @pytest.mark.parametrize("G,bits,m,S", [(1, 64, 7, 37), (4, 64, 7, 150), (7, 128, 7, 40), (2, 40, 4, 70),
-                                        (3, 64, 1, 50), (2, 256, 7, 45), (3, 131, 6, 33), (8, 64, 7, 61)])
+                                        (3, 64, 1, 50), (2, 256, 7, 45), (3, 131, 6, 33)])
 def test_score_keys_dp4a_equal_popcount_reference(G, bits, m, S):
-    """The dp4a scorer, and on the device its byte products on the tensor cores (`mma=True`: codes of one word, at
-    most 8 query heads; the interpreter computes them by dp4a's arithmetic), give the popcount reference's keys."""
     B, Hkv, codes, q, basis, positions, samples = scoring_case(S * 11 + G, G, bits, m, S)
     probe, packed, sums = probe_packed(q, basis, m)
+    keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=64, samples=samples)
     ref = score_keys_ref(codes, probe, positions, m, bits)
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
-    for mma in (False, True) if bits <= 64 and G <= 8 else (False,):
-        copy = samples.clone()
-        keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=64, samples=copy, mma=mma)
-        assert keys.dtype == ref.dtype and torch.equal(keys[live], ref[live]), mma
-        assert_samples(copy, ref, positions, Hkv)
+    assert keys.dtype == ref.dtype and torch.equal(keys[live], ref[live])
+    assert_samples(samples, ref, positions, Hkv)
     # and the table scorer's keys for the same probe
     assert torch.equal(keys[live], score_keys(codes, byte_tables(probe, m), positions, m, bits, G)[live])
-    if bits > 64:
-        with pytest.raises(ValueError, match="one 64-bit code word"):
-            score_keys_dp4a(codes, packed, sums, positions, m, bits, mma=True)
 
 
 @pytest.mark.parametrize("scorer", ["tables", "dp4a"])
@@ -222,24 +215,21 @@ def test_scorers_write_the_forced_list_as_the_select_would(scorer):
 
 
 @cuda_only
-@pytest.mark.parametrize("B,S,block,warps,G", [(4, 131072, 1024, 4, 4), (16, 32771, 512, 4, 4), (3, 100003, 2048, 8, 4),
-                                               (2, 50001, 1024, 4, 7), (2, 40003, 1024, 4, 8), (3, 30011, 512, 4, 3)])
-def test_score_keys_dp4a_at_full_size_equal_the_table_scorer(B, S, block, warps, G):
-    """Llama-3.1-8B's heads (8 KV heads, 4 query heads each, 64-bit codes, 7-bit probes) and other group sizes at
-    full size, rows of different lengths, the tilings `bench/scorers.py` times: dp4a on the device, and its byte
-    products on the tensor cores (`mma=True`), give the table scorer's keys."""
+@pytest.mark.parametrize("B,S,block,warps", [(4, 131072, 1024, 4), (16, 32771, 512, 4), (3, 100003, 2048, 8)])
+def test_score_keys_dp4a_at_full_size_equal_the_table_scorer(B, S, block, warps):
+    """Llama-3.1-8B's heads (8 KV heads, 4 query heads each, 64-bit codes, 7-bit probes) at full size, rows of
+    different lengths, the tilings `bench/scorers.py` times: dp4a on the device gives the table scorer's keys."""
     g = torch.Generator().manual_seed(S + B)
-    Hkv, D, bits, m = 8, 128, 64, 7
+    Hkv, G, D, bits, m = 8, 4, 128, 64, 7
     codes = random_codes(g, B, Hkv, S, bits)
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE, torch.bfloat16)
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
     positions = torch.randint(S // 2, S, (B,), generator=g).to(DEVICE)
     probe, packed, sums = probe_packed(q, basis, m)
+    keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=block, num_warps=warps)
     want = score_keys(codes, byte_tables(probe, m), positions, m, bits, G)
     live = torch.arange(S, device=DEVICE) <= positions.long().repeat_interleave(Hkv)[:, None]
-    for mma in (False, True):
-        keys = score_keys_dp4a(codes, packed, sums, positions, m, bits, block=block, num_warps=warps, mma=mma)
-        assert torch.equal(keys[live], want[live]), mma
+    assert torch.equal(keys[live], want[live])
 
 
 @pytest.mark.parametrize("D,bits,S,max_slots", [(16, 64, 37, 37), (64, 64, 20, 5), (32, 100, 45, 45), (16, 7, 9, 9)])

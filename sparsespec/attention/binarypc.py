@@ -36,10 +36,8 @@ class BinaryPCOptions(BudgetOptions):
     basis: str = option("", "a calibrated basis file (`sparsespec calibrate binarypc`); empty: fit on each prompt")
     fit_tokens: int = option(8192, "fit the basis on at most this many keys per head, evenly spaced (0: every key)")
     scorer: str = option("auto", "the GPU step's scorer: `dp4a` (byte dot products in registers; probe_bits <= 7), "
-                                  "`mma` (dp4a's byte products on the tensor cores; also bits <= 64 and at most 8 "
-                                  "query heads a KV head), `tables` (byte tables in shared memory) or `auto` (dp4a "
-                                  "where the probe fits, else tables); the same keys but where a probe level lies on "
-                                  "a rounding boundary")
+                                  "`tables` (byte tables in shared memory) or `auto` (dp4a where the probe fits, "
+                                  "else tables); the same keys but where a probe level lies on a rounding boundary")
 
     def __post_init__(self):
         super().__post_init__()
@@ -53,13 +51,11 @@ class BinaryPCOptions(BudgetOptions):
             raise SparseSpecError(f"probe_bits must be in [1, 30], got {self.probe_bits}")
         if self.fit_tokens < 0:
             raise SparseSpecError(f"fit_tokens must be >= 0, got {self.fit_tokens}")
-        if self.scorer not in ("auto", "dp4a", "mma", "tables"):
-            raise SparseSpecError(f"scorer must be auto, dp4a, mma or tables, got {self.scorer!r}")
-        if self.scorer in ("dp4a", "mma") and self.probe_bits > 7:
-            raise SparseSpecError(f"scorer {self.scorer} multiplies signed bytes: probe_bits must be <= 7, got "
+        if self.scorer not in ("auto", "dp4a", "tables"):
+            raise SparseSpecError(f"scorer must be auto, dp4a or tables, got {self.scorer!r}")
+        if self.scorer == "dp4a" and self.probe_bits > 7:
+            raise SparseSpecError(f"scorer dp4a multiplies signed bytes: probe_bits must be <= 7, got "
                                   f"{self.probe_bits}")
-        if self.scorer == "mma" and self.bits > 64:
-            raise SparseSpecError(f"scorer mma takes codes of one 64-bit word: bits must be <= 64, got {self.bits}")
         if self.basis and not Path(self.basis).is_file():
             raise SparseSpecError(f"basis file {self.basis} not found")
 
@@ -353,9 +349,7 @@ class BinaryPC(SelectionPolicy):
             S = state.codes.shape[2]  # (the width the step's select takes by default: `fixed_selection`)
             if takes_candidates(B * Hkv, S, plan.buffers(layer)[0].shape[1], key_bits):
                 samples = kernels.sample_copy(B * Hkv, S, key_bits, q.device)
-        dp4a = opts.scorer in ("dp4a", "mma") or (opts.scorer == "auto" and opts.probe_bits <= 7)
-        if fast and opts.scorer == "mma" and Hq // Hkv > 8:
-            raise SparseSpecError(f"scorer mma takes at most 8 query heads a KV head, the model has {Hq // Hkv}")
+        dp4a = opts.scorer == "dp4a" or (opts.scorer == "auto" and opts.probe_bits <= 7)
         safe = opts.safeguard > 0
         # the safeguard's forced list: written by the scorer kernels with the keys (no launch of its own), by the
         # select on CPU
@@ -363,7 +357,7 @@ class BinaryPC(SelectionPolicy):
         if fast and dp4a:  # the probe packed as bytes, four code bits a dp4a
             _, packed, sums = kernels.probe_packed(q.view(B, Hq, D), state.basis, opts.probe_bits)
             keys = kernels.score_keys_dp4a(state.codes, packed, sums, plan.positions, opts.probe_bits, opts.bits,
-                                           samples=samples, extra=extra, mma=opts.scorer == "mma")
+                                           samples=samples, extra=extra)
         elif fast:  # byte tables of the quantised probe, then one table read per code byte
             _, tables = kernels.probe_tables(q.view(B, Hq, D), state.basis, opts.probe_bits)
             keys = kernels.score_keys(state.codes, tables, plan.positions, opts.probe_bits, opts.bits, Hq // Hkv,

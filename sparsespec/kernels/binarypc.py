@@ -419,125 +419,28 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
         return out
 
 
-_MMA_PTX = """{
-.reg .b32 %sl, %sg, %st, %st4, %s8, %s16, %s24, %sz, %sv, %sw;
-.reg .b32 %sx<8>, %sa<4>, %sd<4>, %se<4>, %sm<4>, %sr<4>;
-.reg .pred %sp;
-mov.u32 %sl, %laneid;
-shr.u32 %sg, %sl, 2;
-and.b32 %st, %sl, 3;
-add.u32 %st4, %st, 4;
-add.u32 %s8, %sg, 8;
-add.u32 %s16, %sg, 16;
-add.u32 %s24, %sg, 24;
-mov.b32 %sz, 0;
-shfl.sync.idx.b32 %sx0, $1, %sg, 31, -1;
-shfl.sync.idx.b32 %sx1, $2, %sg, 31, -1;
-shfl.sync.idx.b32 %sx2, $1, %s8, 31, -1;
-shfl.sync.idx.b32 %sx3, $2, %s8, 31, -1;
-shfl.sync.idx.b32 %sx4, $1, %s16, 31, -1;
-shfl.sync.idx.b32 %sx5, $2, %s16, 31, -1;
-shfl.sync.idx.b32 %sx6, $1, %s24, 31, -1;
-shfl.sync.idx.b32 %sx7, $2, %s24, 31, -1;
-""" + "".join(f"""shr.u32 %sa0, %sx{lo}, %st;
-and.b32 %sa0, %sa0, 0x01010101;
-shr.u32 %sa1, %sx{hi}, %st;
-and.b32 %sa1, %sa1, 0x01010101;
-shr.u32 %sa2, %sx{lo}, %st4;
-and.b32 %sa2, %sa2, 0x01010101;
-shr.u32 %sa3, %sx{hi}, %st4;
-and.b32 %sa3, %sa3, 0x01010101;
-mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {{%s{acc}0, %s{acc}1, %s{acc}2, %s{acc}3}},
-    {{%sa0, %sa1, %sa2, %sa3}}, {{{b0}, {b1}}}, {c};
-""" for lo, hi, acc, b0, b1, c in (
-    (0, 2, "d", "$3", "$4", "{%sz, %sz, %sz, %sz}"), (1, 3, "d", "$5", "$6", "{%sd0, %sd1, %sd2, %sd3}"),
-    (4, 6, "e", "$3", "$4", "{%sz, %sz, %sz, %sz}"), (5, 7, "e", "$5", "$6", "{%se0, %se1, %se2, %se3}"))) + "".join(
-    f"""shl.b32 %s{acc}0, %s{acc}0, 1;
-add.s32 %s{acc}0, %s{acc}0, $7;
-shl.b32 %s{acc}1, %s{acc}1, 1;
-add.s32 %s{acc}1, %s{acc}1, $8;
-shl.b32 %s{acc}2, %s{acc}2, 1;
-add.s32 %s{acc}2, %s{acc}2, $7;
-shl.b32 %s{acc}3, %s{acc}3, 1;
-add.s32 %s{acc}3, %s{acc}3, $8;
-max.s32 %sm{2 * j}, %s{acc}0, %s{acc}1;
-max.s32 %sm{2 * j + 1}, %s{acc}2, %s{acc}3;
-""" for j, acc in ((0, "d"), (1, "e"))) + "".join(f"""shfl.sync.bfly.b32 %sv, %sm{i}, {x}, 31, -1;
-max.s32 %sm{i}, %sm{i}, %sv;
-""" for i in range(4) for x in (1, 2)) + """and.b32 %sw, %sl, 7;
-shl.b32 %sw, %sw, 2;
-shfl.sync.idx.b32 %sr0, %sm0, %sw, 31, -1;
-shfl.sync.idx.b32 %sr1, %sm1, %sw, 31, -1;
-shfl.sync.idx.b32 %sr2, %sm2, %sw, 31, -1;
-shfl.sync.idx.b32 %sr3, %sm3, %sw, 31, -1;
-and.b32 %sv, %sl, 8;
-setp.ne.u32 %sp, %sv, 0;
-selp.b32 %sr0, %sr1, %sr0, %sp;
-selp.b32 %sr2, %sr3, %sr2, %sp;
-and.b32 %sv, %sl, 16;
-setp.ne.u32 %sp, %sv, 0;
-selp.b32 $0, %sr2, %sr0, %sp;
-}"""
-_MMA_SCORES = tl.constexpr(_MMA_PTX)  # (a global a kernel reads must be a constexpr)
-
-
-@triton.jit
-def _lane(x):
-    """[N] int32: the lane of the warp that holds each element of x [N] (any int32 tensor: its layout's)."""
-    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _mma_scores(word, packed_ptr, sums_ptr, r, G: tl.constexpr):
-    """The dp4a scorer's group max for 64-bit codes word [BLOCK] int64 and at most 8 query heads, on the tensor
-    cores: each warp's 32 keys (one a lane) as two 16-key tiles of `mma.m16n8k32` (u8 bits x s8 probe, int32
-    sums; the code's bits (half >> t) & 0x01010101 as A — the bytes the dp4a scorer forms —, the packed probe's
-    words for query head = the lane's group as B), twice the sum less Σ p̃ a head, the max over the heads by two
-    shuffles in each group of four lanes, and each lane's own key's back to it by one. The lanes' operands come
-    from their own keys by shuffles, so the layout Triton gives `word` does not matter. GPU only (PTX)."""
-    lo = word.to(tl.int32)
-    hi = (word >> 32).to(tl.int32)
-    lane = _lane(tl.zeros_like(lo))  # (one input for every element: the compiler keeps one lane id and loads)
-    g = lane >> 2  # the lane's query head among the B operand's columns
-    t = lane & 3
-    head = packed_ptr + (r * G + g) * 16  # packed [R, G, 2, 8]: (half, k) words of the head
-    on = g < G
-    b00 = tl.load(head + t, mask=on, other=0)
-    b01 = tl.load(head + t + 4, mask=on, other=0)
-    b10 = tl.load(head + 8 + t, mask=on, other=0)
-    b11 = tl.load(head + 12 + t, mask=on, other=0)
-    # the D fragment's heads of this lane: 2t and 2t + 1 (Σ p̃ of each negated; past the group: far below any key)
-    ns0 = -tl.load(sums_ptr + r * G + 2 * t, mask=2 * t < G, other=1 << 30)
-    ns1 = -tl.load(sums_ptr + r * G + 2 * t + 1, mask=2 * t + 1 < G, other=1 << 30)
-    return tl.inline_asm_elementwise(_MMA_SCORES, "=r,r,r,r,r,r,r,r,r", [lo, hi, b00, b01, b10, b11, ns0, ns1],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr, samples_ptr, extra_ptr, extra_n_ptr,
                        S, NS, E, OFFSET, HKV: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
-                       ASM: tl.constexpr, MMA: tl.constexpr, STRIDE: tl.constexpr, SAMPLES: tl.constexpr,
-                       EXTRA: tl.constexpr, EBLOCK: tl.constexpr, PDL: tl.constexpr):
+                       ASM: tl.constexpr, STRIDE: tl.constexpr, SAMPLES: tl.constexpr, EXTRA: tl.constexpr,
+                       EBLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_inputs(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     pos = tl.load(positions_ptr + r // HKV)
     live = s <= pos
     row = codes_ptr + (r.to(tl.int64) * S + s) * W  # [BLOCK]: each slot's code words
-    if MMA:  # (one 64-bit code word, at most 8 query heads, on the device)
-        best = _mma_scores(tl.load(row, mask=live, other=0), packed_ptr, sums_ptr, r, G)
-    else:
-        best = tl.full([BLOCK], -(1 << 30), tl.int32)
-        for g in tl.static_range(G):  # (each head's loads and byte masks are the same: the compiler keeps one of each)
-            head = packed_ptr + (r * G + g) * (2 * W * 8)
-            acc = tl.zeros([BLOCK], dtype=tl.int32)  # Σ_i p̃_i b_i
-            for w in tl.static_range(W):
-                word = tl.load(row + w, mask=live, other=0)  # [BLOCK] int64
-                for h in tl.static_range(2):
-                    half = (word >> (32 * h)).to(tl.int32)
-                    for k in tl.static_range(8):  # bits 8 y + k of the half, as bytes 0 or 1
-                        acc = _dp4a((half >> k) & 0x01010101, tl.load(head + (2 * w + h) * 8 + k), acc, ASM)
-            best = tl.maximum(best, 2 * acc - tl.load(sums_ptr + r * G + g))
+    best = tl.full([BLOCK], -(1 << 30), tl.int32)
+    for g in tl.static_range(G):  # (each head's loads and byte masks are the same: the compiler keeps one of each)
+        head = packed_ptr + (r * G + g) * (2 * W * 8)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)  # Σ_i p̃_i b_i
+        for w in tl.static_range(W):
+            word = tl.load(row + w, mask=live, other=0)  # [BLOCK] int64
+            for h in tl.static_range(2):
+                half = (word >> (32 * h)).to(tl.int32)
+                for k in tl.static_range(8):  # bits 8 y + k of the half, as bytes 0 or 1
+                    acc = _dp4a((half >> k) & 0x01010101, tl.load(head + (2 * w + h) * 8 + k), acc, ASM)
+        best = tl.maximum(best, 2 * acc - tl.load(sums_ptr + r * G + g))
     _store_keys(keys_ptr, samples_ptr, extra_ptr, extra_n_ptr, r, tl.program_id(1) * BLOCK, best + OFFSET, pos, S, NS,
                 E, HKV, BLOCK, STRIDE, SAMPLES, EXTRA, EBLOCK)
 
@@ -545,11 +448,10 @@ def _score_dp4a_kernel(codes_ptr, packed_ptr, sums_ptr, positions_ptr, keys_ptr,
 def score_keys_dp4a(codes: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, positions: torch.Tensor,
                     magnitude_bits: int, bits: int, out: torch.Tensor | None = None, block: int = 1024,
                     num_warps: int = 4, samples: torch.Tensor | None = None,
-                    extra: tuple[torch.Tensor, torch.Tensor] | None = None, mma: bool = False) -> torch.Tensor:
+                    extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """codes [B, Hkv, S, W] int64, packed / sums from `probe_packed`, positions [B] -> keys [B*Hkv, S], the same
     keys as `score_keys` (slots past a row's position are not written; `samples` and `extra` as there). Tuning:
-    `block` slots and `num_warps` a program. `mma`: the byte products on the tensor cores (`_mma_scores`; one
-    64-bit code word and at most 8 query heads a KV head; the interpreter computes them by dp4a's arithmetic)."""
+    `block` slots and `num_warps` a program."""
     from . import interpreting
 
     B, Hkv, S, W = codes.shape
@@ -558,13 +460,9 @@ def score_keys_dp4a(codes: torch.Tensor, packed: torch.Tensor, sums: torch.Tenso
     out = _keys_out(out, samples, B * Hkv, S, key_bits, codes.device)
     block = _block(block, S, samples)
     slots, counts, E, eblock = _forced_list(extra, out, B)
-    if mma and (W != 1 or G > 8):
-        raise ValueError(f"the mma scorer takes one 64-bit code word and at most 8 query heads a KV head, got {W} "
-                         f"words and {G} heads")
     _score_dp4a_kernel[(B * Hkv, triton.cdiv(S, block))](
         codes, packed, sums, positions, out, out if samples is None else samples, slots, counts, S,
         triton.cdiv(S, SAMPLE_STRIDE), E, offset, HKV=Hkv, G=G, W=W, BLOCK=block, ASM=not interpreting(),
-        MMA=mma and not interpreting(),
         STRIDE=SAMPLE_STRIDE, SAMPLES=samples is not None, EXTRA=extra is not None, EBLOCK=eblock,
         num_warps=num_warps, **chained(codes.device))
     return out
