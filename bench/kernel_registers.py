@@ -177,7 +177,7 @@ def select_table() -> None:
 
     keys = dict(HKV=8, KEY_BITS=14, BLOCK=2048)
     runs = [("sample", select._sample_kernel, dict(HKV=8, KEY_BITS=14, STRIDE=16, BLOCK=8192, RESIDENT=True,
-                                                    SAMPLES=True), 16),
+                                                    SAMPLES=True), 8),
             ("compact", select._compact_kernel, keys, 8),
             ("place", select._place_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=1024), 4),
             ("candidates", select._candidates_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=2048, CBLOCK=8192,
