@@ -86,6 +86,18 @@ def smollm2_engine(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_wiki_greedy(smollm2_engine):
+    """A 260-word wiki passage (seed 5) as tokens and the real model's first 20 dense greedy tokens after it (EOS
+    ignored): the reference of the full-budget tests of test_policies and test_runner, generated once for both."""
+    from sparsespec import corpora
+    from sparsespec.generate import GenerationConfig
+
+    prompt = smollm2_engine.tokenizer(corpora.text("wiki", 260, seed=5))["input_ids"]
+    gen = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
+    return prompt, smollm2_engine.generate([prompt], gen).token_ids[0]
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path):
     from transformers import AutoModelForCausalLM
 

@@ -52,10 +52,11 @@ def _by_key(rows):
 
 @pytest.mark.slow
 def test_batched_eval_equals_one_by_one_resumes_and_full_budget_matches_dense(smollm2_engine, tmp_path):
-    # two tasks of short answers (niah_single: 24 new tokens at most, qa: 16): every row decodes through both
-    # policies twice (alone, batched), and a decode step of the real model is what this test's time goes to
+    # two tasks of short answers (niah_single: 24 new tokens at most, qa: 16), prompts of 256 tokens (the rows of
+    # a batch 255 and 256 long): every row decodes through both policies twice (alone, batched), and the real
+    # model's prefills and decode steps are what this test's time goes to
     policies = ("dense", "topk:budget=1.0,dense_layers=0")
-    cfg = EvalConfig(tasks=("niah_single", "qa"), lengths=(512,), samples=2, policies=policies, batch=1)
+    cfg = EvalConfig(tasks=("niah_single", "qa"), lengths=(256,), samples=2, policies=policies, batch=1)
     alone = run_eval(smollm2_engine, cfg, tmp_path / "alone")
     assert len(alone) == 8
     by = _by_key(alone)
@@ -65,14 +66,15 @@ def test_batched_eval_equals_one_by_one_resumes_and_full_budget_matches_dense(sm
             assert dense["output"] == sparse["output"] and 0 <= dense["score"] <= 1
             assert sparse["tokens_attended"] > dense["prompt_tokens"]
 
-    # Batched, in two runs: dense for sample 0 first, then one batch per task in which sample 0 lacks only topk.
+    # Batched, in two runs: dense for niah_single's sample 0 first, then one batch per task: niah_single's, in which
+    # sample 0 lacks only topk, and qa's, which lacks every row.
     out = tmp_path / "batched"
-    first = run_eval(smollm2_engine, EvalConfig(tasks=cfg.tasks, lengths=(512,), samples=1, policies=("dense",)),
-                     out)
-    assert len(first) == 2
-    rows = run_eval(smollm2_engine, EvalConfig(tasks=cfg.tasks, lengths=(512,), samples=2, policies=policies,
+    first = run_eval(smollm2_engine, EvalConfig(tasks=cfg.tasks[:1], lengths=(256,), samples=1,
+                                                policies=("dense",)), out)
+    assert len(first) == 1
+    rows = run_eval(smollm2_engine, EvalConfig(tasks=cfg.tasks, lengths=(256,), samples=2, policies=policies,
                                                batch=2), out)
-    assert rows[:2] == first and len(rows) == 8 and _by_key(rows) == by  # per-row tokens_attended included
+    assert rows[:1] == first and len(rows) == 8 and _by_key(rows) == by  # per-row tokens_attended included
     assert run_eval(smollm2_engine, cfg, out) == rows  # a rerun finds everything done
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(lines) == 8 and {"task", "length", "policy", "sample", "score", "tokens_attended"} <= set(
@@ -111,8 +113,8 @@ def test_perplexity_tokens_are_checked_against_the_lengths_before_any_work():
 @pytest.mark.slow
 def test_batched_perplexity_pools_rows_and_a_full_budget_policy_equals_dense(smollm2_engine, tmp_path):
     tok = smollm2_engine.tokenizer
-    # 120 tokens prefilled, 14 predicted per row (each a decode step of the real model) in each of five runs
-    rows = [tok(corpora.text("wiki", 300, seed))["input_ids"][:135] for seed in (1, 2)]
+    # 120 tokens prefilled, 8 predicted per row (each a decode step of the real model) in each of five runs
+    rows = [tok(corpora.text("wiki", 300, seed))["input_ids"][:129] for seed in (1, 2)]
     dense = perplexity(smollm2_engine, None, rows, 120)
     alone = [perplexity(smollm2_engine, None, [r], 120) for r in rows]
     assert dense == pytest.approx(math.sqrt(alone[0] * alone[1]), rel=1e-4)  # equal counts: geometric mean
@@ -122,7 +124,7 @@ def test_batched_perplexity_pools_rows_and_a_full_budget_policy_equals_dense(smo
     assert dense == pytest.approx(full, rel=1e-4)
     assert 1 < dense < 100 and math.isfinite(sparse) and sparse != pytest.approx(dense, rel=1e-4)
 
-    cfg = EvalConfig(lengths=(160,), policies=("dense",), perplexity_tokens=20, perplexity_rows=2)
+    cfg = EvalConfig(lengths=(160,), policies=("dense",), perplexity_tokens=8, perplexity_rows=2)
     got = run_perplexity(smollm2_engine, cfg, tmp_path)
     assert len(got) == 1 and got[0]["rows"] == 2 and 1 < got[0]["perplexity"] < 100
     assert run_perplexity(smollm2_engine, cfg, tmp_path) == got

@@ -99,7 +99,7 @@ def test_every_policy_is_registered_with_a_full_budget_case():
     assert hf.ATTENTION_IMPLEMENTATIONS == [f"sparsespec_{name}" for name in POLICIES]
 
 
-SHORT = 200, 10  # prompt tokens, new tokens
+SHORT = 100, 10  # prompt tokens, new tokens
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +125,9 @@ def test_full_budget_equals_sdpa_on_smollm2(name, twin, wiki, sdpa_short, tmp_pa
 
 @pytest.mark.slow
 def test_binarypc_at_2_percent_gives_the_engines_tokens(smollm2_engine, twin, wiki):
-    """600 prompt tokens at 2%: 12 keys per step and KV head (min_tokens=0: the default floor of 1024 keys would
+    """400 prompt tokens at 2%: 8 keys per step and KV head (min_tokens=0: the default floor of 1024 keys would
     attend everything at this length; no sinks or window)."""
-    prompt, new = wiki[:600], 12
+    prompt, new = wiki[:400], 12
     options = BinaryPCOptions(budget=0.02, min_tokens=0, sinks=0, window=0)
     ours = smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=new),
                                    policy=make_policy("binarypc", {"budget": 0.02, "min_tokens": 0, "sinks": 0,

@@ -20,13 +20,13 @@ NO_CALIBRATION = [name for name in POLICIES if name not in ("dense", "doublespar
 
 
 @pytest.fixture(scope="module")
-def prompt(smollm2_engine):
-    return smollm2_engine.tokenizer(corpora.text("wiki", 260, seed=5))["input_ids"]
+def prompt(smollm2_wiki_greedy):
+    return smollm2_wiki_greedy[0]
 
 
 @pytest.fixture(scope="module")
-def dense_tokens(smollm2_engine, prompt):
-    return smollm2_engine.generate([prompt], GenerationConfig(max_new_tokens=20, stop_on_eos=False)).token_ids[0]
+def dense_tokens(smollm2_wiki_greedy):  # 20 tokens
+    return smollm2_wiki_greedy[1]
 
 
 @pytest.mark.slow
@@ -64,13 +64,16 @@ def test_full_budget_doublesparse_reproduces_dense_greedy(smollm2_engine, prompt
 
 @pytest.mark.slow
 def test_batched_sparse_generation_equals_one_by_one(smollm2_engine):
+    """Two prompts of different lengths (117 and 217 tokens) decoded together under BinaryPC at 10% give each the
+    tokens it gets alone: each row's basis fit, selection budget and forced slots are its own. min_tokens=0 and a
+    small window: the default floor (1024 keys) and window (64) would attend every key of these prompts."""
     eng = smollm2_engine
-    prompts = [eng.tokenizer(corpora.text("wiki", n, seed=n))["input_ids"] for n in (150, 320)]
-    gen = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
-    policy = make_policy("binarypc", {"budget": "0.1"})
-    batched = eng.generate(prompts, gen, policy=policy)
+    prompts = [eng.tokenizer(corpora.text("wiki", n, seed=n))["input_ids"] for n in (70, 150)]
+    gen = GenerationConfig(max_new_tokens=8, stop_on_eos=False)
+    options = {"budget": "0.1", "min_tokens": "0", "sinks": "2", "window": "4"}
+    batched = eng.generate(prompts, gen, policy=make_policy("binarypc", options))
     for i, p in enumerate(prompts):
-        alone = eng.generate([p], gen, policy=make_policy("binarypc", {"budget": "0.1"}))
+        alone = eng.generate([p], gen, policy=make_policy("binarypc", options))
         assert batched.token_ids[i] == alone.token_ids[0]
 
 

@@ -5,7 +5,6 @@ index following rollbacks."""
 import pytest
 import torch
 
-from sparsespec import corpora
 from sparsespec.attention import POLICIES, make_policy
 from sparsespec.generate import GenerationConfig, sample
 from sparsespec.runner import Runner
@@ -137,10 +136,9 @@ def test_quest_index_follows_fixed_width_steps():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in GRAPHABLE if n not in ("doublesparse", "doublep")])
-def test_full_budget_fixed_width_reproduces_dense_greedy(smollm2_engine, name):
+def test_full_budget_fixed_width_reproduces_dense_greedy(smollm2_engine, smollm2_wiki_greedy, name):
     eng = smollm2_engine
-    prompt = eng.tokenizer(corpora.text("wiki", 260, seed=5))["input_ids"]
-    dense = eng.generate([prompt], GenerationConfig(max_new_tokens=16, stop_on_eos=False)).token_ids[0]
+    prompt, dense = smollm2_wiki_greedy[0], smollm2_wiki_greedy[1][:16]  # (the session's dense generation)
     runner = Runner(eng.model, 1, len(prompt) + 16, make_policy(name, {"budget": "1.0", "dense_layers": "0"}),
                     fixed=True)
     token = sample(eng.model.logits(runner.prefill([prompt])), SamplingConfig(), None)
