@@ -14,7 +14,8 @@ from sparsespec.kernels.binarypc import (TableLayout, byte_tables, encode_slots,
                                          probe_tables_ref, sample_copy, sampled_keys_ref, score_keys, score_keys_dp4a,
                                          score_keys_ref)
 from sparsespec.kernels.scores import quest_keys, quest_keys_ref, topk_keys, topk_keys_ref  # noqa: E402
-from sparsespec.kernels.select import (SAMPLE_STRIDE, expand_pages, expand_pages_ref, ordered_keys,  # noqa: E402
+from sparsespec.kernels.select import (SAMPLE_STRIDE, candidate_thresholds, candidate_thresholds_ref,  # noqa: E402
+                                       expand_pages, expand_pages_ref, ordered_keys,
                                        same_selection, sampled_slots, select_scratch, select_topk,
                                        select_topk_ref)
 
@@ -392,6 +393,32 @@ def test_candidate_path_rows_that_fall_back_equal_reference(block):
         assert idx[r, :count[r]].tolist() == ref_idx[r, :count[r]].tolist(), r
     select_topk(keys.clone(), positions, tokens, positions + 1, k, 14, sampled=False, block=block, served=served)
     assert not served.any()  # the radix path serves no row by candidates
+
+
+@pytest.mark.parametrize("key_bits,spread,stride", [(14, 3000, 16), (8, 200, 4), (13, 8000, 8), (16, 60000, 16)])
+def test_candidate_thresholds_equal_reference(key_bits, spread, stride):
+    """The sample's threshold (the key at the target rank of the sampled keys, 1 where fewer are live) as the
+    reference ranks it: keys with many ties, rows of different lengths, forced sinks / window / tail, a budget past
+    the live keys (threshold 1); the sample held in registers or streamed 8 slots at a time, read from the row or
+    from the scorer's copy."""
+    g = torch.Generator().manual_seed(key_bits + stride)
+    B, Hkv, S, k = 3, 2, 700, 120
+    keys = torch.randint(1, spread, (B * Hkv, S), generator=g)
+    keys[1, ::5] = (1 << key_bits) - 2  # a row whose top keys crowd one value
+    keys = keys.to(torch.int16).to(DEVICE)  # (16-bit keys: their 16 bits, as the scorers store them)
+    positions = torch.tensor([S - 1, 400, 9], dtype=torch.int32, device=DEVICE)
+    tokens = torch.tensor([100, 30, 50], dtype=torch.int32, device=DEVICE)  # the last: more than its 10 slots
+    forced_from = torch.tensor([S - 3, 401, 10], dtype=torch.int32, device=DEVICE)
+    opts = dict(sinks=2, window=3, stride=stride, margin=4)
+    want = candidate_thresholds_ref(keys, positions, tokens, forced_from, k, key_bits, **opts)
+    assert int(want[-1]) == 1 and bool((want[:2] > 1).all())
+    slots = sampled_slots(S, stride, DEVICE)
+    copy = torch.where(slots < S, keys[:, slots.clamp_max(S - 1)], 0).contiguous()  # as a scorer writes it
+    for resident in (8192, 8):
+        for samples in (None, copy):
+            got = candidate_thresholds(keys, positions, tokens, forced_from, k, key_bits, samples=samples,
+                                       resident_keys=resident, **opts)
+            assert torch.equal(got, want), (resident, samples is None)
 
 
 def test_candidate_select_where_the_threshold_lies_far_above_the_sample_estimate():

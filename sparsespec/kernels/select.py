@@ -568,6 +568,60 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def _launch_sample(keys, samples, positions, tokens, forced_from, out, k, key_bits, sinks, window, stride, margin,
+                   resident_keys, launch):
+    """`_sample_kernel` over keys [R, S] (the sampled slots' keys from `samples` where given) into out [R] int32."""
+    R, S = keys.shape
+    n_s = triton.cdiv(S, stride)
+    sblock = min(resident_keys, triton.next_power_of_2(n_s))
+    _sample_kernel[(R,)](keys, keys if samples is None else samples, positions, tokens, forced_from, out, S, n_s, k,
+                         sinks, window, margin, HKV=R // positions.shape[0], KEY_BITS=key_bits, STRIDE=stride,
+                         BLOCK=sblock, RESIDENT=n_s <= sblock, SAMPLES=samples is not None,
+                         num_warps=max(4, min(8, sblock // 512)), **launch)
+
+
+def candidate_thresholds(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
+                         k: int, key_bits: int, sinks: int = 0, window: int = 0, stride: int = SAMPLE_STRIDE,
+                         margin: int = 16, samples: torch.Tensor | None = None,
+                         resident_keys: int = 8192) -> torch.Tensor:
+    """The candidate path's threshold of each row (`select_topk(sampled=True)` with the same arguments selects among
+    its keys at or above it) -> int32 [R]: the largest key that the sample's target rank of its sampled keys reach
+    (`candidate_thresholds_ref`), or 1 where fewer are live. keys [R, S] (up to 16 bits), positions / tokens /
+    forced_from [B], `samples` and `resident_keys` as `select_topk` takes them; the forced list is not applied."""
+    assert keys.dtype == torch.int16 and keys.is_contiguous() and key_bits <= 16 and _pow2(stride)
+    out = torch.empty(keys.shape[0], dtype=torch.int32, device=keys.device)
+    _launch_sample(keys, samples, positions, tokens, forced_from, out, k, key_bits, sinks, max(window, 1), stride,
+                   margin, resident_keys, chained(keys.device))
+    return out
+
+
+def candidate_thresholds_ref(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
+                             forced_from: torch.Tensor, k: int, key_bits: int, sinks: int = 0, window: int = 0,
+                             stride: int = SAMPLE_STRIDE, margin: int = 16) -> torch.Tensor:
+    """The torch reference of `candidate_thresholds`: per row, the sampled slots up to the query (`sampled_slots`)
+    with the select's ranked keys (forced slots at the maximal key), the target rank — 5/4 of the budget's share of
+    the sample plus `margin`, at least 1 — and the key at that rank from the top (1 where fewer are live)."""
+    R, S = keys.shape
+    hkv, top = R // positions.shape[0], (1 << key_bits) - 1
+    slots = sampled_slots(S, stride, keys.device)
+    out = torch.ones(R, dtype=torch.int32)
+    for r in range(R):
+        b = r // hkv
+        pos = int(positions[b])
+        n = pos + 1
+        n_s = -(-n // stride)
+        want = min(int(tokens[b]), k)
+        target = max((want * 5 * n_s + 4 * n - 1) // (4 * n) + margin, 1)
+        s = slots[:n_s]
+        key = keys[r, s.clamp_max(S - 1)].long() & top
+        forced = (s < sinks) | (s > pos - max(window, 1)) | (s >= int(forced_from[b]))
+        key = torch.where(s <= pos, torch.where(forced, top, key), 0)
+        ranked = key[key > 0].sort(descending=True).values
+        if len(ranked) >= target:
+            out[r] = int(ranked[target - 1])
+    return out.to(keys.device)
+
+
 def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, forced_from: torch.Tensor,
                 k: int, key_bits: int, sinks: int = 0, window: int = 0, extra: torch.Tensor | None = None,
                 extra_n: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -638,11 +692,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                          f"least twice the width, got {key_bits} bits, stride {stride}, room {room}")
     C = candidate_width(k, S, room)
     estimate = scratch_all[R * 2 * 256:R * 2 * 256 + R]  # [R]: the radix digits of <= 16-bit keys leave it
-    sblock = min(resident_keys, triton.next_power_of_2(n_s))
-    _sample_kernel[(R,)](keys, keys if samples is None else samples, positions, tokens, forced_from, estimate, S, n_s,
-                         k, sinks, window, margin, HKV=hkv, KEY_BITS=key_bits, STRIDE=stride, BLOCK=sblock,
-                         RESIDENT=n_s <= sblock, SAMPLES=samples is not None, num_warps=max(4, min(8, sblock // 512)),
-                         **launch)
+    _launch_sample(keys, samples, positions, tokens, forced_from, estimate, k, key_bits, sinks, window, stride, margin,
+                   resident_keys, launch)
     blk = min(scan_block, max(32, triton.next_power_of_2(S)))
     nb = triton.cdiv(S, blk)
     P = programs_per_row(R, nb, keys.device, scan_waves)
