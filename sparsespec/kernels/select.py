@@ -286,6 +286,16 @@ def _at_least(key, value):
 
 
 @triton.jit
+def _rank_search(key, v, want, KEY_BITS: tl.constexpr):
+    """The largest key at or above v that at least `want` of the keys [N] (held in registers) reach, found a bit at
+    a time from the top (it lies in [v, v + 2^KEY_BITS)); v itself where no larger one is reached by so many."""
+    for d in tl.static_range(KEY_BITS):
+        up = v + (1 << (KEY_BITS - 1 - d))
+        v = tl.where(tl.sum(_at_least(key, up), 0) >= want, up, v)
+    return v
+
+
+@triton.jit
 def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from_ptr, estimate_ptr, S, NS, K, SINKS,
                    WINDOW, MARGIN, HKV: tl.constexpr, KEY_BITS: tl.constexpr, STRIDE: tl.constexpr,
                    BLOCK: tl.constexpr, RESIDENT: tl.constexpr, SAMPLES: tl.constexpr, PDL: tl.constexpr):
@@ -311,9 +321,7 @@ def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from
         # masked by the copy's end alone and vectorises)
         stored = tl.load(copy + j, mask=j < NS, other=0) if SAMPLES else tl.load(row + s, mask=s <= pos, other=0)
         key = _ranked_keys(s, _stored_keys(stored, KEY_BITS), pos, forced_from, SINKS, WINDOW, KEY_BITS)
-        for d in tl.static_range(KEY_BITS):
-            up = v + (1 << (KEY_BITS - 1 - d))
-            v = tl.where(tl.sum(_at_least(key, up), 0) >= target, up, v)
+        v = _rank_search(key, v, target, KEY_BITS)
     else:
         for d in tl.static_range(KEY_BITS):
             up = v + (1 << (KEY_BITS - 1 - d))
@@ -447,9 +455,7 @@ def _candidates_kernel(cand_ptr, slots_ptr, counts_ptr, forced_ptr, positions_pt
         threshold = lo
         if RESIDENT:
             held = _candidate_keys(row, tl.arange(0, CBLOCK), total, C, KEY_BITS)
-            for d in tl.static_range(KEY_BITS):
-                up = threshold + (1 << (KEY_BITS - 1 - d))
-                threshold = tl.where(tl.sum(_at_least(held, up), 0) >= wanted_1, up, threshold)
+            threshold = _rank_search(held, threshold, wanted_1, KEY_BITS)
             n_above = tl.sum(_at_least(held, threshold + 1), 0)
         else:
             for d in tl.static_range(KEY_BITS):
@@ -661,7 +667,7 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
     assert samples is None or (samples.shape == (R, n_s) and samples.dtype == keys.dtype and samples.is_contiguous()
                                and samples.device == keys.device), "samples: [R, ceil(S / stride)] of the keys' dtype"
     B = positions.shape[0]
-    hkv, digits, last = R // B, *key_digits(key_bits)
+    hkv, digits = R // B, key_digits(key_bits)[0]
     idx, count = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=keys.device),
                                               torch.empty(R, dtype=torch.int32, device=keys.device))
     scratch_all = select_scratch(R, keys.device) if scratch is None else scratch
