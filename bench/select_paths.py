@@ -3,10 +3,9 @@ select) and whole (a CUDA graph replayed), checked to select the same slots as e
 candidates served (the others fell back to the radix passes: the same selection, more time).
 
     python3 bench/select_paths.py --shapes 1x131072,4x131072,16x32768,16x131072 [--scan 4x2048,16x1024]
-        [--pick 1024,4096] [--radix 1024x4x4,4096x2x8] [--samples 32/16,64/32/4] [--flat-rows 0,1,8]
-        [--one-warps 16,8] [--out DIR]
+        [--pick 1024,4096] [--radix 1024x4x4,4096x2x8] [--samples 32/16,64/32/4] [--flat-rows 0,1,8] [--out DIR]
 
-Paths: radix (and each --radix tiling); radix in one launch (each --one-warps, where the rows fit it); candidates (each scan tiling); candidates reading the sampled slots' keys
+Paths: radix (and each --radix tiling); candidates (each scan tiling); candidates reading the sampled slots' keys
 from their copy (`select_topk(samples=)`, what BinaryPC's scorers write beside the keys); the same with each --pick
 block of the candidates' program; candidates at each --samples setting.
 
@@ -77,9 +76,6 @@ def main():
     ap.add_argument("--radix", default="",
                     help="more tilings of the radix path to time beside the default's 2048x4x8: slots a step x "
                          "programs per SM x warps a program, comma-separated")
-    ap.add_argument("--one-warps", default="16,8",
-                    help="warps a program of the radix path in one launch (`one_launch`, where the rows fit a program "
-                         "per multiprocessor), comma-separated, each timed")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
@@ -94,14 +90,10 @@ def main():
         outs = {}
         row = {"batch": B, "context": S, "flat_rows": flat,
                "auto": "candidates" if takes_candidates(keys.shape[0], S, width, key_bits) else "radix"}
-        paths = [("radix", dict(sampled=False, one_launch=False))]
-        if keys.shape[0] <= torch.cuda.get_device_properties(0).multi_processor_count:
-            paths += [(f"radix one launch {w}w", dict(sampled=False, one_launch=True, one_warps=int(w)))
-                      for w in args.one_warps.split(",")]
+        paths = [("radix", dict(sampled=False))]
         for tiling in filter(None, args.radix.split(",")):
             blk, w, warps = map(int, tiling.split("x"))
-            paths.append((f"radix {tiling}", dict(sampled=False, one_launch=False, block=blk, waves=w,
-                                                  num_warps=warps)))
+            paths.append((f"radix {tiling}", dict(sampled=False, block=blk, waves=w, num_warps=warps)))
         for i, tiling in enumerate(args.scan.split(",")):
             w, blk = map(int, tiling.split("x"))
             paths.append(("candidates" + (f" {tiling}" if i else ""), dict(sampled=True, scan_waves=w,

@@ -266,12 +266,10 @@ def test_encode_slots_in_bf16_keep_the_codes():
 
 def _check_selection(keys, positions, tokens, forced_from, k, key_bits, blocks=(2048,), candidates=False, **kw):
     ref_idx, ref_count = select_topk_ref(keys, positions, tokens, forced_from, k, key_bits, **kw)
-    # the radix path (on a GPU both as separate launches and as one); with `candidates` and keys of up to 16 bits
-    # also the candidate path (a threshold from one slot in 4, no margin: rows that keep too few candidates fall
-    # back, the others are served by theirs)
-    radix = ([dict(sampled=False, one_launch=False), dict(sampled=False, one_launch=True, one_warps=4)]
-             if DEVICE == "cuda" else [dict(sampled=False)])
-    paths = radix + ([dict(sampled=True, stride=4, margin=0)] if candidates and key_bits <= 16 else [])
+    # the radix path; with `candidates` and keys of up to 16 bits also the candidate path (a threshold from one
+    # slot in 4, no margin: rows that keep too few candidates fall back, the others are served by theirs)
+    paths = [dict(sampled=False)] + ([dict(sampled=True, stride=4, margin=0)] if candidates and key_bits <= 16
+                                     else [])
     for block in blocks:  # 2048: one block a row; 64: many blocks shared by several programs a row (the candidate
         for path in paths:  # path's compaction too: runs of 64-slot blocks)
             idx = torch.full_like(ref_idx, -7)
@@ -507,11 +505,10 @@ def test_the_samples_copy_gives_the_same_selection_and_rows_served(stride):
 
 
 @cuda_only
-@pytest.mark.parametrize("B,S,budget", [(1, 131072, 2622), (4, 131072, 2622), (16, 32768, 656), (3, 100003, 2000)])
-def test_selection_at_full_size_equals_reference(B, S, budget):
+@pytest.mark.parametrize("B,S,budget", [(4, 131072, 2622), (16, 32768, 656), (3, 100003, 2000)])
+def test_candidate_path_at_full_size_equals_reference(B, S, budget):
     """BinaryPC's own keys (table-scored 64-bit codes of correlated keys, 7-bit probes) at full size, rows of
-    different lengths: the candidate path and the radix path, in separate launches and in one (where the rows fit
-    it), select what the reference does."""
+    different lengths: the candidate path selects what the reference does."""
     g = torch.Generator().manual_seed(S + B)
     Hkv, G, D, bits, m = 8, 4, 128, 64, 7
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
@@ -526,26 +523,10 @@ def test_selection_at_full_size_equals_reference(B, S, budget):
     args = (keys, lengths, tokens, lengths + 1, budget + 68, key_bits)
     opts = dict(sinks=4, window=64)
     ref_idx, ref_count = select_topk_ref(*args, **opts)
-    live = torch.arange(ref_idx.shape[1], device=DEVICE) < ref_count[:, None]
-    paths = [dict(sampled=True), dict(sampled=False, one_launch=False)]
-    if B * Hkv <= torch.cuda.get_device_properties(DEVICE).multi_processor_count:
-        paths += [dict(sampled=False, one_launch=True), dict(sampled=False, one_launch=True, one_warps=8)]
-    for path in paths:
-        idx, count = select_topk(keys.clone(), *args[1:], **path, **opts)
-        assert torch.equal(count, ref_count), path
-        assert torch.equal(torch.where(live, idx, -1), torch.where(live, ref_idx, -1)), path
-
-
-def test_one_launch_radix_needs_a_gpu():
-    """The radix path in one launch has its programs wait for each other: never where they run one after another
-    (Triton's interpreter, CPU tensors), and not chosen there by default."""
-    from sparsespec.kernels.select import one_launch_fits
-    keys = torch.randint(1, 1000, (2, 64)).to(torch.int16)
-    positions = torch.tensor([63], dtype=torch.int32)
-    assert not one_launch_fits(2, "cpu")
-    if DEVICE == "cpu":
-        with pytest.raises(ValueError, match="one_launch"):
-            select_topk(keys, positions, positions + 1, positions + 1, 8, 14, sampled=False, one_launch=True)
+    idx, count = select_topk(keys.clone(), *args[1:], sampled=True, **opts)
+    assert torch.equal(count, ref_count)
+    live = torch.arange(idx.shape[1], device=DEVICE) < count[:, None]
+    assert torch.equal(torch.where(live, idx, -1), torch.where(live, ref_idx, -1))
 
 
 def test_candidate_path_is_taken_by_shape():

@@ -48,7 +48,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
 from .launch import chained, wait_inputs
 
 
@@ -155,7 +154,9 @@ def _key_type(x, KEY_BITS: tl.constexpr):
 def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, skip_ptr,
                       S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
                       D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr):
-    """Digit D's histogram of a row's keys (`_histogram_run`), a program per (row, run of BPP blocks). SKIP: rows
+    """Digit D's histogram over this program's run of BPP blocks, among the keys matching the digits above, added
+    atomically to the row's. The last digit's pass also keeps the program's own histogram and how many of its keys
+    lie above the prefix (part_ptr [R, P, 2^LAST + 1]): the write pass takes its offsets from them. SKIP: rows
     whose skip_ptr[r] is set are left alone (selected by the candidate path)."""
     wait_inputs(PDL)
     r = tl.program_id(0)
@@ -163,17 +164,6 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
     if SKIP:
         if tl.load(skip_ptr + r) != 0:
             return
-    _histogram_run(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, r, p, S, K,
-                   SINKS, WINDOW, BPP, HKV, KEY_BITS, LAST, D, P, BLOCK)
-
-
-@triton.jit
-def _histogram_run(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, r, p, S, K,
-                   SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
-                   D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
-    """Digit D's histogram over program p's run of BPP blocks of row r, among the keys matching the digits above,
-    added atomically to the row's. The last digit's pass also keeps the program's own histogram and how many of its
-    keys lie above the prefix (part_ptr [R, P, 2^LAST + 1]): the write pass takes its offsets from them."""
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
@@ -215,29 +205,17 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
                   idx_ptr, count_ptr, attended_ptr, done_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
                   KEY_BITS: tl.constexpr, LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
                   ATTENDED: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr):
-    """The selection written (`_write_run`), a program per (row, run of BPP blocks). SKIP as `_histogram_kernel`."""
+    """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
+    while the row still wants them. Where they start, from the earlier programs' last-digit suffix sums: their keys
+    above the threshold, and their keys equal to it as far as the row takes those. One scan a block: the running
+    counts of keys above the threshold and of keys equal to it, packed as the low and high 16 bits of one int32
+    (BLOCK <= 2^14: `select_topk` checks it)."""
     wait_inputs(PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
     if SKIP:
         if tl.load(skip_ptr + r) != 0:
             return
-    _write_run(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
-               count_ptr, attended_ptr, done_ptr, r, p, 0, S, K, SINKS, WINDOW, BPP, HKV, KEY_BITS, LAST, P, PP, BLOCK,
-               ATTENDED)
-
-
-@triton.jit
-def _write_run(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
-               count_ptr, attended_ptr, done_ptr, r, p, arrived, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
-               KEY_BITS: tl.constexpr, LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
-               ATTENDED: tl.constexpr):
-    """Write program p's selected slots of row r in slot order: every key above the threshold, and the keys equal
-    to it while the row still wants them. Where they start, from the earlier programs' last-digit suffix sums: their
-    keys above the threshold, and their keys equal to it as far as the row takes those. One scan a block: the
-    running counts of keys above the threshold and of keys equal to it, packed as the low and high 16 bits of one
-    int32 (BLOCK <= 2^14: `select_topk` checks it). The row's last program to finish (its count at done_ptr[r],
-    `arrived` before this pass) zeroes the row's counting buffers."""
     b = r // HKV
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
@@ -277,47 +255,11 @@ def _write_run(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, s
     # the row's counts back to zero for the next select (a plan's scratch serves every layer and step): by the
     # row's last program to get here, after every program of the row has read them
     tl.debug_barrier()
-    if tl.atomic_add(done_ptr + r, 1) == arrived + P - 1:
+    if tl.atomic_add(done_ptr + r, 1) == P - 1:
         for d in tl.static_range(DIGITS):
             tl.store(hist_ptr + (r * DIGITS + d) * 256 + tl.arange(0, 256), tl.zeros([256], tl.int32))
         tl.store(stats_ptr + r, 0)
         tl.store(done_ptr + r, 0)
-
-
-@triton.jit
-def _meet(counter_ptr, target):
-    """Every program of a row arrives at its counter and waits there until `target` arrivals are counted, the
-    writes each made before arriving then visible to all (release on arrival, acquire while waiting). Only for
-    grids whose programs are all resident at once (`_radix_one_kernel`): a program waiting for one that has not
-    started would wait for ever — so never in Triton's interpreter, which runs the programs one after another."""
-    tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release")
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    while seen < target:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _radix_one_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
-                      count_ptr, attended_ptr, done_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
-                      KEY_BITS: tl.constexpr, LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-                      BLOCK: tl.constexpr, ATTENDED: tl.constexpr, PDL: tl.constexpr):
-    """The radix path in one launch: every digit's histogram pass and the write pass of `_radix`, the P programs of
-    a row meeting at its `done` counter between them (`_meet`) where separate launches would end and begin. The
-    grid must fit the GPU at once (`select_topk(one_launch=)` launches at most a program per multiprocessor); the
-    keys are read once a pass, from L2 after the first."""
-    wait_inputs(PDL)
-    r = tl.program_id(0)
-    p = tl.program_id(1)
-    DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
-    for d in tl.static_range(DIGITS):
-        _histogram_run(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, r, p, S,
-                       K, SINKS, WINDOW, BPP, HKV, KEY_BITS, LAST, d, P, BLOCK)
-        _meet(done_ptr + r, (d + 1) * P)
-    _write_run(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, idx_ptr,
-               count_ptr, attended_ptr, done_ptr, r, p, DIGITS * P, S, K, SINKS, WINDOW, BPP, HKV, KEY_BITS, LAST, P,
-               PP, BLOCK, ATTENDED)
 
 
 @triton.jit
@@ -602,33 +544,17 @@ def takes_candidates(rows: int, capacity: int, k: int, key_bits: int, room: int 
             and rows * capacity >= SAMPLED_MIN_KEYS)
 
 
-def one_launch_fits(rows: int, device: torch.device | str) -> bool:
-    """Whether `select_topk(one_launch=None)` runs the radix path in one launch (`_radix_one_kernel`): on a GPU,
-    outside Triton's interpreter (its programs wait for each other), and where at least 4 programs a row fit at
-    one a multiprocessor."""
-    device = torch.device(device)
-    return device.type == "cuda" and not interpreting() and 4 * rows <= _multiprocessors(device)
-
-
 def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
-           block, waves, num_warps, skip=None, one_launch=False, one_warps=16):
-    """The radix passes and the write pass over keys [R, S] (rows whose skip[r] is set left alone); `one_launch`:
-    all of them in one launch of at most a program per multiprocessor, `one_warps` warps each."""
+           block, waves, num_warps, skip=None):
+    """The radix passes and the write pass over keys [R, S] (rows whose skip[r] is set left alone)."""
     R, S = keys.shape
     hkv, digits, last = R // positions.shape[0], *key_digits(key_bits)
     block = min(block, triton.next_power_of_2(S))
     nb = triton.cdiv(S, block)
-    P = max(1, min(nb, _multiprocessors(keys.device) // R)) if one_launch else programs_per_row(R, nb, keys.device,
-                                                                                                 waves)
+    P = programs_per_row(R, nb, keys.device, waves)
     bpp = triton.cdiv(nb, P)
     part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
     launch = chained(keys.device)
-    if one_launch:
-        _radix_one_kernel[(R, P)](keys, positions, tokens, forced_from, hist, stats, part, idx, count,
-                                  count if attended is None else attended, done, S, k, sinks, window, bpp, HKV=hkv,
-                                  KEY_BITS=key_bits, LAST=last, P=P, PP=triton.next_power_of_2(P), BLOCK=block,
-                                  ATTENDED=attended is not None, num_warps=one_warps, **launch)
-        return
     common = (keys, positions, tokens, forced_from, hist, stats, part, keys if skip is None else skip)
     for d in range(digits):
         _histogram_kernel[(R, P)](*common, S, k, sinks, window, bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, D=d,
@@ -709,14 +635,13 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
                 waves: int = 4, num_warps: int = 8, sampled: bool | None = None, stride: int = SAMPLE_STRIDE,
                 margin: int = 16, room: int = CANDIDATE_ROOM, scan_waves: int = 4, scan_block: int = 2048,
                 pick_block: int = 2048, served: torch.Tensor | None = None, samples: torch.Tensor | None = None,
-                resident_keys: int = 8192, one_launch: bool | None = None, one_warps: int = 16):
+                resident_keys: int = 8192):
     """keys [R, S] int16/int32 (the forced list is written into it), positions / tokens / forced_from [B] int32
     or int64, extra [R, E] int32 with extra_n [B] -> (idx [R, k] int32, count [R] int32). `key_bits` is 16 or 32
     (int16 keys: 16). `attended` [B] fp32: each row's mean count over its KV heads is added to it. `scratch`: a
     `select_scratch` for R rows (default: a fresh one). Tuning: `block` slots per step of a program (a power of
     two), `waves` programs per SM, `num_warps` per program. Shapes alone fix the launches: capturable in a CUDA
-    graph. `one_launch` (None: `one_launch_fits`): the radix path as one launch of at most a program per
-    multiprocessor, `one_warps` warps each, its programs meeting between the passes (CUDA only).
+    graph.
 
     `sampled` (keys of up to 16 bits; None: `takes_candidates`): the candidate path. A threshold estimated from
     one slot in `stride` (`margin` sample ranks of slack) splits off each row's candidates — one compaction
@@ -763,14 +688,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
         raise ValueError(f"block and pick_block take powers of two up to 16384, scan_block one of at least 8 and "
                          f"resident_keys any, got {block}, {pick_block}, {scan_block} and {resident_keys}")
     if not sampled:
-        if one_launch is None:
-            one_launch = one_launch_fits(R, keys.device)
-        if one_launch and (keys.device.type != "cuda" or interpreting() or R > _multiprocessors(keys.device)):
-            raise ValueError(f"one_launch: the radix path's programs wait for each other, so all of them must be on "
-                             f"a GPU at once (a CUDA device, not Triton's interpreter, rows at most its "
-                             f"multiprocessors), got {R} rows on {keys.device}")
         _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats,
-               done, one_launch=one_launch, one_warps=one_warps, **tuning)
+               done, **tuning)
         if served is not None:
             served.zero_()
         return idx, count
