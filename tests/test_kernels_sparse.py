@@ -505,10 +505,10 @@ def test_the_samples_copy_gives_the_same_selection_and_rows_served(stride):
 
 
 @cuda_only
-@pytest.mark.parametrize("B,S,budget", [(4, 131072, 2622), (16, 32768, 656), (3, 100003, 2000)])
-def test_candidate_path_at_full_size_equals_reference(B, S, budget):
+@pytest.mark.parametrize("B,S,budget", [(1, 131072, 2622), (4, 131072, 2622), (16, 32768, 656), (3, 100003, 2000)])
+def test_selection_at_full_size_equals_reference(B, S, budget):
     """BinaryPC's own keys (table-scored 64-bit codes of correlated keys, 7-bit probes) at full size, rows of
-    different lengths: the candidate path selects what the reference does."""
+    different lengths: the candidate path and the radix path select what the reference does."""
     g = torch.Generator().manual_seed(S + B)
     Hkv, G, D, bits, m = 8, 4, 128, 64, 7
     basis = torch.randn(B, Hkv, bits, D, generator=g).to(DEVICE)
@@ -523,10 +523,11 @@ def test_candidate_path_at_full_size_equals_reference(B, S, budget):
     args = (keys, lengths, tokens, lengths + 1, budget + 68, key_bits)
     opts = dict(sinks=4, window=64)
     ref_idx, ref_count = select_topk_ref(*args, **opts)
-    idx, count = select_topk(keys.clone(), *args[1:], sampled=True, **opts)
-    assert torch.equal(count, ref_count)
-    live = torch.arange(idx.shape[1], device=DEVICE) < count[:, None]
-    assert torch.equal(torch.where(live, idx, -1), torch.where(live, ref_idx, -1))
+    live = torch.arange(ref_idx.shape[1], device=DEVICE) < ref_count[:, None]
+    for sampled in (True, False):
+        idx, count = select_topk(keys.clone(), *args[1:], sampled=sampled, **opts)
+        assert torch.equal(count, ref_count), sampled
+        assert torch.equal(torch.where(live, idx, -1), torch.where(live, ref_idx, -1)), sampled
 
 
 def test_candidate_path_is_taken_by_shape():
