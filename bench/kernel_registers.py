@@ -182,8 +182,8 @@ def select_table() -> None:
             ("place", select._place_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=1024), 4),
             ("candidates", select._candidates_kernel, dict(HKV=8, KEY_BITS=14, PP=8, BLOCK=2048, CBLOCK=8192,
                                                            RESIDENT=True, ATTENDED=True), 8),
-            ("histogram, top digit", select._histogram_kernel, dict(keys, LAST=6, D=0, P=5, FEW=64, SKIP=False), 8),
-            ("histogram, last digit", select._histogram_kernel, dict(keys, LAST=6, D=1, P=5, FEW=64, SKIP=False), 8),
+            ("histogram, top digit", select._histogram_kernel, dict(keys, LAST=6, D=0, P=5, SKIP=False), 8),
+            ("histogram, last digit", select._histogram_kernel, dict(keys, LAST=6, D=1, P=5, SKIP=False), 8),
             ("write", select._write_kernel, dict(keys, LAST=6, P=5, PP=8, ATTENDED=True, SKIP=False), 8)]
     print("| kernel | PTX instructions | 16-bit scalar loads | vector loads | barriers | registers | shared bytes |\n"
           "|---|---:|---:|---:|---:|---:|---:|")

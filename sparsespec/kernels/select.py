@@ -15,13 +15,11 @@ to the lower slot — the same set `select_top` picks.
 Radix select, every pass spread over (row, run of blocks) programs, a few per row so that the GPU is full at any
 batch: one pass per digit (8 bits; the last takes the rest, `key_digits`) adds the run's histogram of that digit
 (among the keys matching the digits chosen so far) to the row's; every program finds the chosen digits itself from
-the row's histograms (where the count from the top crosses the budget). The top digit's pass counts every key with
-`tl.histogram`; a lower digit's pass counts only the few keys that match the prefix, each with an atomic of its
-own (a block where many match takes the histogram). The write pass counts its program's keys above the threshold
-and equal to it, posts them, takes its offset from the earlier programs' posts (their keys above the threshold, and
-their keys equal to it, taken in slot order until the row has its count) and writes the selection compacted in
-slot order. Every pass reads the keys once (2 or 4 bytes a slot), the write twice: for BinaryPC's 14-bit keys two
-histogram passes (256 and 64 bins), then the write.
+the row's histograms (where the count from the top crosses the budget). The last digit's pass also keeps each
+program's own histogram and its count of keys above the prefix; the write pass takes its program's offset from
+the earlier programs' (their keys above the threshold, and their keys equal to it, taken in slot order until the
+row has its count) and writes the selection compacted in slot order. Every pass reads the keys once (2 or 4 bytes
+a slot): for BinaryPC's 14-bit keys two histogram passes (256 and 64 bins), then the write.
 
 The candidate path (keys of up to 16 bits, large selects: `takes_candidates`): one program a row finds, from one
 slot in 16, a threshold a little below the row's budget; one compaction pass over the row stages the slots of the
@@ -153,16 +151,13 @@ def _key_type(x, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, tally_ptr, skip_ptr,
+def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, skip_ptr,
                       S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr, KEY_BITS: tl.constexpr, LAST: tl.constexpr,
-                      D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, FEW: tl.constexpr, SKIP: tl.constexpr,
-                      PDL: tl.constexpr):
+                      D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr):
     """Digit D's histogram over this program's run of BPP blocks, among the keys matching the digits above, added
-    atomically to the row's. The top digit's pass counts every key (`tl.histogram`) and clears the program's tally
-    for the write pass (tally_ptr [R, P] int64); a lower digit's pass counts only the keys matching the prefix, few
-    of a row: a block with at most FEW of them adds each with an atomic of its own (no histogram over the block's
-    keys), a block with more (many keys equal in the digits above) takes `tl.histogram`. SKIP: rows whose
-    skip_ptr[r] is set are left alone (selected by the candidate path)."""
+    atomically to the row's. The last digit's pass also keeps the program's own histogram and how many of its keys
+    lie above the prefix (part_ptr [R, P, 2^LAST + 1]): the write pass takes its offsets from them. SKIP: rows
+    whose skip_ptr[r] is set are left alone (selected by the candidate path)."""
     wait_inputs(PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
@@ -177,12 +172,12 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
     BINS: tl.constexpr = (1 << LAST) if D == DIGITS - 1 else 256
     shift: tl.constexpr = 0 if D == DIGITS - 1 else KEY_BITS - 8 * (D + 1)  # of this digit
     high: tl.constexpr = LAST if D == DIGITS - 1 else shift + 8  # of the digits above it
-    row_hist = hist_ptr + (r * DIGITS + D) * 256
     if D > 0:
         prefix, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, LAST, D)
         prefix = _key_type(prefix, KEY_BITS)
     hist = tl.zeros([BINS], dtype=tl.int32)
     n_forced = 0
+    above = 0
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
@@ -191,34 +186,30 @@ def _histogram_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist
             match = key > 0
             if D == 0:
                 n_forced += tl.sum((key == KEY_MASK).to(tl.int32), 0)
-                dense = True
             else:
+                above += tl.sum(((key >> high) > prefix).to(tl.int32), 0)
                 match = match & ((key >> high) == prefix)
-                dense = tl.sum(match.to(tl.int32), 0) > FEW
-            digit = ((key >> shift) & (BINS - 1)).to(tl.int32)
-            if dense:
-                part = tl.histogram(tl.where(match, digit, 0), BINS)
-                hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
-            else:
-                tl.atomic_add(row_hist + digit, 1, mask=match, sem="relaxed")
+            part = tl.histogram(tl.where(match, (key >> shift) & (BINS - 1), 0).to(tl.int32), BINS)
+            hist += part - tl.where(tl.arange(0, BINS) == 0, tl.sum((~match).to(tl.int32), 0), 0)
     if D == 0:
         tl.atomic_add(stats_ptr + r, n_forced)
-        tl.store(tally_ptr + r * P + p, tl.zeros([], tl.int64))
-    tl.atomic_add(row_hist + tl.arange(0, BINS), hist, sem="relaxed")
+    tl.atomic_add(hist_ptr + (r * DIGITS + D) * 256 + tl.arange(0, BINS), hist)
+    if D == DIGITS - 1:  # the program's keys of each last digit and above it (suffix sums), for the write pass
+        own = part_ptr + (r * P + p).to(tl.int64) * (BINS + 1)
+        tl.store(own + tl.arange(0, BINS), tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist)
+        tl.store(own + BINS, above)
 
 
 @triton.jit
-def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, tally_ptr, skip_ptr,
+def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr, stats_ptr, part_ptr, skip_ptr,
                   idx_ptr, count_ptr, attended_ptr, done_ptr, S, K, SINKS, WINDOW, BPP, HKV: tl.constexpr,
                   KEY_BITS: tl.constexpr, LAST: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
                   ATTENDED: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr):
     """Write this program's selected slots in slot order: every key above the threshold, and the keys equal to it
-    while the row still wants them. Where they start: the program counts its keys above the threshold and equal to
-    it, posts both in its tally (one int64: a set flag bit, then the two counts), and waits for the tallies of the
-    row's earlier programs (a look-back: the GPU starts programs in order, so the earlier ones have started or
-    finished and none waits on a later one; Triton's interpreter runs them in that order). One scan a block: the
-    running counts of keys above the threshold and of keys equal to it, packed as the low and high 16 bits of one
-    int32 (BLOCK <= 2^14: `select_topk` checks it)."""
+    while the row still wants them. Where they start, from the earlier programs' last-digit suffix sums: their keys
+    above the threshold, and their keys equal to it as far as the row takes those. One scan a block: the running
+    counts of keys above the threshold and of keys equal to it, packed as the low and high 16 bits of one int32
+    (BLOCK <= 2^14: `select_topk` checks it)."""
     wait_inputs(PDL)
     r = tl.program_id(0)
     p = tl.program_id(1)
@@ -229,30 +220,23 @@ def _write_kernel(keys_ptr, positions_ptr, tokens_ptr, forced_from_ptr, hist_ptr
     pos = tl.load(positions_ptr + b).to(tl.int32)
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     DIGITS: tl.constexpr = (KEY_BITS - LAST) // 8 + 1
+    BINS: tl.constexpr = 1 << LAST
     threshold, k, want = _threshold(hist_ptr, stats_ptr, tokens_ptr, r, b, K, DIGITS, LAST, DIGITS)
+    t = threshold & (BINS - 1)
     threshold = _key_type(threshold, KEY_BITS)
-    row = keys_ptr + r.to(tl.int64) * S
-    n_above = 0
-    n_eq = 0
+    prog = tl.arange(0, PP)
+    earlier = prog < p
+    parts = part_ptr + (r * P).to(tl.int64) * (BINS + 1) + prog * (BINS + 1)  # [PP]
+    from_t = tl.load(parts + t, mask=earlier, other=0)  # earlier programs' keys of last digit >= t (and prefix)
+    past_t = tl.where(t + 1 < BINS, tl.load(parts + t + 1, mask=earlier, other=0), 0)  # ... > t
+    ties = tl.sum(from_t - past_t, 0)  # keys equal to the threshold before this program's
+    out = (tl.sum(tl.load(parts + BINS, mask=earlier, other=0), 0) + tl.sum(past_t, 0)
+           + tl.minimum(ties, k))  # slots written before this program's
     for i in range(BPP):
         start = (p * BPP + i) * BLOCK
         if start <= pos:
-            s, key = _keys_block(row, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS, BLOCK)
-            n_above += tl.sum(((key > 0) & (key > threshold)).to(tl.int32), 0)
-            n_eq += tl.sum(((key > 0) & (key == threshold)).to(tl.int32), 0)
-    tally = tally_ptr + r * P
-    tl.store(tally + p, (1 << 62) | (n_above.to(tl.int64) << 31) | n_eq.to(tl.int64), cache_modifier=".wt")
-    earlier = tl.arange(0, PP) < p
-    seen = tl.load(tally + tl.arange(0, PP), mask=earlier, other=1 << 62, volatile=True)
-    while tl.min((seen >> 62) & 1, 0) == 0:  # an earlier program has not posted its counts yet
-        seen = tl.load(tally + tl.arange(0, PP), mask=earlier, other=1 << 62, volatile=True)
-    seen = tl.where(earlier, seen, 0)
-    ties = tl.sum(seen & 0x7FFFFFFF, 0).to(tl.int32)  # keys equal to the threshold before this program's
-    out = tl.sum((seen >> 31) & 0x7FFFFFFF, 0).to(tl.int32) + tl.minimum(ties, k)  # slots written before this one's
-    for i in range(BPP):
-        start = (p * BPP + i) * BLOCK
-        if start <= pos:
-            s, key = _keys_block(row, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS, BLOCK)
+            s, key = _keys_block(keys_ptr + r.to(tl.int64) * S, start, S, pos, forced_from, SINKS, WINDOW, KEY_BITS,
+                                 BLOCK)
             above = (key > 0) & (key > threshold)
             eq = (key > 0) & (key == threshold)
             run = tl.cumsum(above.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # inclusive
@@ -569,13 +553,12 @@ def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx
     nb = triton.cdiv(S, block)
     P = programs_per_row(R, nb, keys.device, waves)
     bpp = triton.cdiv(nb, P)
-    tally = torch.empty(R, P, dtype=torch.int64, device=keys.device)  # (cleared by the top digit's pass)
+    part = torch.empty(R, P, (1 << last) + 1, dtype=torch.int32, device=keys.device)
     launch = chained(keys.device)
-    common = (keys, positions, tokens, forced_from, hist, stats, tally, keys if skip is None else skip)
+    common = (keys, positions, tokens, forced_from, hist, stats, part, keys if skip is None else skip)
     for d in range(digits):
         _histogram_kernel[(R, P)](*common, S, k, sinks, window, bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, D=d,
-                                  P=P, BLOCK=block, FEW=block // 32, SKIP=skip is not None, num_warps=num_warps,
-                                  **launch)
+                                  P=P, BLOCK=block, SKIP=skip is not None, num_warps=num_warps, **launch)
     _write_kernel[(R, P)](*common, idx, count, count if attended is None else attended, done, S, k, sinks, window,
                           bpp, HKV=hkv, KEY_BITS=key_bits, LAST=last, P=P, PP=triton.next_power_of_2(P), BLOCK=block,
                           ATTENDED=attended is not None, SKIP=skip is not None, num_warps=num_warps,
