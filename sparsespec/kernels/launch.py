@@ -6,9 +6,7 @@ kernel boundary's latency goes (0.25-0.7 us a boundary on the H200, `bench/pdl_p
 every program and before any load or store: `griddepcontrol.wait` returns once the predecessor's grid has completed
 and its memory is visible, so the kernel reads the predecessor's results and overwrites nothing it still reads.
 (A program that returned before waiting could let its grid complete before the predecessor's, and the next kernel's
-wait would then no longer cover the one before: hence first, unconditionally.) Once past its wait, every program
-signals that the next kernel may launch (`griddepcontrol.launch_dependents`: the launch comes when all of them
-have), so the next grid is on the GPU, waiting, before this one ends.
+wait would then no longer cover the one before: hence first, unconditionally.)
 
     kernel[grid](..., **chained(device))    PDL=..., launch_pdl=...: on where the device has it (sm_90+, compiled)
 
@@ -46,9 +44,6 @@ def _has_pdl(device: torch.device) -> bool:
 
 @triton.jit
 def wait_inputs(PDL: tl.constexpr):
-    """With PDL: wait until the kernel before this one in the stream has completed and its writes are visible, then
-    let the next kernel launch (its programs take free room on the GPU and wait in their own `wait_inputs` until
-    this grid completes): its launch overlaps this kernel's work instead of following its last program."""
+    """With PDL: wait until the kernel before this one in the stream has completed and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
