@@ -536,8 +536,8 @@ def test_candidate_path_is_taken_by_shape():
     assert takes_candidates(128, 131072, 2622, 14) and takes_candidates(32, 131072, 2622, 14)
     assert not takes_candidates(8, 131072, 2622, 14)  # too few rows for its extra launches (batch 1 of 8 KV heads)
     assert not takes_candidates(8, 1 << 20, 20972, 14)  # ... at any length
-    assert takes_candidates(16, 131072, 2622, 14) and not takes_candidates(16, 65536, 1379, 14)  # 16 rows: 2 M keys
-    assert takes_candidates(32, 32768, 724, 14) and not takes_candidates(32, 16384, 395, 14)  # 32 rows: 1 M keys
+    assert takes_candidates(16, 131072, 2622, 14) and not takes_candidates(16, 65536, 1379, 14)  # from 2 M keys
+    assert takes_candidates(64, 32768, 724, 14) and not takes_candidates(32, 32768, 724, 14)
     assert not takes_candidates(128, 131072, 2622, 32)  # 32-bit keys: the radix path
     assert not takes_candidates(128, 16384, 4000, 14)  # candidates would fill a quarter of the row
     assert candidate_width(2622, 131072) == 8192 and candidate_width(5, 100) == 100

@@ -523,9 +523,9 @@ def _scratch_views(scratch: torch.Tensor, rows: int, digits: int):
 
 
 SAMPLE_STRIDE = 16  # the candidate path's threshold is estimated from one slot in 16
-# `sampled=None` takes the candidate path from this many keys a select (R x S) up, for rows of 16-31 / 32 and more
-# (fewer rows: never — its two one-program-a-row kernels grow with the row; bench/select_paths.py, sparse_gpu.md)
-SAMPLED_MIN_KEYS = {16: 1 << 21, 32: 1 << 20}
+SAMPLED_MIN_ROWS = 16  # `sampled=None` takes the candidate path from this many rows (B x Hkv) up: with fewer, its two
+# one-program-a-row kernels lose at every length (they grow with the row); bench/select_paths.py, sparse_gpu.md
+SAMPLED_MIN_KEYS = 1 << 21  # and from this many keys a select (R x S) up
 
 
 CANDIDATE_ROOM = 2  # candidates a row has room for, in selection widths (`candidate_width`)
@@ -541,13 +541,13 @@ def candidate_width(k: int, capacity: int, room: int = CANDIDATE_ROOM) -> int:
 
 def takes_candidates(rows: int, capacity: int, k: int, key_bits: int, room: int = CANDIDATE_ROOM) -> bool:
     """Whether `select_topk(sampled=None)` takes the candidate path: keys of up to 16 bits, candidates at most a
-    quarter of the row, and enough rows and keys that its extra launches pay (`SAMPLED_MIN_KEYS`; measured on an
-    H100: bench/select_paths.py at 16 shapes from 1 x 32k to 16 x 128k — below 16 rows the radix path wins at every
-    length, 1.3x at 1 x 128k and 2x at 1 x 256k)."""
-    if key_bits > 16 or 4 * candidate_width(k, capacity, room) > capacity:
-        return False
-    least = next((keys for at_least, keys in sorted(SAMPLED_MIN_KEYS.items(), reverse=True) if rows >= at_least), None)
-    return least is not None and rows * capacity >= least
+    quarter of the row, and enough rows and keys that its extra launches pay (`SAMPLED_MIN_ROWS`, `SAMPLED_MIN_KEYS`;
+    measured on an H100 with bench/select_paths.py at 16 shapes from 1 x 32k to 16 x 128k, and a layer's whole step
+    with bench attention where the two differ little: below 16 rows the radix path wins at every length, 1.3x at
+    1 x 128k and 2x at 1 x 256k; at 1 M keys a select the candidates save ~2 us, which the scorer's copy of the
+    sampled keys costs back)."""
+    return (key_bits <= 16 and 4 * candidate_width(k, capacity, room) <= capacity and rows >= SAMPLED_MIN_ROWS
+            and rows * capacity >= SAMPLED_MIN_KEYS)
 
 
 def _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats, done,
