@@ -271,12 +271,12 @@ def _jittered(j, STRIDE: tl.constexpr):
 
 @triton.jit
 def _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE: tl.constexpr):
-    """(slots of row b, sampled slots, the sample rank the candidate threshold sits at: 5/4 of the budget's share
-    of the sample, plus MARGIN, at least 1)."""
+    """(sampled slots of row b, the sample rank the candidate threshold sits at: 5/4 of the budget's share of the
+    sample, plus MARGIN, at least 1)."""
     n = tl.load(positions_ptr + b).to(tl.int32) + 1
     n_s = (n + STRIDE - 1) // STRIDE
     want = tl.minimum(tl.load(tokens_ptr + b).to(tl.int64), K)
-    return n, n_s, tl.maximum((want * 5 * n_s + 4 * n - 1) // (4 * n) + MARGIN, 1).to(tl.int32)
+    return n_s, tl.maximum((want * 5 * n_s + 4 * n - 1) // (4 * n) + MARGIN, 1).to(tl.int32)
 
 
 @triton.jit
@@ -312,7 +312,7 @@ def _sample_kernel(keys_ptr, samples_ptr, positions_ptr, tokens_ptr, forced_from
     forced_from = tl.load(forced_from_ptr + b).to(tl.int32)
     row = keys_ptr + r.to(tl.int64) * S
     copy = samples_ptr + r.to(tl.int64) * NS
-    _, n_s, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
+    n_s, target = _sample_target(positions_ptr, tokens_ptr, b, K, MARGIN, STRIDE)
     v = 0  # the search's key so far: its bits above the round's are final
     if RESIDENT:
         j = tl.arange(0, BLOCK)
@@ -692,7 +692,8 @@ def select_topk(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tenso
             and scan_block >= 8 and _pow2(resident_keys)):
         # (the writes pack two running counts of a block into one int32: 15 bits each; the compaction reads rows of 8)
         raise ValueError(f"block and pick_block take powers of two up to 16384, scan_block one of at least 8 and "
-                         f"resident_keys any, got {block}, {pick_block}, {scan_block} and {resident_keys}")
+                         f"resident_keys any power of two, got {block}, {pick_block}, {scan_block} and "
+                         f"{resident_keys}")
     if not sampled:
         _radix(keys, positions, tokens, forced_from, k, key_bits, sinks, window, idx, count, attended, hist, stats,
                done, **tuning)
