@@ -43,14 +43,8 @@ class CudaGraphStep:
         self.tree = (line.expand(cache.batch, -1).clone(),
                      ((torch.ones_like(line) << (line + 1)) - 1).expand(cache.batch, -1).clone()) if tree else None
         args = (model, cache, self.tokens, self.positions, self.taps, policy, self.tree)
-        # around a sparse policy's graph breaks Dynamo compiles each decoder layer's frame once per layer index:
-        # allow that many variants, or the later layers would silently fall back to eager
-        config = torch._dynamo.config
-        limits = dict(recompile_limit=max(config.recompile_limit, 8 * model.cfg.num_layers),
-                      accumulated_recompile_limit=max(config.accumulated_recompile_limit, 32 * model.cfg.num_layers))
         step = self.step
-        with config.patch(**limits):
-            self.graph, (self.logits, self.features) = capture(lambda: step(*args), device, warmup)
+        self.graph, (self.logits, self.features) = capture(lambda: step(*args), device, warmup)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor,
                  tree: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -106,9 +100,26 @@ class Kept:
         self.entries.clear()
 
 
+# Dynamo's recompile limits while a graph is captured (a compiled function's cache entries, for one code object and
+# in all). A compiled step is specialised anew by every capture (dynamic=False: another batch, width, cache size or
+# model), around a sparse policy's graph breaks once per decoder layer too, and Dynamo keeps every earlier capture's
+# entries for the life of the process: a server, a benchmark or a test session that captures many shapes reaches
+# its default limits (16 and 256) with no step at fault, and past them a fullgraph step fails and any other falls
+# back to eager without a word. A compiled step runs only here (its replays bypass Dynamo), so long guard lists cost
+# nothing later: the limits are lifted for the capture alone.
+CAPTURE_RECOMPILE_LIMITS = dict(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 18)
+
+
 def capture(fn: Callable[[], object], device: torch.device, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
     """Run `fn` (which reads and writes only static tensors) `warmup` times on a side stream, then capture it
-    -> (the graph, fn's outputs: tensors that every replay overwrites)."""
+    -> (the graph, fn's outputs: tensors that every replay overwrites). Dynamo's recompile limits are lifted
+    meanwhile (`CAPTURE_RECOMPILE_LIMITS`), never lowered."""
+    config = torch._dynamo.config
+    with config.patch(**{k: max(getattr(config, k), v) for k, v in CAPTURE_RECOMPILE_LIMITS.items()}):
+        return _capture(fn, device, warmup)
+
+
+def _capture(fn: Callable[[], object], device: torch.device, warmup: int) -> tuple[torch.cuda.CUDAGraph, object]:
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream), torch.inference_mode():

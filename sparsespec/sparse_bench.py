@@ -101,15 +101,12 @@ def step_options(ap) -> None:
 
 
 def step_model(args, model_shape: str) -> tuple[ModelConfig, Transformer]:
-    """`step_options` applied -> (the shape's config, a random model of it). Dynamo may compile each decoder layer's
-    frame around a sparse policy's graph breaks: its recompile limits are raised for that."""
+    """`step_options` applied -> (the shape's config, a random model of it)."""
     if args.autotune:
         import torch._inductor.config as inductor
 
         inductor.max_autotune_gemm = True
         inductor.coordinate_descent_tuning = True
-    torch._dynamo.config.recompile_limit = 2048
-    torch._dynamo.config.accumulated_recompile_limit = 8192
     cfg = shape(model_shape)
     model = random_model(cfg)
     if args.row_invariant:
@@ -269,9 +266,8 @@ def bench_decode(specs: list[str], shapes: list[tuple[int, int]], model_shape: s
     (real weights in bf16 on CUDA) in place of random weights: each row's cache is the prefill of its own window of
     real `corpus` text and the step decodes the text's next token, so what a policy selects — and what a
     data-dependent one costs — follows real attention."""
-    # one compilation per (batch, context) of the dense step; per layer, shape and policy around sparse graph breaks
-    torch._dynamo.config.recompile_limit = 2048
-    torch._dynamo.config.accumulated_recompile_limit = 8192
+    # (one compilation per (batch, context) of the dense step, per layer, shape and policy around sparse graph
+    # breaks: `graphs.capture` lifts Dynamo's recompile limits for them)
     bw = copy_bandwidth()
     if engine is None:
         cfg = shape(model_shape)

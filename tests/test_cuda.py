@@ -349,6 +349,26 @@ def test_many_graph_captures_in_a_row_survive_garbage_collection():
         gc.set_threshold(*old)
 
 
+
+@cuda
+def test_captures_past_dynamos_recompile_limit_stay_compiled():
+    """Each capture specialises a compiled function anew and Dynamo keeps every earlier entry for the process's life,
+    so a long-lived process (a server, a test session) passes Dynamo's recompile limit with no step at fault: the
+    capture of a fullgraph function of a new shape must still compile (past the limit it would raise) and replay
+    right, and the limit the caller set is back afterwards."""
+    from sparsespec.graphs import capture
+
+    double = torch.compile(lambda x: 2 * x + 1, fullgraph=True, dynamic=False)
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=1, accumulated_recompile_limit=1):
+        for n in (3, 5, 8, 13):  # four specialisations against a limit of one
+            x = torch.arange(n, dtype=torch.float32, device="cuda")
+            graph, y = capture(lambda: double(x), x.device, warmup=1)
+            x.add_(1)
+            graph.replay()
+            torch.testing.assert_close(y, 2 * x + 1)
+        assert (config.recompile_limit, config.accumulated_recompile_limit) == (1, 1)
+
 def _greedy_with_rollback(model, prompts, policy, cuda_graph: bool, before: int) -> list[list[int]]:
     """Greedy tokens of a fixed-path runner (capacity 180): `before` steps, a rollback of 5, then 6 more steps."""
     runner = Runner(model, len(prompts), 180, policy, cuda_graph=cuda_graph, fixed=True)

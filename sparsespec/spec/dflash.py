@@ -357,12 +357,10 @@ class DraftGraphs:
         if ranks:  # a tree verify's drafts: each position's likeliest tokens and their log-probabilities
             choices = _choices if not compile else torch.compile(_choices, fullgraph=True, dynamic=False)
             draft = functools.partial(choices, ranks=ranks)
-        # each drafter shape and cache size compiles its own variant (a benchmark's sizes, a test's models): allow
-        # more than Dynamo's default, past which it would silently run them eagerly
-        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
-            self.propose_graph, self.proposals = capture(
-                lambda: draft(model, target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
-            self.ingest_graph, _ = capture(lambda: ingest(model, features, at[:, None] + offsets, cache), dev)
+        # (each drafter shape and cache size compiles its own variant: `capture` lifts Dynamo's recompile limits)
+        self.propose_graph, self.proposals = capture(
+            lambda: draft(model, target, tokens, starts, cache, capacity), dev)  # [N, B - 1]
+        self.ingest_graph, _ = capture(lambda: ingest(model, features, at[:, None] + offsets, cache), dev)
 
     def propose(self, tokens: list[int], starts: list[int]):
         """-> the proposals [N, B − 1] on the device, or with `ranks` (ids, log-probabilities) [N, B − 1, ranks] (the
