@@ -349,7 +349,6 @@ def test_many_graph_captures_in_a_row_survive_garbage_collection():
         gc.set_threshold(*old)
 
 
-
 @cuda
 def test_captures_past_dynamos_recompile_limit_stay_compiled():
     """Each capture specialises a compiled function anew and Dynamo keeps every earlier entry for the process's life,
@@ -368,6 +367,7 @@ def test_captures_past_dynamos_recompile_limit_stay_compiled():
             graph.replay()
             torch.testing.assert_close(y, 2 * x + 1)
         assert (config.recompile_limit, config.accumulated_recompile_limit) == (1, 1)
+
 
 def _greedy_with_rollback(model, prompts, policy, cuda_graph: bool, before: int) -> list[list[int]]:
     """Greedy tokens of a fixed-path runner (capacity 180): `before` steps, a rollback of 5, then 6 more steps."""
