@@ -279,6 +279,20 @@ class RowOutput:
         return self.stream.take(final=self.text)
 
 
+def held_back(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that begins `stop` without completing it (0 if none): what a stream
+    holds back until the next tokens show whether `stop` follows. Only ends that start with stop's first character
+    and are shorter than both `stop` and `text` are compared, so a long stop string costs a step no more than the
+    text does (comparing every prefix of it cost its length squared, a step)."""
+    tail = text[len(text) - min(len(text), len(stop) - 1):]
+    i = tail.find(stop[0])
+    while i >= 0:
+        if stop.startswith(tail[i:]):
+            return len(tail) - i
+        i = tail.find(stop[0], i + 1)
+    return 0
+
+
 class TextStream:
     """One row's text as its tokens arrive, decoding only the last few each step: ids[prefix:read] decode to the
     end of `text`; ids[prefix:] decode to that plus the new text, kept once it is stable (a character split
@@ -308,8 +322,7 @@ class TextStream:
     def take(self, final: str | None = None) -> str:
         """The text that may be shown now and was not yet; `final`: the row's whole text, once it is done."""
         if final is None:
-            held = max((k for s in self.stop_strings for k in range(1, len(s)) if self.text.endswith(s[:k])),
-                       default=0)
+            held = max((held_back(self.text, s) for s in self.stop_strings), default=0)
             final = self.text[: len(self.text) - held if self.cut is None else self.cut]
         text, self.shown = final[self.shown:], len(final)
         return text

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from sparsespec import corpora
 from sparsespec.errors import SparseSpecError
-from sparsespec.generate import GenerationConfig, TextStream
+from sparsespec.generate import GenerationConfig, TextStream, held_back
 from sparsespec.sampling import SamplingConfig, filter_logits, make_generator, sample
 
 from .conftest import byte_engine
@@ -193,6 +193,13 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
 def test_invalid_sampling_options(bad):
     with pytest.raises(SparseSpecError):
         SamplingConfig(**bad)
+
+
+@given(st.text("ab", max_size=12), st.text("ab", min_size=1, max_size=12))
+def test_a_stream_holds_back_the_longest_end_that_begins_a_stop_string(text, stop):
+    """`held_back` against its definition: the longest end of the text, shorter than the stop string, that the stop
+    string begins with (two letters: ends overlap often)."""
+    assert held_back(text, stop) == max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
 
 def test_an_empty_stop_string_is_refused():

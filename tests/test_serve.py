@@ -257,7 +257,7 @@ def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
-def test_a_request_the_library_refuses_is_a_400_and_a_tiny_temperature_is_greedy(one_thread):
+def test_what_the_library_would_refuse_is_a_400_naming_its_field_and_a_tiny_temperature_is_greedy(one_thread):
     from fastapi.testclient import TestClient
 
     from sparsespec.serve.app import ServeConfig, create_app
@@ -265,11 +265,16 @@ def test_a_request_the_library_refuses_is_a_400_and_a_tiny_temperature_is_greedy
     app = create_app(byte_engine(), ServeConfig("m", SchedulerConfig(max_batch=2, max_context=256)))
     ok = {"model": "m", "prompt": "hi", "max_tokens": 4}
     with TestClient(app) as client:
-        for bad, message in (({"stop": [""]}, "a stop string must not be empty"),
-                             ({"stop": ""}, "a stop string must not be empty"),
-                             ({"seed": 2**64}, "seed must be in [-2**63, 2**64), got 18446744073709551616")):
-            resp = client.post("/v1/completions", json={**ok, **bad})
-            assert resp.status_code == 400 and resp.json()["error"]["message"] == message, resp.text
+        for bad, param, message in (
+                ({"stop": [""]}, "stop.0", "String should have at least 1 character"),
+                ({"stop": ""}, "stop", "String should have at least 1 character"),  # (the str member is meant)
+                ({"stop": "x" * 1025}, "stop", "String should have at most 1024 characters"),
+                ({"stop": ["a", "x" * 1025]}, "stop.1", "String should have at most 1024 characters"),
+                ({"seed": 2**64}, "seed", "Input should be less than 18446744073709551616"),
+                ({"seed": -2**63 - 1}, "seed", "Input should be greater than or equal to -9223372036854775808")):
+            _bad(client.post("/v1/completions", json={**ok, **bad}), param, f"{param}: {message}")
+        for fine in ({"stop": "x" * 1024}, {"seed": 2**64 - 1}, {"seed": -2**63}):  # the edges are taken
+            assert client.post("/v1/completions", json={**ok, **fine}).status_code == 200
         greedy = client.post("/v1/completions", json={**ok, "temperature": 0}).json()["choices"][0]["text"]
         resp = client.post("/v1/completions", json={**ok, "temperature": 1e-30, "seed": 1})
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == greedy

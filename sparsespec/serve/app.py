@@ -218,11 +218,13 @@ def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None
         else:
             param = _param(errors[0].get("loc", ()))
             # a union field fails once per member: a member that got inside the value (a list of token ids, of
-            # content parts) is the one meant; else say what each member expected
+            # content parts) or whose type the value has (a stop string too long) is the one meant; else say what
+            # each member expected
             inner = [p for x in errors if (p := _param(x.get("loc", ()))) and p.startswith(param + ".")]
             param = inner[0] if inner else param
-            reasons = dict.fromkeys(x.get("msg", "invalid").removeprefix("Value error, ") for x in errors
-                                    if _param(x.get("loc", ())) == param)
+            here = [x for x in errors if _param(x.get("loc", ())) == param]
+            here = [x for x in here if not x.get("type", "").endswith("_type")] or here
+            reasons = dict.fromkeys(x.get("msg", "invalid").removeprefix("Value error, ") for x in here)
             message = " or ".join(reasons)
             error = APIError(400, f"{param}: {message}" if param else message, param=param)
         return JSONResponse(error.body(), status_code=400)

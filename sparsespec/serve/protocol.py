@@ -15,6 +15,8 @@ from ..generate import GenerationConfig
 from ..sampling import SamplingConfig
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+# a stop string: not empty (GenerationConfig refuses it too), and of a length a request may sensibly hold
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class APIError(Exception):
@@ -64,8 +66,8 @@ class _GenerationRequest(_Strict):
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, description="0 or -1: off (vLLM's extension)")
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # (GenerationConfig refuses "")
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what torch.Generator takes (as SamplingConfig checks)
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
