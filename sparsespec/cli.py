@@ -840,6 +840,7 @@ def cmd_bench(args) -> None:
             if args.target_name is not None:  # (named for its drafter: its absence is an error)
                 raise
             args.drafters, lookup_alone = ["ngram"], True
+    _unique(tuple(args.drafters), "--drafters")  # (a drafter's rows would run, and print, once)
     cfg = BenchConfig(drafters=tuple(args.drafters), prompts=args.prompts, kinds=kinds, temperatures=temps,
                       max_new_tokens=args.max_new_tokens, block_size=args.block_size, long_chars=args.long_chars,
                       batch=args.batch, ignore_eos=args.ignore_eos)
@@ -898,24 +899,26 @@ def cmd_bench_sparse(args) -> None:
             raise SparseSpecError(f"{name} has no graph-captured sparse step yet (graphable: "
                                   f"{', '.join(n for n, c in POLICIES.items() if c.graphable)})")
     out = _writable_folder(args.out) if args.out else None
-    try:
+    try:  # the sizes only: a ValueError from the measurement itself is no bad size
         if args.what == "attention":
             contexts = [_ints(c) for c in args.contexts.split(",")]
             batches = [_ints(b) for b in args.batches.split(",")]
-            sparse_bench.bench_attention(args.attention, contexts, batches, args.shape, out=out)
         else:
             shapes = [tuple(_ints(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
             if any(len(s) != 2 for s in shapes):
                 raise ValueError
-            engine = None
-            if args.model:
-                from .generate import Engine
-
-                engine = Engine.from_name(args.model, device="cuda", dtype="bfloat16", progress=sys.stderr.isatty())
-            sparse_bench.bench_decode(args.attention, shapes, args.shape, compile=not args.no_compile, out=out,
-                                      engine=engine, corpus=args.corpus)
     except ValueError:
         raise SparseSpecError("invalid sizes: --contexts / --batches take integers, --shapes BATCHxCONTEXT") from None
+    if args.what == "attention":
+        sparse_bench.bench_attention(args.attention, contexts, batches, args.shape, out=out)
+        return
+    engine = None
+    if args.model:
+        from .generate import Engine
+
+        engine = Engine.from_name(args.model, device="cuda", dtype="bfloat16", progress=sys.stderr.isatty())
+    sparse_bench.bench_decode(args.attention, shapes, args.shape, compile=not args.no_compile, out=out,
+                              engine=engine, corpus=args.corpus)
 
 
 def _ints(text: str) -> int:

@@ -16,8 +16,41 @@ from .errors import SparseSpecError
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a JSONL file ([] when there is none)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """The rows of a JSONL file ([] when there is none). A last line that does not end the file with a newline
+    and does not parse is a row cut short (a run stopped while writing it): it is left out, and the run that
+    resumes measures that row again (`append_rows` cuts it off first). Any other line that is not a JSON object is
+    refused in one line."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().split("\n")  # (after the last newline: "" or the torn row)
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                continue
+            raise SparseSpecError(f"{path}, line {number}, is not a JSON row ({e.msg}): the file is damaged; "
+                                  "move it away or choose another --out") from None
+        if not isinstance(row, dict):
+            raise SparseSpecError(f"{path}, line {number}, is not a JSON object: the file is damaged; move it away "
+                                  "or choose another --out")
+        rows.append(row)
+    return rows
+
+
+def append_rows(path: Path):
+    """`path` opened to append rows, a row cut short at its end (see `read_rows`) cut off first, so that the next
+    row starts on a line of its own."""
+    if path.is_file():
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            with open(path, "r+b") as fh:
+                fh.truncate(end)
+    return open(path, "a")
 
 
 def check_folder(folder: str | Path, settings: dict, files: tuple[str, ...], defaults: dict | None = None) -> None:
@@ -65,7 +98,14 @@ def _recorded(folder: Path, files: tuple[str, ...]) -> dict:
     path = _settings_path(folder, files)
     if not path.is_file():
         raise SparseSpecError(f"{folder} holds results without a record of their settings: choose another --out")
-    return json.loads(path.read_text())
+    try:
+        recorded = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise SparseSpecError(f"{path} is not a record of settings (a JSON object): the folder is damaged; choose "
+                              "another --out")
+    return recorded
 
 
 def _as_read(settings: dict) -> dict:

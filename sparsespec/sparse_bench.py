@@ -147,7 +147,8 @@ def bench_attention(specs: list[str], contexts: list[int], batches: list[int], m
             positions = torch.full((batch,), context - 1, device="cuda")
             for spec in specs:
                 name, opts = parse_spec(spec)
-                policy = make_policy(name, [*opts, "dense_layers=0"])
+                policy = make_policy(name, [o for o in opts if o.partition("=")[0].strip() != "dense_layers"]
+                                     + ["dense_layers=0"])  # (one layer: it is the sparse one)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 policy.build(0, cache, [context] * batch)

@@ -118,6 +118,36 @@ def test_unsupported_architecture(capsys, tiny_folder, tmp_path):
                        "unsupported architecture", "gpt2")
 
 
+@pytest.mark.parametrize("name,text,needle", [
+    ("config.json", "[1, 2]", "invalid config.json"),  # JSON, but no config
+    ("config.json", None, "invalid config.json"),  # a number given as a string (hidden_size "big")
+    ("model.safetensors.index.json", "{not json", "invalid model.safetensors.index.json"),
+    ("model.safetensors.index.json", '{"weight_map": [1]}', "invalid model.safetensors.index.json"),
+])
+def test_a_damaged_config_or_index_is_one_line(capsys, tiny_folder, tmp_path, name, text, needle):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_folder, folder)
+    if text is None:
+        cfg = json.loads((folder / "config.json").read_text())
+        text = json.dumps(cfg | {"hidden_size": "big"})
+    (folder / name).write_text(text)
+    assert_clear_error(*run_main(capsys, "generate", "--model", str(folder), "--prompt", "x")[::2], needle)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--attention", "topk", "--attention-opt", "budget=0.1", "budget=0.2"],
+    ["--attention", "topk:budget=0.1", "--attention-opt", "budget=0.2"],
+    ["--attention", "topk:budget=0.1,budget=0.2"],
+])
+def test_an_attention_option_given_twice_is_refused(capsys, argv):
+    assert_clear_error(*run_main(capsys, "generate", "--prompt", "hi", *argv)[::2], "'budget' given twice")
+
+
+def test_a_drafter_listed_twice_is_refused(capsys):
+    assert_clear_error(*run_main(capsys, "bench", "spec", "--target", "no-such-model", "--drafters", "ngram",
+                                 "ngram")[::2], "--drafters lists ngram twice")
+
+
 def test_truncated_gguf(capsys, smollm2_path, tmp_path):
     bad = tmp_path / "cut.gguf"
     with open(smollm2_path, "rb") as src:

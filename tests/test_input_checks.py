@@ -190,3 +190,29 @@ def test_train_dflash_sizes_its_long_prompts_and_refuses_a_size_without_them(tmp
                       "--out", str(out)], capsys)
     assert code == 0, err
     assert json.loads((out / "settings.json").read_text())["data"]["long_chars"] == 2000
+
+
+def test_a_row_cut_short_is_measured_again_and_a_damaged_results_file_is_one_line(tmp_path):
+    """A run stopped while writing a row leaves it without its newline: the rows before it are read, the torn one
+    is left out (the resumed run measures it again) and cut off before the next row is appended, so the file stays
+    one row a line. A damaged line elsewhere, a line that is no object, or a settings record that is no object is
+    refused in one line, not a traceback."""
+    from sparsespec.results import _recorded, append_rows, read_rows
+
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b": "cut sh')
+    assert read_rows(path) == [{"a": 1}, {"a": 2}]
+    with append_rows(path) as sink:
+        sink.write(json.dumps({"a": 3}) + "\n")
+    assert read_rows(path) == [{"a": 1}, {"a": 2}, {"a": 3}]
+    assert path.read_text() == '{"a": 1}\n{"a": 2}\n{"a": 3}\n'
+    for text, needle in (('{"a": 1}\n{"a": \n{"a": 3}\n', "line 2, is not a JSON row"),
+                         ('{"a": 1}\n42\n', "line 2, is not a JSON object")):
+        path.write_text(text)
+        with pytest.raises(SparseSpecError, match=needle):
+            read_rows(path)
+    path.write_text('{"a": 1}\n')
+    for record in ("[]", "{not json"):
+        (tmp_path / "results.settings.json").write_text(record)
+        with pytest.raises(SparseSpecError, match="is not a record of settings"):
+            _recorded(tmp_path, ("results.jsonl",))

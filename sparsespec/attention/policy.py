@@ -107,13 +107,16 @@ class BudgetOptions(PolicyOptions):
 
 
 def parse_options(cls: type[PolicyOptions], pairs: list[str] | dict[str, Any]) -> PolicyOptions:
-    """`key=value` strings (or a dict) -> a validated options dataclass; unknown keys are an error."""
+    """`key=value` strings (or a dict) -> a validated options dataclass; unknown keys, and a key given twice (inline
+    and in --attention-opt alike: which one was meant?), are an error."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     items = pairs.items() if isinstance(pairs, dict) else [_split_pair(p) for p in pairs]
     for key, raw in items:
         if key not in fields:
             raise SparseSpecError(f"unknown attention option {key!r} (known: {', '.join(fields)})")
+        if key in values:
+            raise SparseSpecError(f"attention option {key!r} given twice")
         default = fields[key].default
         try:
             if isinstance(default, bool):

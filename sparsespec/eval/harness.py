@@ -28,7 +28,7 @@ from ..errors import SparseSpecError
 from ..generate import Engine
 from ..runner import Runner
 from ..progress import progress_bar
-from ..results import read_rows
+from ..results import append_rows, read_rows
 from .tasks import TASKS, TaskBuilder, score
 
 
@@ -137,7 +137,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, out: Path, progress: bool = False)
     todo = {(length, task): [i for i in range(cfg.samples) if any((task, length, p, i) not in done
                                                                    for p in cfg.policies)]
             for length in cfg.lengths for task in cfg.tasks}
-    with progress_bar() as bar, open(results, "a") as sink:
+    with progress_bar() as bar, append_rows(results) as sink:
         task_id = bar.add_task("eval", total=sum(map(len, todo.values())) * len(cfg.policies), visible=progress)
         for (length, task), indices in todo.items():
             for start in range(0, len(indices), cfg.batch):
@@ -193,7 +193,7 @@ def run_perplexity(engine: Engine, cfg: EvalConfig, out: Path, corpus: str = "wi
     for."""
     path = out / "perplexity.jsonl"
     done = {(r["length"], r["policy"]) for r in read_rows(path)}
-    with open(path, "a") as sink, progress_bar() as bar:
+    with append_rows(path) as sink, progress_bar() as bar:
         task_id = bar.add_task("perplexity", total=len(cfg.lengths) * len(cfg.policies), visible=progress)
         for length in cfg.lengths:
             prefix = length - cfg.perplexity_tokens

@@ -28,7 +28,7 @@ from ..attention.policy import Policy
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
-from ..results import read_rows
+from ..results import append_rows, read_rows
 from ..runner import Runner
 from ..spec.prompts import make_prompts
 
@@ -157,7 +157,7 @@ def run_longgen(engine: Engine, cfg: LongGenConfig, out: Path | None = None, pro
                 rows.append(row)
                 if out is not None:
                     out.mkdir(parents=True, exist_ok=True)
-                    with open(out / ROW_FILES[0], "a") as sink:
+                    with append_rows(out / ROW_FILES[0]) as sink:
                         sink.write(json.dumps(row) + "\n")
                 bar.advance(task)
     return [r for r in rows if r["policy"] in specs]

@@ -98,13 +98,16 @@ def _read_hf_folder(folder: Path, dtype: torch.dtype):
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise SparseSpecError(f"{folder} has no config.json: not an HF checkpoint folder")
-    try:
+    try:  # (JSON that parses but is no config: a list, a string where a number belongs)
         cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
-    except (KeyError, json.JSONDecodeError) as e:
-        raise SparseSpecError(f"invalid config.json in {folder}: {type(e).__name__} {e}") from None
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise SparseSpecError(f"invalid config.json in {folder}: {type(e).__name__} {_one_line(e)}") from None
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise SparseSpecError(f"invalid {index.name} in {folder}: {type(e).__name__} {_one_line(e)}") from None
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -27,7 +27,7 @@ from ..attention import make_policy, parse_spec
 from ..errors import SparseSpecError
 from ..generate import Engine, GenerationConfig
 from ..progress import progress_bar
-from ..results import read_rows
+from ..results import append_rows, read_rows
 from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig
 from .cascade import Cascade
@@ -233,7 +233,7 @@ def run_bench(engine: Engine, drafters: dict[str, Drafter], cfg: BenchConfig, ou
     done = {(r["prompt"], r["temperature"], r["drafter"]) for r in rows}
     runners = RunnerPool()  # prompts of one capacity share their runners' captured (and compiled) steps
     t0, started = time.perf_counter(), False  # whether this run has measured a batch yet
-    with progress_bar() as bar, open(out / "spec.jsonl", "a") if out is not None else nullcontext() as sink:
+    with progress_bar() as bar, append_rows(out / "spec.jsonl") if out is not None else nullcontext() as sink:
         task = bar.add_task("bench spec", total=len(groups) * len(cfg.temperatures) * (1 + len(drafters)),
                             visible=progress)
         for g, (first, group) in enumerate(groups):
