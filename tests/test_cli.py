@@ -75,6 +75,8 @@ def tiny_folder(tmp_path_factory):
     (["eval", "--model", "no-such-model", "--attention", "dense", "--attention-opt", "budget=0.1"],
      "sparse --attention"),
     (["frobnicate"], "invalid choice"),
+    (["train"], "required: {dflash,finetune,eda}"),  # the choices, not the parser's internal name
+    (["models", "bogus"], "argument {install}: invalid choice: 'bogus'"),
 ])
 def test_invalid_options(capsys, argv, needle):
     assert_clear_error(*run_main(capsys, *argv)[::2], needle)
