@@ -159,13 +159,20 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def check_fits(self, prompt_tokens: int, new_tokens: int) -> None:
+    def check_fits(self, prompt_tokens: int, new_tokens: int, which: str = "") -> None:
+        """Refuse an empty prompt or one whose new tokens would not fit the context; `which` names it among
+        several ("prompt 2 of 5: ")."""
         limit = self.config.max_position
         if prompt_tokens == 0:
-            raise SparseSpecError("the prompt is empty")
+            raise SparseSpecError(f"{which}the prompt is empty")
         if prompt_tokens + new_tokens > limit:
-            raise SparseSpecError(f"prompt of {prompt_tokens} tokens + {new_tokens} new tokens exceeds the model's "
-                                  f"context of {limit} tokens")
+            raise SparseSpecError(f"{which}prompt of {prompt_tokens} tokens + {new_tokens} new tokens exceeds the "
+                                  f"model's context of {limit} tokens")
+
+    def check_all_fit(self, prompts: list[list[int]], new_tokens: int) -> None:
+        """`check_fits` for each prompt, naming the one at fault when there are several."""
+        for i, prompt in enumerate(prompts):
+            self.check_fits(len(prompt), new_tokens, f"prompt {i + 1} of {len(prompts)}: " if len(prompts) > 1 else "")
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, progress: bool = False,
@@ -176,8 +183,7 @@ class Engine:
         the row's final text. `progress`: bars on stderr for the prefill and, without `on_text`, the decoding.
         `runners`: dense runs take their runner (and its captured steps) from this pool, for loops of many calls."""
         lens = [len(p) for p in prompts]
-        for n in lens:
-            self.check_fits(n, gen.max_new_tokens)
+        self.check_all_fit(prompts, gen.max_new_tokens)
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in gen.stop_token_ids):
             raise SparseSpecError(f"stop token ids must be in [0, {vocab}), got {list(gen.stop_token_ids)}")

@@ -456,6 +456,14 @@ def test_prompts_file_is_one_batch(capsys, tmp_path, byte_model):
     assert [json.loads(line)["token_ids"] for line in lines] == [r["token_ids"] for r in records]
 
 
+@pytest.mark.parametrize("draft", [(), ("--draft", "ngram")])
+def test_a_prompt_of_several_that_does_not_fit_is_named(capsys, tmp_path, byte_model, draft):
+    limit = byte_model.config.max_position
+    (tmp_path / "p.txt").write_text(f"short\n{'x' * limit}\n")
+    assert_clear_error(*run_main(capsys, "generate", "--max-new-tokens", "4", "--prompts-file",
+                                 str(tmp_path / "p.txt"), *draft)[::2], f"prompt 2 of 2: prompt of {limit} tokens")
+
+
 def test_random_weight_models_in_real_shapes(capsys):
     """`--model random:SHAPE`: a model of that shape with random weights (speed measurements), bytes as tokens."""
     code, out, _ = run_main(capsys, "generate", "--model", "random:tiny", "--prompt", "héllo", "--max-new-tokens",

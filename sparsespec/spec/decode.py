@@ -76,8 +76,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
     if not prompts:
         return []
-    for prompt in prompts:
-        engine.check_fits(len(prompt), gen.max_new_tokens)
+    engine.check_all_fit(prompts, gen.max_new_tokens)
     called = time.perf_counter()
     tree = tree_verify(drafter, block_size, engine.device)
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
