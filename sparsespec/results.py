@@ -42,14 +42,23 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def append_rows(path: Path):
-    """`path` opened to append rows, a row cut short at its end (see `read_rows`) cut off first, so that the next
-    row starts on a line of its own."""
+    """`path` opened to append rows, so that the next row starts on a line of its own: a last row without its
+    newline is cut off when it was cut short (see `read_rows`: the run measures it again), ended when it is whole
+    (`read_rows` counted it as done)."""
     if path.is_file():
         data = path.read_bytes()
         end = data.rfind(b"\n") + 1
-        if end < len(data):
+        if data[end:].strip():
+            try:
+                whole = isinstance(json.loads(data[end:]), dict)
+            except ValueError:
+                whole = False
             with open(path, "r+b") as fh:
-                fh.truncate(end)
+                if whole:
+                    fh.seek(0, os.SEEK_END)
+                    fh.write(b"\n")
+                else:
+                    fh.truncate(end)
     return open(path, "a")
 
 

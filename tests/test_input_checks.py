@@ -206,6 +206,11 @@ def test_a_row_cut_short_is_measured_again_and_a_damaged_results_file_is_one_lin
         sink.write(json.dumps({"a": 3}) + "\n")
     assert read_rows(path) == [{"a": 1}, {"a": 2}, {"a": 3}]
     assert path.read_text() == '{"a": 1}\n{"a": 2}\n{"a": 3}\n'
+    path.write_text('{"a": 1}\n{"a": 2}')  # whole, only its newline lost: read, kept, and ended
+    assert read_rows(path) == [{"a": 1}, {"a": 2}]
+    with append_rows(path) as sink:
+        sink.write(json.dumps({"a": 3}) + "\n")
+    assert path.read_text() == '{"a": 1}\n{"a": 2}\n{"a": 3}\n'
     for text, needle in (('{"a": 1}\n{"a": \n{"a": 3}\n', "line 2, is not a JSON row"),
                          ('{"a": 1}\n42\n', "line 2, is not a JSON object")):
         path.write_text(text)
