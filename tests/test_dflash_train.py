@@ -613,15 +613,18 @@ def test_the_loss_through_the_triton_cross_entropy_equals_the_torch_loss(setup, 
 
 
 @pytest.mark.parametrize("setting", [{"lr": float("inf")}, {"lr": float("nan")}, {"clip": float("inf")},
-                                     {"weight_decay": float("inf")}, {"lr": 0.0}])
+                                     {"weight_decay": float("inf")}, {"lr": 0.0}, {"warmup": 1.0}])
 def test_training_refuses_rates_that_train_nothing_but_nans(setting):
+    """(each refusal names the setting at fault)"""
     from sparsespec.errors import SparseSpecError
     from sparsespec.spec.finetune import FinetuneConfig
     from sparsespec.spec.train import TrainConfig
 
-    with pytest.raises(SparseSpecError, match="invalid"):
+    (key, value), = setting.items()
+    named = f"^{key.replace('_', ' ')} must be .*, got {value}$"
+    with pytest.raises(SparseSpecError, match=named):
         TrainConfig(**setting)
-    with pytest.raises(SparseSpecError, match="invalid"):
+    with pytest.raises(SparseSpecError, match=named):
         FinetuneConfig(domain="kjv", **setting)
-    with pytest.raises(SparseSpecError, match="invalid"):
+    with pytest.raises(SparseSpecError, match="^alpha must be a finite number > 0, got inf$"):
         FinetuneConfig(domain="kjv", alpha=float("inf"))

@@ -221,3 +221,13 @@ def test_a_row_cut_short_is_measured_again_and_a_damaged_results_file_is_one_lin
         (tmp_path / "results.settings.json").write_text(record)
         with pytest.raises(SparseSpecError, match="is not a record of settings"):
             _recorded(tmp_path, ("results.jsonl",))
+
+
+def test_a_drafter_json_without_its_config_says_so(tmp_path):
+    from sparsespec.spec.dflash import drafter_files
+
+    weights, meta = drafter_files(tmp_path / "d")
+    weights.write_bytes(b"")
+    meta.write_text("{}")
+    with pytest.raises(SparseSpecError, match="corrupt DFlash drafter .*: no 'config' in d.json"):
+        DFlash.load(tmp_path / "d")

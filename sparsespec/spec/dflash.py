@@ -263,7 +263,8 @@ class DFlash(nn.Module):
                 name = key.removesuffix(FP8_SCALE)
                 state[name] = state[name].float() * state.pop(key).float()[:, None]
         except (KeyError, TypeError, ValueError, OSError, SafetensorError, RuntimeError) as e:
-            raise SparseSpecError(f"corrupt DFlash drafter {path}: {e}") from None
+            why = f"no {e} in {meta.name}" if isinstance(e, KeyError) else " ".join(str(e).split())
+            raise SparseSpecError(f"corrupt DFlash drafter {path}: {why}") from None
         model = cls(cfg)
         try:
             model.load_state_dict(state)

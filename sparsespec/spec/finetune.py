@@ -30,7 +30,7 @@ from ..errors import SparseSpecError
 from ..models.transformer import Transformer
 from ..progress import progress_bar
 from .prompts import DOMAINS, domain_pairs
-from .train import check_resume, check_settings, learning_rate, save_whole
+from .train import check_optimiser, check_resume, check_settings, learning_rate, save_whole
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the linear maps of a decoder layer
 ADAPTER_FILES = ("adapter.safetensors", "adapter.json")
@@ -59,11 +59,11 @@ class FinetuneConfig:
         for name in ("examples", "rank", "steps", "batch", "eval_every", "heldout"):
             if getattr(self, name) < 1:
                 raise SparseSpecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        inf = float("inf")  # (an infinite rate or scale trains nothing but NaNs; nan fails every comparison)
-        if not (0 < self.alpha < inf and 0 < self.lr < inf and 0 <= self.warmup < 1 and 0 < self.clip < inf
-                and 0 <= self.weight_decay < inf and self.time_limit >= 0):
-            raise SparseSpecError("invalid settings (need finite alpha > 0, lr > 0, clip > 0 and decay >= 0, "
-                                  "0 <= warmup < 1, time limit >= 0)")
+        if not 0 < self.alpha < float("inf"):  # (an infinite scale trains nothing but NaNs; nan fails it too)
+            raise SparseSpecError(f"alpha must be a finite number > 0, got {self.alpha}")
+        check_optimiser(self.lr, self.warmup, self.clip, self.weight_decay)
+        if not self.time_limit >= 0:
+            raise SparseSpecError(f"time limit must be >= 0 seconds, got {self.time_limit}")
 
 
 class LoraLinear(nn.Module):

@@ -84,10 +84,19 @@ class TrainConfig:
             raise SparseSpecError(f"spans must be 0 (none) or >= 2 prompt tokens, got {self.spans}")
         if not self.time_limit >= 0:  # (nan too)
             raise SparseSpecError(f"time limit must be >= 0 seconds, got {self.time_limit}")
-        inf = float("inf")  # (an infinite rate or clip trains nothing but NaNs; nan fails every comparison)
-        if not (0 < self.lr < inf and 0 <= self.warmup < 1 and 0 < self.clip < inf and 0 <= self.weight_decay < inf):
-            raise SparseSpecError("invalid optimiser settings (need finite lr > 0, 0 <= warmup < 1, finite clip > 0, "
-                                  "finite decay >= 0)")
+        check_optimiser(self.lr, self.warmup, self.clip, self.weight_decay)
+
+
+def check_optimiser(lr: float, warmup: float, clip: float, weight_decay: float) -> None:
+    """Refuse optimiser settings that would train nothing but NaNs (an infinite rate or clip; nan fails every
+    comparison), naming the one at fault."""
+    inf = float("inf")
+    for name, value, ok, need in (("lr", lr, 0 < lr < inf, "a finite number > 0"),
+                                  ("warmup", warmup, 0 <= warmup < 1, "in [0, 1)"),
+                                  ("clip", clip, 0 < clip < inf, "a finite number > 0"),
+                                  ("weight decay", weight_decay, 0 <= weight_decay < inf, "a finite number >= 0")):
+        if not ok:
+            raise SparseSpecError(f"{name} must be {need}, got {value}")
 
 
 PAD_MULTIPLE = 64  # a training batch's padded length on CUDA (`Dataset.padded`)
