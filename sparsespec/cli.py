@@ -449,7 +449,17 @@ def _writable_folder(path: str):
 
 
 def _read_prompts(args) -> list[str]:
-    """--prompt, the text of --prompt-file, or the lines (JSON lines: their "prompt") of --prompts-file."""
+    """--prompt, the text of --prompt-file, or the lines (JSON lines: their "prompt") of --prompts-file; an empty
+    one (but a chat's: its template still makes a prompt) is refused here, before the model loads."""
+    prompts = _prompts(args)
+    empty = [] if args.chat else [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise SparseSpecError(f"prompt {empty[0] + 1} of {len(prompts)} is empty" if len(prompts) > 1 else
+                              "the prompt is empty")
+    return prompts
+
+
+def _prompts(args) -> list[str]:
     if args.prompt is not None:
         return [args.prompt]
     path = args.prompt_file or args.prompts_file

@@ -464,6 +464,16 @@ def test_a_prompt_of_several_that_does_not_fit_is_named(capsys, tmp_path, byte_m
                                  str(tmp_path / "p.txt"), *draft)[::2], f"prompt 2 of 2: prompt of {limit} tokens")
 
 
+def test_an_empty_prompt_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    from sparsespec.generate import Engine
+
+    monkeypatch.setattr(Engine, "from_name", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n{"prompt": ""}\n')
+    assert_clear_error(*run_main(capsys, "generate", "--prompt", "")[::2], "the prompt is empty")
+    assert_clear_error(*run_main(capsys, "generate", "--prompts-file", str(tmp_path / "p.jsonl"))[::2],
+                       "prompt 2 of 2 is empty")
+
+
 def test_random_weight_models_in_real_shapes(capsys):
     """`--model random:SHAPE`: a model of that shape with random weights (speed measurements), bytes as tokens."""
     code, out, _ = run_main(capsys, "generate", "--model", "random:tiny", "--prompt", "héllo", "--max-new-tokens",
