@@ -1008,6 +1008,9 @@ def cmd_calibrate(args) -> None:
         BinaryPCOptions(bits=args.bits)
     _writable_folder(os.path.dirname(os.path.abspath(args.out)))
     engine = Engine.from_name(args.model, device=args.device, dtype="float32", progress=sys.stderr.isatty())
+    if args.tokens > engine.config.max_position:  # (one forward over them)
+        raise SparseSpecError(f"--tokens {args.tokens} is beyond the model's context of "
+                              f"{engine.config.max_position} tokens")
     tokens = engine.tokenizer(corpora.text(args.corpus, args.tokens, args.seed))["input_ids"][: args.tokens]
     q, k = capture_qk(engine.model, tokens, progress=sys.stderr.isatty())
     meta = {"model": args.model, "policy": args.policy, "corpus": args.corpus, "tokens": str(len(tokens))}

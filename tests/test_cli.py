@@ -618,6 +618,12 @@ def test_calibrate_refuses_a_folder_for_its_file_before_the_model_loads(capsys, 
                                  str(tmp_path))[::2], "is a folder")
 
 
+def test_calibrate_names_a_token_count_beyond_the_context(capsys, tmp_path, byte_model):
+    too_many = str(byte_model.config.max_position + 1)
+    assert_clear_error(*run_main(capsys, "calibrate", "binarypc", "--model", "a", "--tokens", too_many, "--out",
+                                 str(tmp_path / "c.safetensors"))[::2], f"--tokens {too_many} is beyond")
+
+
 @pytest.mark.parametrize("command", ["eval", "longgen"])
 def test_dense_layers_beyond_the_model_are_refused_before_the_dense_rows(capsys, tmp_path, byte_model, command):
     out = tmp_path / command
