@@ -294,6 +294,14 @@ def byte_client(one_thread):
 
 
 BYTE_OK = {"model": "m", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.mark.parametrize("body", [b'{"model": "m", "prompt": "\xff\xfe", "max_tokens": 2}',  # not UTF-8
+                                  b"[" * 100_000 + b"]" * 100_000])  # nested past the JSON reader's depth
+def test_a_body_the_json_reader_gives_up_on_is_invalid_json(byte_client, body):
+    resp = byte_client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json", resp.text
+    assert byte_client.post("/v1/completions", json=BYTE_OK).status_code == 200
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 
 

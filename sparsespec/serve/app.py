@@ -163,6 +163,7 @@ async def _until_disconnected(request: Request, job: Job,
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+BODY_NOT_PARSED = "There was an error parsing the body"  # FastAPI's detail for a body its JSON reading failed on
 
 
 def _param(loc: tuple) -> str | None:
@@ -231,6 +232,10 @@ def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 400 and e.detail == BODY_NOT_PARSED:  # not UTF-8, or JSON nested past the parser's depth
+            error = APIError(400, "the request body is not valid JSON: not UTF-8 text, or nested too deep",
+                             code="invalid_json")
+            return JSONResponse(error.body(), status_code=400)
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
                             headers=e.headers)
