@@ -32,11 +32,12 @@ def read_rows(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             if number == len(lines):
                 continue
-            raise SparseSpecError(f"{path}, line {number}, is not a JSON row ({e.msg}): the file is damaged; "
-                                  "move it away or choose another --out") from None
+            row, why = None, f"a JSON row ({e.msg})"
+        else:
+            why = "a JSON object"
         if not isinstance(row, dict):
-            raise SparseSpecError(f"{path}, line {number}, is not a JSON object: the file is damaged; move it away "
-                                  "or choose another --out")
+            raise SparseSpecError(f"{path}, line {number}, is not {why}: the file is damaged; move it away or "
+                                  "choose another --out")
         rows.append(row)
     return rows
 

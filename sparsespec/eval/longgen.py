@@ -119,8 +119,7 @@ def run_longgen(engine: Engine, cfg: LongGenConfig, out: Path | None = None, pro
     prompts = [p for kind in cfg.kinds for p in make_prompts(cfg.prompts, "heldout", (kind,), cfg.seed,
                                                              cfg.long_chars)]
     ids = [engine.encode(p.text, chat=bool(engine.tokenizer.chat_template)) for p in prompts]
-    for i in ids:
-        engine.check_fits(len(i), cfg.max_new_tokens)
+    engine.check_all_fit(ids, cfg.max_new_tokens)
     rows = read_rows(out / ROW_FILES[0]) if out is not None else []
     digests = [prompt_digest(i) for i in ids]
     for r in rows:  # rows made from other prompts (another corpus or Python standard library) must not mix in
