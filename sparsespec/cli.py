@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "depend on how many others are running (slower under light load)")
     sv.add_argument("--shutdown-timeout", type=_float, default=30.0, help="seconds in-flight requests get to "
                     "finish after SIGTERM / Ctrl-C before they are cancelled")
+    sv.add_argument("--max-request-bytes", type=_positive_int, default=16 * 2**20, help="a longer request body is "
+                    "answered 413 before it is read (default: 16 MiB)")
     sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
     tr = sub.add_parser("train", help="train a drafter")
@@ -689,7 +691,7 @@ def cmd_serve(args) -> None:
                                 max_context=args.max_context or engine.config.max_position,
                                 prefill_chunk=args.prefill_chunk, cuda_graph=not args.no_cuda_graph,
                                 block_size=args.block_size or 8, batch_invariant=args.batch_invariant)
-    config = ServeConfig(args.served_model_name or args.model, scheduler)
+    config = ServeConfig(args.served_model_name or args.model, scheduler, max_request_bytes=args.max_request_bytes)
     app = create_app(engine, config, policy, drafter)  # refuses a max-context beyond the model's first
     cfg = engine.config
     kv_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize * scheduler.max_batch

@@ -239,6 +239,7 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
 @pytest.mark.parametrize("argv,needle", [
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-batch", "0"], "expected a positive integer"),
+    (["--max-request-bytes", "0"], "expected a positive integer"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     (["--attention", "magicpig"], "serve runs graphable attention policies"),
     (["--attention", "doublep"], "serve runs graphable attention policies with a per-row index"),
@@ -302,6 +303,40 @@ def test_a_body_the_json_reader_gives_up_on_is_invalid_json(byte_client, body):
     resp = byte_client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json", resp.text
     assert byte_client.post("/v1/completions", json=BYTE_OK).status_code == 200
+
+
+def test_a_body_over_the_size_limit_is_a_413_before_it_is_read_sized_or_chunked(one_thread):
+    from fastapi.testclient import TestClient
+
+    from sparsespec.serve.app import ServeConfig, create_app
+
+    limit = 600
+    app = create_app(byte_engine(), ServeConfig("m", SchedulerConfig(max_batch=2, max_context=256),
+                                                max_request_bytes=limit))
+    fits = json.dumps({**BYTE_OK, "prompt": "x" * 40, "user": "u" * 400}).encode()
+    over = json.dumps({**BYTE_OK, "prompt": "x" * 40, "user": "u" * 600}).encode()
+    assert len(fits) <= limit < len(over)
+    headers = {"Content-Type": "application/json"}
+
+    def chunked(body: bytes):  # no Content-Length: the body arrives in pieces
+        return iter([body[i:i + 100] for i in range(0, len(body), 100)])
+
+    with TestClient(app) as client:
+        for content in (over, chunked(over)):
+            resp = client.post("/v1/completions", content=content, headers=headers)
+            assert resp.status_code == 413, resp.text
+            error = resp.json()["error"]
+            assert error["code"] == "request_too_large" and str(limit) in error["message"]
+        edge = json.dumps({**BYTE_OK, "user": "u" * (limit - len(json.dumps({**BYTE_OK, "user": ""})))}).encode()
+        assert len(edge) == limit
+        for content in (fits, chunked(fits), edge, chunked(edge)):  # up to the limit: answered as ever
+            resp = client.post("/v1/completions", content=content, headers=headers)
+            assert resp.status_code == 200, resp.text
+        assert client.get("/health").status_code == 200
+    with pytest.raises(SparseSpecError, match="at least 1 byte"):
+        ServeConfig("m", SchedulerConfig(), max_request_bytes=0)
+
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 
 

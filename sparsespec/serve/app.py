@@ -7,7 +7,8 @@
     POST /v1/completions         prompt (text or token ids) -> text
     POST /v1/chat/completions    messages -> the model's chat template -> the assistant's text
 
-Each generation request is validated (400 with the OpenAI error object, the parameter named), encoded, and queued
+A request body over `ServeConfig.max_request_bytes` is answered 413 before anything reads it (`BodyLimit`). Each
+generation request is validated (400 with the OpenAI error object, the parameter named), encoded, and queued
 (429 at once when the queue is full); its events come back from the scheduler thread through an asyncio queue and
 are answered as one JSON object or streamed as server-sent events ending with `data: [DONE]`. A client that goes
 away (detected while waiting, not only when a write fails) cancels its request, which frees its slot.
@@ -45,10 +46,58 @@ class ServeConfig:
     model_name: str  # the id clients pass as `model`
     scheduler: SchedulerConfig
     stop_timeout: float = 30.0  # shutdown: seconds to wait for the scheduler's current step
+    max_request_bytes: int = 16 * 2**20  # a longer request body is refused (413) before it is read
 
     def __post_init__(self):
         if not self.model_name:
             raise SparseSpecError("the served model name is empty")
+        if self.max_request_bytes < 1:
+            raise SparseSpecError(f"the request size limit must be at least 1 byte, got {self.max_request_bytes}")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 (the OpenAI error object, code
+    request_too_large) before the app reads it, so that no client can make the server hold an unbounded body in
+    memory: at once by its Content-Length (the HTTP server then delivers no more than that), else counted as it
+    arrives (chunked), the body held here up to the limit and handed on whole."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body: nobody to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():  # the body once, then what the client sends next (its disconnect)
+            nonlocal whole
+            if whole is None:
+                return await receive()
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        error = APIError(413, f"the request body is over this server's limit of {self.limit} bytes "
+                         f"(serve --max-request-bytes)", code="request_too_large")
+        await JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
 class Server:
@@ -202,6 +251,7 @@ def create_app(engine: Engine, config: ServeConfig, policy: Policy | None = None
 
     app = FastAPI(title="sparsespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=config.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
