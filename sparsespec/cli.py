@@ -435,16 +435,25 @@ def _check_out(path: str | None) -> None:
         raise SparseSpecError("the output folder's path is empty: name a folder (--out DIR)")
 
 
-def _writable_folder(path: str):
-    """Create `path` if needed and check it can be written, before any long work; -> Path."""
+def _writable_folder(path: str, create: bool = True):
+    """Check, before any long work, that the folder `path` can be written; -> Path. `create`: make it now; else
+    (for work that makes it itself as it writes) check where it would be made, so that work that fails before
+    writing (a model that does not load) leaves no empty folder behind."""
+    import tempfile
     from pathlib import Path
 
     _check_out(path)
     folder = Path(path)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / ".write-test").touch()
-        (folder / ".write-test").unlink()
+        if create or folder.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / ".write-test").touch()
+            (folder / ".write-test").unlink()
+        else:
+            parent = next(p for p in folder.absolute().parents if p.exists())
+            if not parent.is_dir():
+                raise NotADirectoryError(20, "Not a directory")
+            tempfile.TemporaryDirectory(dir=parent).cleanup()  # a folder can be made there
     except OSError as e:
         raise SparseSpecError(f"cannot write to {folder}: {e.strerror}") from None
     return folder
@@ -723,7 +732,7 @@ def cmd_train(args) -> None:
                       kinds=tuple(k.strip() for k in args.kinds.split(",")),
                       long_chars=args.long_chars or TrainConfig.long_chars,
                       window=args.window, spans=args.spans)  # invalid options fail before any process
-    _writable_folder(args.out)
+    _writable_folder(args.out, create=False)  # (train_dflash makes it)
     if args.init and not all(f.is_file() for f in drafter_files(Path(args.init))):
         raise SparseSpecError(f"--init {args.init}: no drafter there (need its .safetensors and .json)")
     for path in args.add_data:
@@ -769,7 +778,7 @@ def _finetune(args) -> None:
     cfg = FinetuneConfig(domain=args.domain, examples=args.examples, rank=args.rank, alpha=args.alpha,
                          steps=args.steps, batch=args.batch, lr=args.lr, eval_every=args.eval_every,
                          heldout=args.heldout, time_limit=args.time_limit, seed=args.seed)
-    _writable_folder(args.out)
+    _writable_folder(args.out, create=False)  # (finetune makes it)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     progress = args.progress or sys.stderr.isatty()
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=progress)
@@ -799,7 +808,7 @@ def _eda(args) -> None:
     if not all(f.is_file() for f in drafter_files(Path(args.base_drafter))):
         raise SparseSpecError(f"--base-drafter {args.base_drafter}: no drafter there (need its .safetensors and "
                               f".json)")
-    _writable_folder(args.out)
+    _writable_folder(args.out, create=False)  # (train_eda makes it)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     progress = args.progress or sys.stderr.isatty()
     reference = None  # --select shift: the target before its fine-tune

@@ -215,6 +215,20 @@ def test_train_refuses_a_warmup_outside_its_range_in_one_line(tmp_path, capsys, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("argv", [["dflash", "--target"], ["finetune", "--domain", "kjv", "--model"]])
+def test_train_whose_model_does_not_load_leaves_no_folder_and_an_unwritable_one_is_refused(tmp_path, capsys, argv):
+    from sparsespec.cli import main
+
+    assert main(["train", *argv, "no-such-model", "--out", str(tmp_path / "a" / "run")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-model" in err[0], err
+    assert not (tmp_path / "a").exists()  # the run's folder is made as the run writes into it
+    (tmp_path / "file").write_text("")
+    assert main(["train", *argv, "no-such-model", "--out", str(tmp_path / "file" / "run")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write to" in err[0] and "Not a directory" in err[0], err
+
+
 @pytest.mark.parametrize("bad,needle", [(dict(max_new_tokens=1), "max-new-tokens must be >= 2"),
                                         (dict(time_limit=float("nan")), "time limit must be >= 0 seconds, got nan"),
                                         (dict(time_limit=-1.0), "time limit must be >= 0 seconds, got -1"),

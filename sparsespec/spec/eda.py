@@ -261,7 +261,6 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     limit / eval_every the optimisation -> the summary written with the drafter. `reference`: the target before its
     fine-tune (a Transformer; what `--select shift` compares with)."""
     check_resume(out / "checkpoint.pt", tcfg.steps)
-    out.mkdir(parents=True, exist_ok=True)
     device = engine.device
     torch.manual_seed(tcfg.seed)
     base = DFlash.load(base_path, device=device)
@@ -282,6 +281,7 @@ def train_eda(engine: Engine, base_path: Path, cfg: EdaConfig, tcfg: TrainConfig
     eda = {k: v for k, v in asdict(cfg).items() if k != "mix" or v}  # (runs from before --mix resume)
     settings = {"target": target_name, "base": str(base_path), "eda": eda,
                 "data": {k: getattr(tcfg, k) for k in ("prompts", "heldout", "max_new_tokens", "seed")}}
+    out.mkdir(parents=True, exist_ok=True)  # (only now: a refused run leaves no folder behind)
     check_settings(out / "settings.json", settings)
 
     taps = drafter.cfg.taps
