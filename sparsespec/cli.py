@@ -439,22 +439,25 @@ def _writable_folder(path: str, create: bool = True):
     """Check, before any long work, that the folder `path` can be written; -> Path. `create`: make it now; else
     (for work that makes it itself as it writes) check where it would be made, so that work that fails before
     writing (a model that does not load) leaves no empty folder behind."""
+    import errno
     import tempfile
     from pathlib import Path
 
     _check_out(path)
     folder = Path(path)
+    absolute = folder.absolute()
     try:
-        if create or folder.exists():
+        existing = next(p for p in (absolute, *absolute.parents) if p.exists())  # (a path under a file: the file)
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is not a folder")
+        if create:
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / ".write-test").touch()
-            (folder / ".write-test").unlink()
+            tempfile.TemporaryFile(dir=folder).close()  # a file can be written there
         else:
-            parent = next(p for p in folder.absolute().parents if p.exists())
-            if not parent.is_dir():
-                raise NotADirectoryError(20, "Not a directory")
-            tempfile.TemporaryDirectory(dir=parent).cleanup()  # a folder can be made there
+            tempfile.TemporaryDirectory(dir=existing).cleanup()  # the folder can be made there
     except OSError as e:
+        if e.errno == errno.ENOENT:  # a folder that exists but takes no new entries (/proc, /sys)
+            raise SparseSpecError(f"cannot write to {folder}: that file system takes no new files") from None
         raise SparseSpecError(f"cannot write to {folder}: {e.strerror}") from None
     return folder
 

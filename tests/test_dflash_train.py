@@ -226,7 +226,22 @@ def test_train_whose_model_does_not_load_leaves_no_folder_and_an_unwritable_one_
     (tmp_path / "file").write_text("")
     assert main(["train", *argv, "no-such-model", "--out", str(tmp_path / "file" / "run")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot write to" in err[0] and "Not a directory" in err[0], err
+    assert len(err) == 1 and "cannot write to" in err[0] and "is not a folder" in err[0], err
+
+
+def test_an_output_folder_is_checked_made_or_not_and_refused_under_a_file(tmp_path):
+    from sparsespec.cli import _writable_folder
+    from sparsespec.errors import SparseSpecError
+
+    assert _writable_folder(str(tmp_path / "a" / "b"), create=False) == tmp_path / "a" / "b"
+    assert not (tmp_path / "a").exists()
+    _writable_folder(str(tmp_path / "a" / "b"))
+    assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())  # made, left empty
+    (tmp_path / "file").write_text("x")
+    for create in (True, False):
+        with pytest.raises(SparseSpecError, match=f"cannot write to .*: {tmp_path / 'file'} is not a folder"):
+            _writable_folder(str(tmp_path / "file" / "c"), create=create)
+    assert (tmp_path / "file").read_text() == "x"
 
 
 @pytest.mark.parametrize("bad,needle", [(dict(max_new_tokens=1), "max-new-tokens must be >= 2"),
