@@ -21,8 +21,9 @@ demo: $(STAMP)
 		--question "Question: which topics do the articles above cover? Answer in two sentences." > build/demo_prompt.txt
 	$(PY) -m sparsespec generate --model smollm2-135m --prompt-file build/demo_prompt.txt --chat --max-new-tokens 96
 
+# the test files in two processes (CI's two cores; each takes its share of torch's threads: tests/conftest.py)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench-cpu: $(STAMP)
 	$(PY) bench/cpu_decode.py

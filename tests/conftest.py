@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
     # kernels on CUDA only.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # `make test` runs the files in parallel processes (pytest-xdist, one a core): each takes its share of torch's
+    # intra-op threads, so that together they do not oversubscribe the cores
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"  # where a kernel test runs its kernel (interpreted on CPU, at small sizes)
 cuda_only = pytest.mark.skipif(not CUDA, reason="larger sizes run on CUDA only")  # full sizes: on the GPU
