@@ -429,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_target_name(args, draft) -> None:
+    """--target-name (generate, serve) finds the registered DFlash drafter of a --model given as a path: refused
+    where --draft does not use that drafter, rather than ignored."""
+    if args.target_name is not None and draft.kind != "none" and not draft.registered():
+        raise SparseSpecError(f"--target-name finds the registered DFlash drafter of a --model given as a path, and "
+                              f"--draft {args.draft} uses none (dflash without a PATH does): drop --target-name")
+
+
 def _check_out(path: str | None) -> None:
     """An output folder's path, before any work: an empty one would write into the working folder (or nowhere)."""
     if path is not None and not path.strip():
@@ -561,6 +569,7 @@ def cmd_generate(args) -> None:
         raise SparseSpecError("--top-k, --top-p and --seed apply to sampling: add --temperature above 0 (0 is greedy)")
     if args.target_name is not None and args.draft == "none":
         raise SparseSpecError("--target-name names the model for its drafter: give --draft (e.g. --draft dflash)")
+    _check_target_name(args, parse_drafter(args.draft))
     _check_compile(args)
     _check_block_size(args)
     prompts = _read_prompts(args)
@@ -691,10 +700,11 @@ def cmd_serve(args) -> None:
         raise SparseSpecError("--draft with a sparse --attention policy is not supported: use one of them (or "
                               "--draft self:POLICY)")
     _check_block_size(args)
-    _check_listen(args.host, args.port)
     from .spec.bench import make_drafter, parse_drafter
 
     draft = parse_drafter(args.draft)  # refused before the model loads
+    _check_target_name(args, draft)
+    _check_listen(args.host, args.port)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     engine = Engine.from_name(args.model, device=args.device, dtype=dtype, progress=sys.stderr.isatty())
     drafter = make_drafter(draft, engine, args.target_name or args.model, args.device, dtype,

@@ -403,3 +403,13 @@ def test_generate_draft_looks_up_the_target_name(monkeypatch, extra, expected):
     monkeypatch.setattr(bench, "make_drafter", make_drafter)
     assert main(["generate", "--model", "some/model.gguf", "--prompt", "hi", "--draft", "dflash", *extra]) == 2
     assert seen == [("dflash", expected)]
+
+
+@pytest.mark.parametrize("spec, registered", [
+    ("dflash", True), ("dflash:some/drafter", False), ("ngram+dflash", True), ("tree15:window64:dflash", True),
+    ("window64:dflash:some/drafter", False), ("dflash>self:topk", True), ("dflash:p>self:topk", False),
+    ("self:topk", False), ("model:smollm2-135m", False), ("ngram", False), ("none", False)])
+def test_a_draft_uses_the_registered_drafter_where_it_names_dflash_without_a_path(spec, registered):
+    from sparsespec.spec.bench import parse_drafter
+
+    assert parse_drafter(spec).registered() is registered

@@ -249,6 +249,7 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
     (["--attention", "streaming", "--draft", "ngram"], "--draft with a sparse --attention policy"),
     (["--draft", "ngram", "--block-size", "1"], "--block-size must be >= 2"),
     (["--block-size", "4"], "--block-size applies to speculative decoding"),
+    (["--target-name", "qwen2.5-coder-0.5b", "--draft", "self:topk"], "--draft self:topk uses none"),
 ])
 def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
     from sparsespec.cli import main

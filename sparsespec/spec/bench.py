@@ -57,6 +57,11 @@ class DraftSpec:
         """Whether this drafter, or one it wraps at any depth, is of `kind` (e.g. a tree, a DFlash drafter)."""
         return self.kind == kind or (self.inner is not None and self.inner.has(kind))
 
+    def registered(self) -> bool:
+        """Whether this drafter, or one it wraps, is the target's registered DFlash drafter (dflash without a PATH:
+        found by the target's registry name)."""
+        return (self.kind == "dflash" and not self.arg) or (self.inner is not None and self.inner.registered())
+
 
 MAX_WINDOW = 1 << 30  # (a drafter's context window reaches the kernel as an int32 with its block added)
 
