@@ -432,7 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_target_name(args, draft) -> None:
     """--target-name (generate, serve) finds the registered DFlash drafter of a --model given as a path: refused
     where --draft does not use that drafter, rather than ignored."""
-    if args.target_name is not None and draft.kind != "none" and not draft.registered():
+    if args.target_name is not None and draft.kind == "none":
+        raise SparseSpecError("--target-name names the model for its drafter: give --draft (e.g. --draft dflash)")
+    if args.target_name is not None and not draft.registered():
         raise SparseSpecError(f"--target-name finds the registered DFlash drafter of a --model given as a path, and "
                               f"--draft {args.draft} uses none (dflash without a PATH does): drop --target-name")
 
@@ -455,7 +457,8 @@ def _writable_folder(path: str, create: bool = True):
     folder = Path(path)
     absolute = folder.absolute()
     try:
-        existing = next(p for p in (absolute, *absolute.parents) if p.exists())  # (a path under a file: the file)
+        # (a path under a file: the file; a dangling link: the link)
+        existing = next(p for p in (absolute, *absolute.parents) if os.path.lexists(p))
         if not existing.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, f"{existing} is not a folder")
         if create:
@@ -567,8 +570,6 @@ def cmd_generate(args) -> None:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)  # (its ranges checked first)
     if args.temperature == 0 and (args.top_k or args.top_p != 1 or args.seed is not None):
         raise SparseSpecError("--top-k, --top-p and --seed apply to sampling: add --temperature above 0 (0 is greedy)")
-    if args.target_name is not None and args.draft == "none":
-        raise SparseSpecError("--target-name names the model for its drafter: give --draft (e.g. --draft dflash)")
     _check_target_name(args, parse_drafter(args.draft))
     _check_compile(args)
     _check_block_size(args)

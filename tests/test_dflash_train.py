@@ -242,6 +242,11 @@ def test_an_output_folder_is_checked_made_or_not_and_refused_under_a_file(tmp_pa
         with pytest.raises(SparseSpecError, match=f"cannot write to .*: {tmp_path / 'file'} is not a folder"):
             _writable_folder(str(tmp_path / "file" / "c"), create=create)
     assert (tmp_path / "file").read_text() == "x"
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")  # a link to nothing: no folder can be made there
+    for path in ("dangling", "dangling/d"):
+        for create in (True, False):
+            with pytest.raises(SparseSpecError, match=f"{tmp_path / 'dangling'} is not a folder"):
+                _writable_folder(str(tmp_path / path), create=create)
 
 
 @pytest.mark.parametrize("bad,needle", [(dict(max_new_tokens=1), "max-new-tokens must be >= 2"),

@@ -250,6 +250,7 @@ def test_scheduler_speculates_for_each_request_what_it_gets_alone(one_thread, dr
     (["--draft", "ngram", "--block-size", "1"], "--block-size must be >= 2"),
     (["--block-size", "4"], "--block-size applies to speculative decoding"),
     (["--target-name", "qwen2.5-coder-0.5b", "--draft", "self:topk"], "--draft self:topk uses none"),
+    (["--target-name", "qwen2.5-coder-0.5b"], "give --draft"),
 ])
 def test_serve_refuses_bad_options_before_loading(capsys, argv, needle):
     from sparsespec.cli import main
@@ -336,6 +337,42 @@ def test_a_body_over_the_size_limit_is_a_413_before_it_is_read_sized_or_chunked(
         assert client.get("/health").status_code == 200
     with pytest.raises(SparseSpecError, match="at least 1 byte"):
         ServeConfig("m", SchedulerConfig(), max_request_bytes=0)
+
+
+@pytest.mark.parametrize("headers, status", [([(b"content-length", b"10")], 200),  # (a fitting, true length)
+                                             ([(b"transfer-encoding", b"chunked")], 413),
+                                             ([(b"content-length", b"10"), (b"transfer-encoding", b"chunked")], 413)])
+def test_the_body_limit_counts_a_chunked_body_even_beside_a_content_length(headers, status):
+    """HTTP servers frame a body that has both headers by its chunks (h11 does), so its Content-Length says nothing:
+    the limit counts what arrives. Driven as ASGI directly, as the HTTP server would."""
+    from sparsespec.serve.app import BodyLimit
+
+    read = []
+
+    async def app(scope, receive, send):  # reads the whole body, then answers 200
+        while True:
+            message = await receive()
+            read.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    body = b"x" * 10 if status == 200 else b"x" * 5000
+    chunks = [{"type": "http.request", "body": body[i:i + 100], "more_body": i + 100 < len(body)}
+              for i in range(0, len(body), 100)]
+    sent = []
+
+    async def receive():
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    asyncio.run(BodyLimit(app, limit=100)(scope, receive, send))
+    assert sent[0]["status"] == status
+    assert b"".join(read) == (body if status == 200 else b"")  # refused: the app read nothing
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}

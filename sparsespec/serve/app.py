@@ -58,8 +58,8 @@ class ServeConfig:
 class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes is answered 413 (the OpenAI error object, code
     request_too_large) before the app reads it, so that no client can make the server hold an unbounded body in
-    memory: at once by its Content-Length (the HTTP server then delivers no more than that), else counted as it
-    arrives (chunked), the body held here up to the limit and handed on whole."""
+    memory: at once by its Content-Length (the HTTP server then delivers no more than that), else (chunked, even
+    beside a Content-Length) counted as it arrives, the body held here up to the limit and handed on whole."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -67,8 +67,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and b"transfer-encoding" not in headers:  # (with both, the chunks decide the length)
             if length.isdigit() and int(length) > self.limit:
                 return await self._refuse(scope, receive, send)
             return await self.app(scope, receive, send)
