@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import itertools
+import numbers
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,12 +40,33 @@ class GenerationConfig:
     compile: bool = False  # and run it through torch.compile first (slow start, faster steps)
 
     def __post_init__(self):
+        for name in ("max_new_tokens", "prefill_chunk"):
+            if not _whole(getattr(self, name)):
+                raise SparseSpecError(f"{name} must be a whole number, got {getattr(self, name)!r}")
         if self.max_new_tokens < 1:
             raise SparseSpecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
             raise SparseSpecError(f"prefill chunk must be >= 1, got {self.prefill_chunk}")
+        if not isinstance(self.sampling, SamplingConfig):
+            raise SparseSpecError(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
+        # one stop string or id stands for itself (a string is not a sequence of one-character stop strings)
+        if isinstance(self.stop_strings, str):
+            object.__setattr__(self, "stop_strings", (self.stop_strings,))
+        if _whole(self.stop_token_ids):
+            object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not all(isinstance(s, str) for s in self.stop_strings):
+            raise SparseSpecError(f"stop strings must be strings, got {list(self.stop_strings)!r}")
         if any(not s for s in self.stop_strings):
             raise SparseSpecError("a stop string must not be empty")
+        if not all(_whole(t) for t in self.stop_token_ids):
+            raise SparseSpecError(f"stop token ids must be whole numbers, got {list(self.stop_token_ids)!r}")
+
+
+def _whole(x) -> bool:
+    """An int (Python's or numpy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass
@@ -122,8 +145,15 @@ class Engine:
     @classmethod
     def from_name(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32",
                   progress: bool = False) -> "Engine":
+        if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+            raise SparseSpecError(f"name a model: a registry name, a GGUF file or a checkpoint folder, got "
+                                  f"{name_or_path!r}")
+        name_or_path = str(name_or_path)
         if dtype not in DTYPES:
             raise SparseSpecError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        device = str(device)  # (a torch.device too)
+        if device != "cpu" and device != "cuda" and not device.startswith("cuda:"):
+            raise SparseSpecError(f"unknown device {device!r} (cpu, cuda or cuda:N)")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SparseSpecError("--device cuda requested but no CUDA device is available")
         kind, _, shape_name = name_or_path.partition(":")
@@ -170,9 +200,23 @@ class Engine:
                                   f"model's context of {limit} tokens")
 
     def check_all_fit(self, prompts: list[list[int]], new_tokens: int) -> None:
-        """`check_fits` for each prompt, naming the one at fault when there are several."""
+        """Refuse prompts that are not lists of token ids in the vocabulary, and `check_fits` each, naming the one
+        at fault when there are several."""
+        if not isinstance(prompts, (list, tuple)) or (prompts and _whole(prompts[0])):
+            raise SparseSpecError(f"prompts must be a list of prompts, each a list of token ids (Engine.encode makes "
+                                  f"one from text), got {type(prompts).__name__}"
+                                  + (" of token ids: wrap it in a list" if isinstance(prompts, (list, tuple)) else ""))
+        vocab = self.config.vocab_size
         for i, prompt in enumerate(prompts):
-            self.check_fits(len(prompt), new_tokens, f"prompt {i + 1} of {len(prompts)}: " if len(prompts) > 1 else "")
+            which = f"prompt {i + 1} of {len(prompts)}: " if len(prompts) > 1 else ""
+            if not isinstance(prompt, (list, tuple)) or not all(_whole(t) for t in prompt):
+                raise SparseSpecError(f"{which}a prompt must be a list of token ids (Engine.encode makes one from "
+                                      f"text), got {type(prompt).__name__}"
+                                      + ("" if not isinstance(prompt, (list, tuple)) else " holding other values"))
+            if prompt and not 0 <= min(prompt) <= max(prompt) < vocab:
+                raise SparseSpecError(f"{which}token ids must be in [0, {vocab}) (the model's vocabulary), got "
+                                      f"{min(prompt) if min(prompt) < 0 else max(prompt)}")
+            self.check_fits(len(prompt), new_tokens, which)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, progress: bool = False,
@@ -182,8 +226,13 @@ class Engine:
         `on_text(row, text)` receives each row's text in pieces as it is generated: together they are exactly
         the row's final text. `progress`: bars on stderr for the prefill and, without `on_text`, the decoding.
         `runners`: dense runs take their runner (and its captured steps) from this pool, for loops of many calls."""
-        lens = [len(p) for p in prompts]
         self.check_all_fit(prompts, gen.max_new_tokens)
+        if policy is not None and not isinstance(policy, Policy):
+            raise SparseSpecError(f"policy must be a Policy (sparsespec.attention.make_policy(name, options) makes "
+                                  f"one), got {policy!r}")
+        if not prompts:
+            return Generation([], [], [], 0.0, 0.0, 0)
+        lens = [len(p) for p in prompts]
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in gen.stop_token_ids):
             raise SparseSpecError(f"stop token ids must be in [0, {vocab}), got {list(gen.stop_token_ids)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +23,15 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise SparseSpecError(f"{name} must be a number, got {value!r}")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if (value is not None or name == "top_k") and (not isinstance(value, numbers.Integral)
+                                                           or isinstance(value, bool)):
+                raise SparseSpecError(f"{name} must be a whole number, got {value!r}")
         if not 0 <= self.temperature < float("inf"):  # (inf: every logit 0, uniform noise; nan: no order)
             raise SparseSpecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:

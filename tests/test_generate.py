@@ -207,3 +207,47 @@ def test_an_empty_stop_string_is_refused():
 
     with pytest.raises(SparseSpecError, match="stop string must not be empty"):
         GenerationConfig(stop_strings=("###", ""))
+
+
+def _api_calls():
+    from sparsespec.attention import make_policy
+    from sparsespec.generate import Engine
+    from sparsespec.spec.decode import speculative_generate
+
+    g = GenerationConfig(max_new_tokens=2)
+    return {
+        "a flat list of ids": (lambda e, ids: e.generate(ids, g), "wrap it in a list"),
+        "a text prompt": (lambda e, ids: e.generate(["Hello"], g), "a prompt must be a list of token ids"),
+        "an id past the vocabulary": (lambda e, ids: e.generate([ids, [256]], g),
+                                      r"prompt 2 of 2: token ids must be in \[0, 256\)"),
+        "a negative id": (lambda e, ids: e.generate([[-1, 5]], g), r"must be in \[0, 256\).*got -1"),
+        "a policy's name": (lambda e, ids: e.generate([ids], g, policy="binarypc"), "make_policy"),
+        "no drafter": (lambda e, ids: speculative_generate(e, [ids], None, g), "drafter must be a Drafter"),
+        "a fractional block": (lambda e, ids: speculative_generate(e, [ids], None, g, 2.5), "block size"),
+        "fractional new tokens": (lambda e, ids: GenerationConfig(max_new_tokens=2.5), "max_new_tokens must be"),
+        "sampling as a dict": (lambda e, ids: GenerationConfig(sampling={"temperature": 1}), "SamplingConfig"),
+        "a fractional top-k": (lambda e, ids: SamplingConfig(temperature=1, top_k=2.5), "top_k must be a whole"),
+        "a fractional seed": (lambda e, ids: SamplingConfig(temperature=1, seed=1.5), "seed must be a whole"),
+        "a temperature as text": (lambda e, ids: SamplingConfig(temperature="1"), "temperature must be a number"),
+        "a fractional int option": (lambda e, ids: make_policy("binarypc", {"bits": 2.5}), "it takes ints"),
+        "a bool budget": (lambda e, ids: make_policy("binarypc", {"budget": True}), "it takes floats"),
+        "an unknown device": (lambda e, ids: Engine.from_name("smollm2-135m", device="gpu"), "unknown device 'gpu'"),
+        "no model name": (lambda e, ids: Engine.from_name(""), "name a model"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_api_calls()))
+def test_the_library_refuses_what_it_cannot_use_in_one_clear_error(case, one_thread):
+    call, needle = _api_calls()[case]
+    engine = byte_engine()
+    with pytest.raises(SparseSpecError, match=needle):
+        call(engine, engine.encode("Hello"))
+
+
+def test_one_stop_string_or_id_stands_for_itself_and_an_empty_batch_gives_nothing(one_thread):
+    import numpy as np
+
+    gen = GenerationConfig(max_new_tokens=2, stop_strings="of", stop_token_ids=np.int64(5))
+    assert gen.stop_strings == ("of",) and gen.stop_token_ids == (5,)  # not the strings "o" and "f"
+    engine = byte_engine()
+    assert engine.generate([], gen).texts == []

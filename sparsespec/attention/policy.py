@@ -15,6 +15,7 @@ that set. GQA: one selection per KV head, shared by its query heads (policies co
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -118,6 +119,9 @@ def parse_options(cls: type[PolicyOptions], pairs: list[str] | dict[str, Any]) -
         if key in values:
             raise SparseSpecError(f"attention option {key!r} given twice")
         default = fields[key].default
+        if not isinstance(raw, str) and not _of_type(raw, default):  # (a dict's value: its type, not a cast)
+            raise SparseSpecError(f"invalid value {raw!r} for attention option {key!r}: it takes "
+                                  f"{'a bool' if isinstance(default, bool) else type(default).__name__ + 's'}")
         try:
             if isinstance(default, bool):
                 if str(raw).lower() not in ("true", "false", "1", "0"):
@@ -132,6 +136,18 @@ def parse_options(cls: type[PolicyOptions], pairs: list[str] | dict[str, Any]) -
         except ValueError:
             raise SparseSpecError(f"invalid value {raw!r} for attention option {key!r}") from None
     return cls(**values)
+
+
+def _of_type(value: Any, default: Any) -> bool:
+    """Whether a value given as itself (not as text) has the type of an option's default: bools for bools, whole
+    numbers for ints, numbers for floats (no bool for a number)."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return True
 
 
 def _split_pair(pair: str) -> tuple[str, str]:

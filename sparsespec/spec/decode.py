@@ -16,6 +16,7 @@ identical; each row draws from its own generator as it would alone.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -70,11 +71,15 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     from this pool, for loops of many calls. A drafter with `tree_nodes` (DFlash: `--draft treeN:dflash`) is verified
     as a tree of that many drafted nodes (`spec.tree`: chosen per block by the drafter's marginals), greedy or
     sampled rows alike (`tree_step`)."""
-    if block_size < 2:
-        raise SparseSpecError(f"block size must be >= 2 (one pending token + proposals), got {block_size}")
+    if not isinstance(block_size, numbers.Integral) or isinstance(block_size, bool) or block_size < 2:
+        raise SparseSpecError(f"block size must be a whole number >= 2 (one pending token + proposals), got "
+                              f"{block_size!r}")
+    if not isinstance(drafter, Drafter):
+        raise SparseSpecError(f"drafter must be a Drafter (sparsespec.spec.bench.make_drafter(spec, engine, name) "
+                              f"makes one; \"none\" is plain decoding: Engine.generate), got {drafter!r}")
     if engine.config.sliding_window is not None:
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
-    if not prompts:
+    if isinstance(prompts, (list, tuple)) and not prompts:
         return []
     engine.check_all_fit(prompts, gen.max_new_tokens)
     called = time.perf_counter()
