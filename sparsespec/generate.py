@@ -209,7 +209,8 @@ class Engine:
         vocab = self.config.vocab_size
         for i, prompt in enumerate(prompts):
             which = f"prompt {i + 1} of {len(prompts)}: " if len(prompts) > 1 else ""
-            if not isinstance(prompt, (list, tuple)) or not all(_whole(t) for t in prompt):
+            if not isinstance(prompt, (list, tuple)) or not (set(map(type, prompt)) <= {int}  # (fast: plain ints)
+                                                                 or all(_whole(t) for t in prompt)):
                 raise SparseSpecError(f"{which}a prompt must be a list of token ids (Engine.encode makes one from "
                                       f"text), got {type(prompt).__name__}"
                                       + ("" if not isinstance(prompt, (list, tuple)) else " holding other values"))
