@@ -1045,3 +1045,9 @@ def test_bench_report_rates_are_the_sets_tokens_over_its_seconds(tmp_path):
     line = next(x for x in table.splitlines() if x.startswith("| d |"))
     assert f"| {110 / seconds:.1f} | 100.0 | {110 / seconds / 100:.2f}x |" in line  # 1.19x, where the mean says 5.55x
     assert (tmp_path / "spec.md").read_text().strip() == table
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_the_loop_without_target_vocab():
+    target, draft = tiny_engine(0, vocab=64), tiny_engine(1, vocab=80)  # ids the target cannot take
+    with pytest.raises(SparseSpecError, match=r"draft model vocabulary \(80\) differs from the target's \(64\)"):
+        speculative_generate(target, [[1, 2, 3]], ModelDrafter(draft), GenerationConfig(max_new_tokens=4), 4)

@@ -356,6 +356,12 @@ def _gram_table(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return h[last], order[last].astype(np.int64) + n
 
 
+def _check_vocab(draft_vocab: int, target_vocab: int) -> None:
+    if draft_vocab != target_vocab:
+        raise SparseSpecError(f"draft model vocabulary ({draft_vocab}) differs from the target's ({target_vocab}): a "
+                              f"draft model must share the target's tokenizer")
+
+
 class ModelDrafter(Drafter):
     """A smaller model of the same tokenizer drafts k tokens autoregressively (Leviathan et al.) in its own runner
     (static cache of the batch's rows, graph-captured steps on CUDA); rejected drafts are rolled back by truncating
@@ -363,14 +369,16 @@ class ModelDrafter(Drafter):
     target."""
 
     def __init__(self, engine, name: str = "model", target_vocab: int | None = None, cuda_graph: bool = True):
-        if target_vocab is not None and engine.config.vocab_size != target_vocab:
-            raise SparseSpecError(f"draft model vocabulary ({engine.config.vocab_size}) differs from the target's "
-                                  f"({target_vocab}): a draft model must share the target's tokenizer")
+        if target_vocab is not None:
+            _check_vocab(engine.config.vocab_size, target_vocab)
         self.engine = engine
         self.name = name
         self.cuda_graph = cuda_graph  # on CUDA, replay its decode step as a CUDA graph
         self.runner: Runner | None = None
         self.drafted: list[int] = []  # per row: proposals of the last propose() whose K/V are in the draft cache
+
+    def bind(self, runner):
+        _check_vocab(self.engine.config.vocab_size, runner.model.cfg.vocab_size)  # (`target_vocab` is optional)
 
     def start(self, prompts, features, capacity):
         self.runner = Runner(self.engine.model, len(prompts), capacity, cuda_graph=self.cuda_graph)
