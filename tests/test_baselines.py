@@ -302,7 +302,8 @@ def test_options_are_validated_and_parsed():
     assert parse_options(QuestOptions, ["page=8", "budget=0.05"]) == QuestOptions(page=8, budget=0.05)
     assert QuestOptions().dense_layers == 2 and (MagicPIGOptions().sinks, MagicPIGOptions().window) == (4, 64)
     assert parse_options(MagicPIGOptions, {"tables": "32", "hash_bits": "10"}).tables == 32
-    for bad in (lambda: QuestOptions(page=0), lambda: DoubleSparseOptions(channels=0),
+    assert QuestOptions(page=4096).page == 4096
+    for bad in (lambda: QuestOptions(page=0), lambda: QuestOptions(page=4097), lambda: DoubleSparseOptions(channels=0),
                 lambda: MagicPIGOptions(hash_bits=32), lambda: MagicPIGOptions(tables=4, min_collisions=5)):
         with pytest.raises(SparseSpecError):
             bad()

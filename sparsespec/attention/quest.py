@@ -36,9 +36,11 @@ class QuestOptions(BudgetOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.page < 1:
-            raise SparseSpecError(f"page must be >= 1, got {self.page}")
+        if not 1 <= self.page <= MAX_PAGE:  # (a page is padded whole at every update: a huge one only costs)
+            raise SparseSpecError(f"page must be in [1, {MAX_PAGE}] tokens, got {self.page}")
 
+
+MAX_PAGE = 4096
 
 def page_extrema(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [..., N, D] (slots of whole pages from a page start; the last page may be partial)
