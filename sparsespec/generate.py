@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import itertools
-import numbers
 import os
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache
-from .errors import SparseSpecError
+from .errors import SparseSpecError, whole
 from .attention.policy import Policy
 from .models.loading import DTYPES, LoadedModel, load
 from .models.registry import resolve
@@ -41,7 +40,7 @@ class GenerationConfig:
 
     def __post_init__(self):
         for name in ("max_new_tokens", "prefill_chunk"):
-            if not _whole(getattr(self, name)):
+            if not whole(getattr(self, name)):
                 raise SparseSpecError(f"{name} must be a whole number, got {getattr(self, name)!r}")
         if self.max_new_tokens < 1:
             raise SparseSpecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
@@ -50,23 +49,16 @@ class GenerationConfig:
         if not isinstance(self.sampling, SamplingConfig):
             raise SparseSpecError(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
         # one stop string or id stands for itself (a string is not a sequence of one-character stop strings)
-        if isinstance(self.stop_strings, str):
-            object.__setattr__(self, "stop_strings", (self.stop_strings,))
-        if _whole(self.stop_token_ids):
-            object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
-        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        one = isinstance(self.stop_strings, str)
+        object.__setattr__(self, "stop_strings", (self.stop_strings,) if one else tuple(self.stop_strings))
+        one = whole(self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,) if one else tuple(self.stop_token_ids))
         if not all(isinstance(s, str) for s in self.stop_strings):
             raise SparseSpecError(f"stop strings must be strings, got {list(self.stop_strings)!r}")
         if any(not s for s in self.stop_strings):
             raise SparseSpecError("a stop string must not be empty")
-        if not all(_whole(t) for t in self.stop_token_ids):
+        if not all(whole(t) for t in self.stop_token_ids):
             raise SparseSpecError(f"stop token ids must be whole numbers, got {list(self.stop_token_ids)!r}")
-
-
-def _whole(x) -> bool:
-    """An int (Python's or numpy's), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass
@@ -202,7 +194,7 @@ class Engine:
     def check_all_fit(self, prompts: list[list[int]], new_tokens: int) -> None:
         """Refuse prompts that are not lists of token ids in the vocabulary, and `check_fits` each, naming the one
         at fault when there are several."""
-        if not isinstance(prompts, (list, tuple)) or (prompts and _whole(prompts[0])):
+        if not isinstance(prompts, (list, tuple)) or (prompts and whole(prompts[0])):
             raise SparseSpecError(f"prompts must be a list of prompts, each a list of token ids (Engine.encode makes "
                                   f"one from text), got {type(prompts).__name__}"
                                   + (" of token ids: wrap it in a list" if isinstance(prompts, (list, tuple)) else ""))
@@ -210,7 +202,7 @@ class Engine:
         for i, prompt in enumerate(prompts):
             which = f"prompt {i + 1} of {len(prompts)}: " if len(prompts) > 1 else ""
             if not isinstance(prompt, (list, tuple)) or not (set(map(type, prompt)) <= {int}  # (fast: plain ints)
-                                                                 or all(_whole(t) for t in prompt)):
+                                                                 or all(whole(t) for t in prompt)):
                 raise SparseSpecError(f"{which}a prompt must be a list of token ids (Engine.encode makes one from "
                                       f"text), got {type(prompt).__name__}"
                                       + ("" if not isinstance(prompt, (list, tuple)) else " holding other values"))

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .errors import SparseSpecError
+from .errors import SparseSpecError, number, whole
 
 
 GREEDY_BELOW = 1e-5  # a lower temperature samples greedily, as in vLLM (logits / 1e-300 overflow to nan)
@@ -24,13 +22,10 @@ class SamplingConfig:
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool):
-                raise SparseSpecError(f"{name} must be a number, got {value!r}")
-        for name in ("top_k", "seed"):
-            value = getattr(self, name)
-            if (value is not None or name == "top_k") and (not isinstance(value, numbers.Integral)
-                                                           or isinstance(value, bool)):
+            if not number(getattr(self, name)):
+                raise SparseSpecError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name, value in (("top_k", self.top_k), ("seed", 0 if self.seed is None else self.seed)):
+            if not whole(value):
                 raise SparseSpecError(f"{name} must be a whole number, got {value!r}")
         if not 0 <= self.temperature < float("inf"):  # (inf: every logit 0, uniform noise; nan: no order)
             raise SparseSpecError(f"temperature must be a finite number >= 0, got {self.temperature}")

@@ -15,7 +15,6 @@ that set. GQA: one selection per KV head, shared by its query heads (policies co
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..cache import KVCache
-from ..errors import SparseSpecError
+from ..errors import SparseSpecError, number, whole
 
 
 def option(default: Any, help: str) -> Any:
@@ -144,9 +143,9 @@ def _of_type(value: Any, default: Any) -> bool:
     if isinstance(default, bool):
         return isinstance(value, bool)
     if isinstance(default, int):
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return whole(value)
     if isinstance(default, float):
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return number(value)
     return True
 
 

@@ -30,6 +30,9 @@ from ..errors import SparseSpecError
 from .policy import BudgetOptions, SelectionPolicy, device_ints, option
 
 
+MAX_PAGE = 4096  # tokens
+
+
 @dataclass(frozen=True)
 class QuestOptions(BudgetOptions):
     page: int = option(16, "tokens per page (pages are scored by their keys' min/max bounds)")
@@ -39,8 +42,6 @@ class QuestOptions(BudgetOptions):
         if not 1 <= self.page <= MAX_PAGE:  # (a page is padded whole at every update: a huge one only costs)
             raise SparseSpecError(f"page must be in [1, {MAX_PAGE}] tokens, got {self.page}")
 
-
-MAX_PAGE = 4096
 
 def page_extrema(keys: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [..., N, D] (slots of whole pages from a page start; the last page may be partial)

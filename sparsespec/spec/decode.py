@@ -16,7 +16,6 @@ identical; each row draws from its own generator as it would alone.
 
 from __future__ import annotations
 
-import numbers
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.policy import device_ints
-from ..errors import SparseSpecError
+from ..errors import SparseSpecError, whole
 from ..generate import Engine, GenerationConfig
 from ..runner import Runner, RunnerPool, loop_capacity
 from ..sampling import SamplingConfig, make_generator, sample
@@ -71,7 +70,7 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
     from this pool, for loops of many calls. A drafter with `tree_nodes` (DFlash: `--draft treeN:dflash`) is verified
     as a tree of that many drafted nodes (`spec.tree`: chosen per block by the drafter's marginals), greedy or
     sampled rows alike (`tree_step`)."""
-    if not isinstance(block_size, numbers.Integral) or isinstance(block_size, bool) or block_size < 2:
+    if not whole(block_size) or block_size < 2:
         raise SparseSpecError(f"block size must be a whole number >= 2 (one pending token + proposals), got "
                               f"{block_size!r}")
     if not isinstance(drafter, Drafter):
@@ -79,9 +78,9 @@ def speculative_generate(engine: Engine, prompts: list[list[int]], drafter: Draf
                               f"makes one; \"none\" is plain decoding: Engine.generate), got {drafter!r}")
     if engine.config.sliding_window is not None:
         raise SparseSpecError("speculative decoding does not support sliding-window models yet")
-    if isinstance(prompts, (list, tuple)) and not prompts:
-        return []
     engine.check_all_fit(prompts, gen.max_new_tokens)
+    if not prompts:
+        return []
     called = time.perf_counter()
     tree = tree_verify(drafter, block_size, engine.device)
     # per row, room for a whole block past its last new token (else its last steps run eagerly at their own width)
