@@ -88,7 +88,9 @@ def sweep(name: str, policy, cache, q: torch.Tensor, positions: torch.Tensor, cf
         keys, bits, forced_from = score_keys(state.codes, tables, positions, o.probe_bits, o.bits, G), 16, \
             state.encoded_dev
     else:
-        show("topk_keys", lambda: topk_keys(qf, cache.k[0], positions))
+        for block, warps in ((128, 8), (64, 4), (128, 4), (256, 8), (64, 8), (32, 4)):
+            show(f"topk_keys block={block} warps={warps}", lambda: topk_keys(
+                qf, cache.k[0], positions, block=block, num_warps=warps))
         keys, bits, forced_from = topk_keys(qf, cache.k[0], positions), 32, plan.positions + 1
     for block, waves, warps in ((2048, 4, 8), (1024, 4, 4), (1024, 16, 4), (2048, 16, 8), (4096, 4, 8),
                                 (512, 8, 4), (1024, 8, 8), (4096, 16, 8)):

@@ -163,6 +163,7 @@ class FixedPlan:
 
     width: int  # K: selected slots per (row, KV head), the most any step up to the cache's capacity needs
     positions: torch.Tensor  # [B] int32: each row's query position
+    after: torch.Tensor  # [B] int32: positions + 1, where the select's forced tail starts unless the keys say
     tokens: torch.Tensor  # [B] int32: each row's budget (forced slots may take more, up to `width`)
     attended: torch.Tensor  # [B] fp32: keys attended per KV head, summed over the sparse layers of every step
     idx: torch.Tensor  # [B * Hkv, width] int32: the selection of the layer being run (reused by every layer)
@@ -399,8 +400,8 @@ class SelectionPolicy(Policy):
             from ..kernels.select import select_scratch
 
             scratch = select_scratch(B * Hkv, cache.device)
-        self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B, dtype=torch.float32), zeros(B * Hkv, width),
-                               zeros(B * Hkv), zeros(B), scratch, kept, first,
+        self.fixed = FixedPlan(width, zeros(B), zeros(B), zeros(B), zeros(B, dtype=torch.float32),
+                               zeros(B * Hkv, width), zeros(B * Hkv), zeros(B), scratch, kept, first,
                                selected_at=None if kept is None else zeros(B),
                                keep=None if kept is None else zeros(B, dtype=torch.bool))
 
@@ -423,7 +424,8 @@ class SelectionPolicy(Policy):
             return
         if plan.block and plan.kept is not None:  # a selecting block: where its selection stands, row by row
             plan.selected_at.copy_(torch.where(plan.keep, plan.selected_at, positions))
-        plan.tokens.copy_(self.options.tokens_on_device(positions.long() + 1))
+        torch.add(plan.positions, 1, out=plan.after)  # once a step, not once a layer (`fixed_selection`)
+        plan.tokens.copy_(self.options.tokens_on_device(plan.after.long()))
         listed = self.listed_forced(plan.tokens)
         if listed is not None:
             plan.listed.copy_(listed)
@@ -465,7 +467,7 @@ class SelectionPolicy(Policy):
         plan = self.fixed
         into = plan.buffers(layer) if into is None else into  # [R, W], [R]: W >= width, no row selects more
         sk = self.fixed_keys(layer, q, cache)
-        forced_from = plan.positions + 1 if sk.forced_from is None else sk.forced_from
+        forced_from = plan.after if sk.forced_from is None else sk.forced_from
         args = (sk.keys, plan.positions, plan.tokens, forced_from, into[0].shape[1], sk.key_bits)
         opts = dict(sinks=self.options.sinks, window=self.options.window, extra=sk.extra, extra_n=sk.extra_n)
         if triton_ready(q.device):
