@@ -282,6 +282,10 @@ def test_clear_errors():
         model.generate(ids[:1], drafter=NgramDrafter(), block_size=1, **spec)
     with pytest.raises(SparseSpecError, match="must share the target's tokenizer"):
         hf.HFModelDrafter(model, target_vocab=500)
+    other = tiny_hf_model("llama")  # a draft model of another vocabulary, given without target_vocab=
+    other.resize_token_embeddings(model.config.vocab_size + 7)
+    with pytest.raises(SparseSpecError, match=rf"\({model.config.vocab_size + 7}\) differs from the target's"):
+        model.generate(ids[:1], drafter=hf.HFModelDrafter(other), **spec)
 
 
 def test_mistral_sliding_window_is_refused():

@@ -25,7 +25,7 @@ from ..errors import SparseSpecError
 from ..models.transformer import BLOCK_QUERIES
 from ..sampling import SamplingConfig
 from ..spec.dflash import DFlash, DFlashDrafter
-from ..spec.drafters import Drafter
+from ..spec.drafters import Drafter, check_vocab
 from ..spec.verify import verify_greedy
 from .cache import SparseCache
 
@@ -48,6 +48,7 @@ def speculative_generate(model, input_ids: torch.LongTensor, logits_processor: L
     if drafter is None:
         raise SparseSpecError("speculative_generate needs drafter=... (NgramDrafter(), HFModelDrafter(draft_model) "
                               "or dflash_drafter(model, path))")
+    check_vocab(drafter.vocab_size, model.config.get_text_config(decoder=True).vocab_size)
     if block_size < 2:
         raise SparseSpecError(f"block size must be >= 2 (one pending token + proposals), got {block_size}")
     if input_ids.shape[0] != 1:
@@ -108,10 +109,9 @@ class HFModelDrafter(Drafter):
     name = "hf-model"
 
     def __init__(self, model, target_vocab: int | None = None):
-        vocab = model.config.get_text_config(decoder=True).vocab_size
-        if target_vocab is not None and vocab != target_vocab:
-            raise SparseSpecError(f"draft model vocabulary ({vocab}) differs from the target's ({target_vocab}): a "
-                                  "draft model must share the target's tokenizer")
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
+        if target_vocab is not None:
+            check_vocab(self.vocab_size, target_vocab)
         self.model = model
         self.cache: DynamicCache | None = None
         self.drafted = 0  # proposals of the last propose() call whose K/V are in the draft cache

@@ -56,6 +56,7 @@ class Drafter(ABC):
     marginals: bool = False
     tree_nodes: int = 0  # > 0 (a drafter of `marginals`): its steps verify a tree of this many drafted nodes
     tree: TreeVerify | None = None  # its tree verify (`decode.tree_verify`), kept for a loop's later calls
+    vocab_size: int | None = None  # a draft model's vocabulary, which must be the target's (None: no model of its own)
 
     def bind(self, runner: Runner) -> None:
         """Before `start`: the target's runner (a drafter with a `policy` drafts through it; others ignore it)."""
@@ -199,7 +200,7 @@ class LookupFirst(Drafter):
         self.name, self.taps, self.point_mass = f"ngram+{drafter.name}", drafter.taps, True
         self.marginals, self.tree_nodes, self.ranks = drafter.marginals, drafter.tree_nodes, 0
         # a copied block is verified, and its features reach the drafter's context, like one of the drafter's own
-        self.max_proposals = drafter.max_proposals
+        self.max_proposals, self.vocab_size = drafter.max_proposals, drafter.vocab_size
 
     def bind(self, runner):
         self.drafter.bind(runner)
@@ -356,8 +357,9 @@ def _gram_table(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return h[last], order[last].astype(np.int64) + n
 
 
-def _check_vocab(draft_vocab: int, target_vocab: int) -> None:
-    if draft_vocab != target_vocab:
+def check_vocab(draft_vocab: int | None, target_vocab: int) -> None:
+    """A drafter's `vocab_size` against its target's (None: the drafter has no vocabulary of its own)."""
+    if draft_vocab is not None and draft_vocab != target_vocab:
         raise SparseSpecError(f"draft model vocabulary ({draft_vocab}) differs from the target's ({target_vocab}): a "
                               f"draft model must share the target's tokenizer")
 
@@ -370,15 +372,16 @@ class ModelDrafter(Drafter):
 
     def __init__(self, engine, name: str = "model", target_vocab: int | None = None, cuda_graph: bool = True):
         if target_vocab is not None:
-            _check_vocab(engine.config.vocab_size, target_vocab)
+            check_vocab(engine.config.vocab_size, target_vocab)
         self.engine = engine
+        self.vocab_size = engine.config.vocab_size
         self.name = name
         self.cuda_graph = cuda_graph  # on CUDA, replay its decode step as a CUDA graph
         self.runner: Runner | None = None
         self.drafted: list[int] = []  # per row: proposals of the last propose() whose K/V are in the draft cache
 
     def bind(self, runner):
-        _check_vocab(self.engine.config.vocab_size, runner.model.cfg.vocab_size)  # (`target_vocab` is optional)
+        check_vocab(self.vocab_size, runner.model.cfg.vocab_size)  # (`target_vocab` is optional)
 
     def start(self, prompts, features, capacity):
         self.runner = Runner(self.engine.model, len(prompts), capacity, cuda_graph=self.cuda_graph)
