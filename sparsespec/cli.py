@@ -620,8 +620,12 @@ def cmd_generate(args) -> None:
         print(f"[{counts} | time to first token {result.ttft_s:.3f} s | decode {rate} "
               f"tok/s | {args.model} on {args.device} ({dtype}), attention {args.attention}{keys}]", file=sys.stderr)
     if attended is not None and attended < min(64, *result.prompt_tokens):
+        from .attention.policy import SelectionOptions
+
+        more = ("the budget (--attention-opt budget=...) or min_tokens" if isinstance(policy.options, SelectionOptions)
+                else "its attention-mass target (p; `sparsespec policies`)")
         print(f"sparsespec: warning: {name} attended only {attended:.1f} tokens per step: expect garbage; raise "
-              "the budget (--attention-opt budget=...) or min_tokens", file=sys.stderr)
+              f"{more}", file=sys.stderr)
 
 
 def _finite(x: float) -> float | None:
@@ -1185,9 +1189,9 @@ def cmd_policies(args) -> None:
 
     from .attention import POLICIES
 
-    from .attention.policy import PolicyOptions
+    from .attention.policy import SelectionOptions
 
-    shared = {f.name: f.metadata["help"] for f in dataclasses.fields(PolicyOptions)}  # a subclass may re-default
+    shared = {f.name: f.metadata["help"] for f in dataclasses.fields(SelectionOptions)}  # a subclass may re-default
     rows = {name: {f.name: {"default": f.default, "help": f.metadata.get("help", shared.get(f.name))}
                    for f in dataclasses.fields(cls.Options) if name != "dense"} for name, cls in POLICIES.items()}
     if args.json:

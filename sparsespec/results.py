@@ -73,10 +73,19 @@ def check_folder(folder: str | Path, settings: dict, files: tuple[str, ...], def
         raise SparseSpecError(f"cannot write to {folder}: {nearest} is not a writable folder")
     before = _recorded(folder, files)
     before = (defaults or {}) | before if before else before
-    changed = [k for k, v in _as_read(settings).items() if k in before and before[k] != v]
+    changed = [k for k, v in _as_read(settings).items() if k in before and _differs(before[k], v)]
     if changed:
         raise SparseSpecError(f"{folder} holds results made with other settings ({', '.join(changed)}): rerun "
                               f"with the same ones or choose another --out")
+
+
+def _differs(recorded, current) -> bool:
+    """A recorded setting against the current one. Of a recorded group of settings (a policy's options), keys the
+    current group no longer has are left out: an option since removed from a policy, which took no part in it (the
+    budget of the top-p policies); a key the record lacks still differs."""
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        recorded = {k: v for k, v in recorded.items() if k in current}
+    return recorded != current
 
 
 def record_settings(folder: Path, settings: dict, files: tuple[str, ...]) -> None:

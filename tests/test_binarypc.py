@@ -9,7 +9,7 @@ from sparsespec.attention.binarypc import (
     BinaryPC, BinaryPCOptions, encode, fit_basis, pack_bits, packed_scores, popcount, quantize_probe,
     safeguard_mask, unpack_bits,
 )
-from sparsespec.attention.policy import PolicyOptions, select_top
+from sparsespec.attention.policy import SelectionOptions, select_top
 from sparsespec.attention.topk import OracleTopK
 
 from .conftest import cache_with_keys
@@ -103,7 +103,7 @@ def test_planted_needle_is_always_selected(seed):
     cache = cache_with_keys(keys)
     positions = torch.full((B,), S - 1)
     for policy in (BinaryPC(BinaryPCOptions(budget=0.02, dense_layers=0)),
-                   OracleTopK(PolicyOptions(budget=0.02, dense_layers=0))):
+                   OracleTopK(SelectionOptions(budget=0.02, dense_layers=0))):
         policy.build(0, cache, [S] * B)
         idx, valid = policy.select(0, q, cache, positions)
         for b in range(B):

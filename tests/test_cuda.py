@@ -97,14 +97,17 @@ FULL = {"topk": {}, "streaming": {}, "quest": {}, "magicpig": {"min_collisions":
 @torch.inference_mode()
 def test_sparse_decode_on_cuda(name, budget, tmp_path):
     """Every policy decodes on CUDA; at a full budget (p = 1) it gives the dense greedy tokens."""
-    from sparsespec.attention import make_policy
+    from sparsespec.attention import POLICIES, make_policy
+    from sparsespec.attention.policy import SelectionOptions
 
     tiny_hf_model("qwen2").save_pretrained(tmp_path)
     model = load(tmp_path, device="cuda", with_tokenizer=False).model
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0)).tolist()
     runs = {}
     for run in ("dense", name):
-        options = {"budget": budget, "dense_layers": "0", **(FULL[name] if budget == "1.0" else {"min_tokens": "0"})}
+        options = {"dense_layers": "0", **(FULL[name] if budget == "1.0" else {"min_tokens": "0"})}
+        if issubclass(POLICIES[name].Options, SelectionOptions):  # (the top-p policies take no budget)
+            options["budget"] = budget
         policy = None if run == "dense" else make_policy(name, options)
         runner = Runner(model, 1, 230, policy, cuda_graph=False, fixed=False)  # every policy's eager path
         tokens, out = model.logits(runner.prefill(prompt, chunk=64)).argmax(-1), []

@@ -8,6 +8,7 @@ import torch
 from sparsespec import corpora
 from sparsespec.attention import POLICIES, make_policy
 from sparsespec.attention.binarypc import BinaryPC, BinaryPCOptions
+from sparsespec.attention.policy import SelectionOptions
 from sparsespec.cli import main
 from sparsespec.errors import SparseSpecError
 from sparsespec.eval.fidelity import FidelityConfig, run_fidelity
@@ -32,10 +33,12 @@ def dense_tokens(smollm2_wiki_greedy):  # 20 tokens
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NO_CALIBRATION)
 def test_full_budget_reproduces_dense_greedy(smollm2_engine, prompt, dense_tokens, name):
-    options = {"budget": "1.0", "dense_layers": "0"}
+    options = {"dense_layers": "0"}
+    if issubclass(POLICIES[name].Options, SelectionOptions):  # (the top-p policies take no budget)
+        options["budget"] = "1.0"
     if name == "magicpig":  # its collision filter drops keys whatever the budget; 0 makes every key a candidate
         options["min_collisions"] = "0"
-    if name == "doublep":  # top-p: the budget is p, not a token count
+    if name == "doublep":
         options.update(p1="1.0", p2="1.0")
     if name in ("topp", "twilight"):
         options.update(p="1.0")
@@ -142,9 +145,12 @@ def test_calibrated_basis_round_trip(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_fidelity_is_exact_at_full_budget_and_orders_methods(smollm2_engine):
-    cfg = FidelityConfig(length=256, contexts=("natural",), budgets=(1.0, 0.1), policies=("topk", "streaming"),
-                         options=("min_tokens=0",), steps=2)
+    cfg = FidelityConfig(length=256, contexts=("natural",), budgets=(1.0, 0.1),
+                         policies=("topk", "streaming", "topp:p=1.0"), options=("topk.min_tokens=0",
+                                                                              "streaming.min_tokens=0"), steps=2)
     rows = {(r["policy"], r["budget"]): r for r in run_fidelity(smollm2_engine.model, smollm2_engine.tokenizer, cfg)}
+    assert [k for k in rows if k[0].startswith("topp")] == [("topp:p=1.0", None)]  # no budget: one run
+    assert rows["topp:p=1.0", None]["mass_recall"] > 0.9999
     for name in ("topk", "streaming"):
         assert rows[name, 1.0]["mass_recall"] > 0.9999 and rows[name, 1.0]["output_error"] < 1e-4
     assert rows["topk", 0.1]["mass_recall"] >= rows["streaming", 0.1]["mass_recall"]

@@ -1,9 +1,11 @@
 """Top-p baselines: oracle top-p reaches p on every head by construction; Twilight stays inside its candidates."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
-from sparsespec.attention import make_policy
+from sparsespec.attention import check_policies, make_policy, shared_options
 from sparsespec.attention.dense import causal_mask, dense_attention
 from sparsespec.attention.topp import fake_quantize, mask_to_indices, top_p_mask
 
@@ -84,3 +86,31 @@ def test_fake_quantize_error_shrinks_with_bits():
     errors = [(fake_quantize(x, b) - x).abs().max().item() for b in (2, 4, 8)]
     assert errors[0] > errors[1] > errors[2]
     assert errors[1] <= (x.amax(-1) - x.amin(-1)).max().item() / 15 / 2 + 1e-6
+
+
+@pytest.mark.parametrize("name", ["topp", "twilight", "doublep"])
+def test_top_p_policies_take_no_budget(name, tmp_path):
+    """They attend by attention mass: a budget was accepted and silently ignored; now it is refused (fidelity runs
+    them once, without one), and a results folder recorded when they listed one still matches."""
+    from sparsespec.errors import SparseSpecError
+    from sparsespec.eval.fidelity import FidelityConfig
+    from sparsespec.results import check_folder, record_settings
+
+    with pytest.raises(SparseSpecError, match="unknown attention option 'budget'"):
+        make_policy(name, {"budget": "0.5"})
+    # a run's shared budget ("--attention-opt budget=0.5") is for the policies that take one; taken by none: refused
+    assert shared_options(name, ["budget=0.5", "dense_layers=1"]) == (name, {"dense_layers": "1"})
+    assert shared_options("topk", ["budget=0.5"]) == ("topk", {"budget": "0.5"})
+    check_policies([name, "topk"], ["budget=0.5"])
+    with pytest.raises(SparseSpecError, match="'budget=0.5' is taken by none of this run's policies"):
+        check_policies([name, "dense"], ["budget=0.5"])
+    fidelity = FidelityConfig(policies=("topk", name))  # it runs them once, at no budget
+    assert not fidelity.takes_budget(name) and fidelity.takes_budget("topk")
+    assert fidelity.policy(name, None).options == make_policy(name).options
+    options = asdict(make_policy(name).options)
+    record_settings(tmp_path, {f"policy {name}": {"budget": 0.02, **options}}, ("results.jsonl",))
+    (tmp_path / "results.jsonl").write_text('{"policy": "%s"}\n' % name)
+    check_folder(tmp_path, {f"policy {name}": options}, ("results.jsonl",))  # the option it lost took no part
+    changed = {**options, "dense_layers": options["dense_layers"] + 1}
+    with pytest.raises(SparseSpecError, match=f"other settings \\(policy {name}\\)"):
+        check_folder(tmp_path, {f"policy {name}": changed}, ("results.jsonl",))

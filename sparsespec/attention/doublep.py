@@ -98,9 +98,12 @@ class DoublePOptions(PolicyOptions):
     exact_cap: float = option(0.1, "fixed-width (graph-captured) steps: at most this share of the cache capacity "
                                    "(a count if > 1; at least min_tokens) of prefill tokens attended token by token; "
                                    "exact clusters past it, in rank order, enter as centroid terms (p2 = 1: no cap)")
+    min_tokens: int = option(256, "fixed-width steps: exact_cap is at least this many tokens")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.min_tokens < 0:
+            raise SparseSpecError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for name in ("p1", "p2"):
             if not 0 < getattr(self, name) <= 1:
                 raise SparseSpecError(f"{name} must be in (0, 1], got {getattr(self, name)}")

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SparseSpecError
-from .policy import PolicyOptions, SelectionPolicy, device_ints, option
+from .policy import SelectionOptions, SelectionPolicy, device_ints, option
 
 
 @dataclass(frozen=True)
-class MagicPIGOptions(PolicyOptions):
+class MagicPIGOptions(SelectionOptions):
     sinks: int = 4
     window: int = 64
     hash_bits: int = option(8, "K: SimHash bits per table")

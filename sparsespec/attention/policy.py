@@ -49,12 +49,8 @@ class SelectKeys:
 
 @dataclass(frozen=True)
 class PolicyOptions:
-    """Options every policy shares. `budget` ≤ 1 is a fraction of the context (0.02 = 2%); a larger value is a
-    token count. The budget counts every attended token: sinks, window and the current token included."""
+    """Options every policy shares."""
 
-    budget: float = option(0.02, "keys attended per step: a share of the context if <= 1 (0.02 = 2%), else a count")
-    min_tokens: int = option(256, "attend at least this many keys whatever the budget, so a short context is not "
-                                   "cut to a handful of keys (docs/results/token_floor.md)")
     dense_layers: int = option(2, "the first N layers decode with dense attention")
     sinks: int = option(0, "the first N tokens (attention sinks) are always attended")
     window: int = option(0, "the N most recent tokens are always attended")
@@ -63,15 +59,36 @@ class PolicyOptions:
                                   "a self-drafter's; fixed-width steps of the engine's runner; 1: every step)")
 
     def __post_init__(self):
-        if not 0 < self.budget < float("inf"):
-            raise SparseSpecError(f"budget must be a positive finite number, got {self.budget}")
-        if self.budget > 1 and self.budget != int(self.budget):
-            raise SparseSpecError(f"a budget above 1 is a token count and must be an integer, got {self.budget}")
-        for name in ("min_tokens", "dense_layers", "sinks", "window"):
+        for name in ("dense_layers", "sinks", "window"):
             if getattr(self, name) < 0:
                 raise SparseSpecError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.select_every < 1:
             raise SparseSpecError(f"select_every must be >= 1, got {self.select_every}")
+
+    def forced(self, position: int) -> int:
+        """How many slots `forced_slots` forces in for a query at `position`."""
+        sinks, recent_from = min(self.sinks, position + 1), max(0, position - max(self.window, 1) + 1)
+        return sinks + position + 1 - recent_from - max(0, sinks - recent_from)
+
+
+@dataclass(frozen=True)
+class SelectionOptions(PolicyOptions):
+    """Options of the policies that attend a budget of keys a step (`SelectionPolicy`). `budget` ≤ 1 is a fraction
+    of the context (0.02 = 2%); a larger value is a token count. The budget counts every attended token: sinks,
+    window and the current token included. (The top-p policies attend by attention mass instead: no budget.)"""
+
+    budget: float = option(0.02, "keys attended per step: a share of the context if <= 1 (0.02 = 2%), else a count")
+    min_tokens: int = option(256, "attend at least this many keys whatever the budget, so a short context is not "
+                                   "cut to a handful of keys (docs/results/token_floor.md)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.budget < float("inf"):
+            raise SparseSpecError(f"budget must be a positive finite number, got {self.budget}")
+        if self.budget > 1 and self.budget != int(self.budget):
+            raise SparseSpecError(f"a budget above 1 is a token count and must be an integer, got {self.budget}")
+        if self.min_tokens < 0:
+            raise SparseSpecError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     def tokens(self, context: int) -> int:
         """How many of `context` tokens one decode query attends to."""
@@ -84,14 +101,9 @@ class PolicyOptions:
             context, int(self.budget))
         return torch.minimum(context, k.clamp_min(self.min_tokens)).clamp_min(1)
 
-    def forced(self, position: int) -> int:
-        """How many slots `forced_slots` forces in for a query at `position`."""
-        sinks, recent_from = min(self.sinks, position + 1), max(0, position - max(self.window, 1) + 1)
-        return sinks + position + 1 - recent_from - max(0, sinks - recent_from)
-
 
 @dataclass(frozen=True)
-class BudgetOptions(PolicyOptions):
+class BudgetOptions(SelectionOptions):
     """The defaults of the fixed-budget selection policies (oracle top-k, BinaryPC, Quest, Double Sparsity): 4 sink
     tokens and a 64-token recent window inside the budget, and a floor of 1024 keys, so that 2% holds up below 51k
     tokens. Measured: at 1024 tokens with these sinks and window, top-k and BinaryPC match Double-P's accuracy and
@@ -304,7 +316,11 @@ class Policy(ABC):
 
 
 class SelectionPolicy(Policy):
-    """Policies that choose key positions; attention over the chosen set is exact."""
+    """Policies that choose key positions, a budget of them a step (`SelectionOptions`); attention over the chosen
+    set is exact."""
+
+    Options: ClassVar[type[SelectionOptions]] = SelectionOptions
+    options: SelectionOptions
 
     @abstractmethod
     def scores(self, layer: int, q: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:

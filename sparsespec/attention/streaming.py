@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .policy import PolicyOptions, SelectionPolicy
+from .policy import SelectionOptions, SelectionPolicy
 
 
 @dataclass(frozen=True)
-class StreamingOptions(PolicyOptions):
+class StreamingOptions(SelectionOptions):
     sinks: int = 4
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SparseSpecError
-from .policy import Policy, PolicyOptions, attend_selected, forced_slots, option, selection_mask
+from .policy import Policy, PolicyOptions, SelectionPolicy, attend_selected, forced_slots, option, selection_mask
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class TwilightOptions(TopPOptions):
     base: str = option("quest", "the candidate selector (a selection policy name)")
     candidates: float = option(0.25, "the candidate selector's budget: a share of the context (<= 1) or a count")
     bits: int = option(4, "bits of the quantised keys that estimate the attention mass")
+    min_tokens: int = option(256, "the candidate selector's floor: at least this many candidates")
 
     def __post_init__(self):
         super().__post_init__()
@@ -105,7 +106,7 @@ class Twilight(OracleTopP):
         self.base = make_policy(o.base, {"budget": str(o.candidates), "dense_layers": str(o.dense_layers),
                                          "sinks": str(o.sinks), "window": str(o.window),
                                          "min_tokens": str(o.min_tokens)})
-        if not hasattr(self.base, "scores"):
+        if not isinstance(self.base, SelectionPolicy):
             raise SparseSpecError(f"twilight needs a selection policy as its base, not {o.base!r}")
 
     @contextmanager

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from .. import corpora
-from ..attention import check_policies, make_policy, parse_spec, shared_options
+from ..attention import POLICIES, check_policies, make_policy, parse_spec, shared_options
 from ..attention.dense import causal_mask, dense_attention
-from ..attention.policy import attend_selected, selection_mask
+from ..attention.policy import SelectionOptions, attend_selected, selection_mask
 from ..cache import KVCache
 from ..errors import SparseSpecError
 from ..runner import Runner
@@ -56,9 +56,17 @@ class FidelityConfig:
                 raise SparseSpecError(f"{spec}: fidelity sweeps the budget with --budgets; drop budget= from the "
                                       "policy's options")
 
-    def policy(self, spec: str, budget: float):
-        """The policy named by `spec` at `budget`, with the shared options and the spec's own on top."""
-        return make_policy(*shared_options(spec, self.options, budget=str(budget)))
+    def policy(self, spec: str, budget: float | None):
+        """The policy named by `spec` at `budget` (left out for a policy that takes none), with the shared options
+        and the spec's own on top."""
+        first = {"budget": str(budget)} if budget is not None and self.takes_budget(spec) else {}
+        return make_policy(*shared_options(spec, self.options, **first))
+
+    @staticmethod
+    def takes_budget(spec: str) -> bool:
+        """Whether the policy of `spec` attends a budget of keys (the top-p policies attend by mass: one run each)."""
+        cls = POLICIES.get(parse_spec(spec)[0])
+        return cls is None or issubclass(cls.Options, SelectionOptions)  # (an unknown name: make_policy says so)
 
 
 def spec_label(spec: str) -> str:
@@ -228,11 +236,10 @@ def run_fidelity(model: Transformer, tokenizer, cfg: FidelityConfig, progress: b
         cache, queries = record_queries(model, context, continuation, steps)
         references = [{layer: _dense_reference(q, cache, layer, len(context) + t) for layer, q in step.items()}
                       for t, step in enumerate(queries)]
-        # top-p policies (those with a target mass) ignore the budget: one run each
-        jobs = [(name, None if hasattr(cfg.policy(name, 1.0), "target_mass") else budget)
-                for name in cfg.policies for budget in cfg.budgets]
+        # the top-p policies take no budget: one run each
+        jobs = [(name, budget if cfg.takes_budget(name) else None) for name in cfg.policies for budget in cfg.budgets]
         for name, budget in track(list(dict.fromkeys(jobs)), f"fidelity ({kind})", enabled=progress):
-            policy = cfg.policy(name, 1.0 if budget is None else budget)
+            policy = cfg.policy(name, budget)
             if not (hasattr(policy, "select") or hasattr(policy, "selected_slots")):
                 raise SparseSpecError(f"policy {name} exposes neither a key selection nor selected slots")
             metrics = evaluate_policy(policy, cache, queries, len(context), references)
