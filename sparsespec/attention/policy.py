@@ -175,7 +175,7 @@ class FixedPlan:
 
     width: int  # K: selected slots per (row, KV head), the most any step up to the cache's capacity needs
     positions: torch.Tensor  # [B] int32: each row's query position
-    after: torch.Tensor  # [B] int32: positions + 1, where the select's forced tail starts unless the keys say
+    after: torch.Tensor  # [B] int32: positions + 1, the select's forced_from where the keys give none
     tokens: torch.Tensor  # [B] int32: each row's budget (forced slots may take more, up to `width`)
     attended: torch.Tensor  # [B] fp32: keys attended per KV head, summed over the sparse layers of every step
     idx: torch.Tensor  # [B * Hkv, width] int32: the selection of the layer being run (reused by every layer)
