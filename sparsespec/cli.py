@@ -1192,8 +1192,13 @@ def cmd_policies(args) -> None:
     from .attention.policy import SelectionOptions
 
     shared = {f.name: f.metadata["help"] for f in dataclasses.fields(SelectionOptions)}  # a subclass may re-default
+
+    def listed(cls) -> list:  # a budget policy's budget options first
+        first = ("budget", "min_tokens") if issubclass(cls.Options, SelectionOptions) else ()
+        return sorted(dataclasses.fields(cls.Options), key=lambda f: f.name not in first)
+
     rows = {name: {f.name: {"default": f.default, "help": f.metadata.get("help", shared.get(f.name))}
-                   for f in dataclasses.fields(cls.Options) if name != "dense"} for name, cls in POLICIES.items()}
+                   for f in listed(cls) if name != "dense"} for name, cls in POLICIES.items()}
     if args.json:
         print(json.dumps(rows, indent=1))
         return
