@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import sparsespec.hf as hf  # noqa: E402  (registers the sparsespec_<policy> attention implementations)
 from sparsespec import corpora  # noqa: E402
 from sparsespec.attention import POLICIES, parse_options  # noqa: E402
+from sparsespec.attention.policy import SelectionOptions  # noqa: E402
 from sparsespec.models.registry import resolve  # noqa: E402
 from sparsespec.spec.drafters import NgramDrafter  # noqa: E402
 from sparsespec.spec.registry import drafter_path  # noqa: E402
@@ -32,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a packaged model name or a GGUF file")
     ap.add_argument("--policy", default="binarypc", choices=list(POLICIES))
-    ap.add_argument("--budget", type=float, default=0.02, help="keys attended per step (a share if <= 1)")
+    ap.add_argument("--budget", type=float, default=0.02, help="keys attended per step (a share if <= 1; the budget policies)")
     ap.add_argument("--min-tokens", type=int, default=0, help="the policy's token floor (its default is 256)")
     ap.add_argument("--drafter", default="ngram", choices=["ngram", "dflash"],
                     help="dflash: the drafter shipped for --model")
@@ -59,9 +60,11 @@ def main() -> None:
     plain = run("sdpa, plain greedy")
 
     model.set_attn_implementation(f"sparsespec_{args.policy}")
-    options = parse_options(POLICIES[args.policy].Options, {"budget": args.budget, "min_tokens": args.min_tokens})
+    cls = POLICIES[args.policy].Options
+    budgeted = issubclass(cls, SelectionOptions)  # (dense and the top-p policies take no budget)
+    options = parse_options(cls, {"budget": args.budget, "min_tokens": args.min_tokens} if budgeted else {})
     cache = hf.SparseCache(model.config, ids.shape[1] + new, options)
-    sparse = run(f"sparsespec_{args.policy}, {options.budget:g} budget", cache=cache)
+    sparse = run(f"sparsespec_{args.policy}" + (f", {options.budget:g} budget" if budgeted else ""), cache=cache)
     n = min(len(sparse), len(plain))
     attended = "all" if cache.mean_attended is None else f"{cache.mean_attended:.1f}"  # dense counts none
     same = int((sparse[:n] == plain[:n]).cumprod(0).sum())

@@ -623,7 +623,7 @@ def cmd_generate(args) -> None:
         from .attention.policy import SelectionOptions
 
         more = ("the budget (--attention-opt budget=...) or min_tokens" if isinstance(policy.options, SelectionOptions)
-                else "its attention-mass target (p; `sparsespec policies`)")
+                else "its attention-mass targets (`sparsespec policies`)")
         print(f"sparsespec: warning: {name} attended only {attended:.1f} tokens per step: expect garbage; raise "
               f"{more}", file=sys.stderr)
 

@@ -114,3 +114,11 @@ def test_top_p_policies_take_no_budget(name, tmp_path):
     changed = {**options, "dense_layers": options["dense_layers"] + 1}
     with pytest.raises(SparseSpecError, match=f"other settings \\(policy {name}\\)"):
         check_folder(tmp_path, {f"policy {name}": changed}, ("results.jsonl",))
+
+
+@pytest.mark.parametrize("base", ["topp", "dense", "doublep"])
+def test_twilight_refuses_a_base_that_selects_no_keys(base):
+    from sparsespec.errors import SparseSpecError
+
+    with pytest.raises(SparseSpecError, match=f"needs a selection policy as its base, not '{base}'"):
+        make_policy("twilight", {"base": base})

@@ -100,14 +100,14 @@ class Twilight(OracleTopP):
 
     def __init__(self, options: TwilightOptions | None = None):
         super().__init__(options)
-        from . import make_policy  # the registry imports this module
+        from . import POLICIES, make_policy  # the registry imports this module
 
         o = self.options
+        if not issubclass(POLICIES.get(o.base, SelectionPolicy), SelectionPolicy):  # (an unknown name: make_policy)
+            raise SparseSpecError(f"twilight needs a selection policy as its base, not {o.base!r}")
         self.base = make_policy(o.base, {"budget": str(o.candidates), "dense_layers": str(o.dense_layers),
                                          "sinks": str(o.sinks), "window": str(o.window),
                                          "min_tokens": str(o.min_tokens)})
-        if not isinstance(self.base, SelectionPolicy):
-            raise SparseSpecError(f"twilight needs a selection policy as its base, not {o.base!r}")
 
     @contextmanager
     def stepping(self, positions):
